@@ -1,0 +1,30 @@
+# Two front doors: `make demo` and `make test`. Both create or reuse .venv.
+PYTHON ?= python3.11
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test venv clean wheelhouse bench-search bench-capture
+
+venv: $(STAMP)
+
+# torch is pinned to the CPU build that lies on local disk; an unpinned torch
+# would pull a multi-GB CUDA build. The package itself accepts torch>=2.11.
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m autoshard.demo
+
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "not gpu" -p no:cacheprovider
+
+wheelhouse:
+	$(PYTHON) scripts/build_wheelhouse.py --python-version 3.12 --out .whl
+
+clean:
+	rm -rf $(VENV) build dist *.egg-info

@@ -1,0 +1,183 @@
+"""``ModelGraph``: what capture learns about a model, and all that search needs.
+
+A ``ModelGraph`` is data: frozen dataclasses plus a ``networkx.DiGraph`` whose
+nodes are layer names (in execution order) and whose edges carry the tensors
+flowing between layers. It holds no live tensors or modules, so it can be
+fingerprinted, serialised and handed to the solver.
+
+Granularity (a decision recorded in docs/architecture.md): a *layer* is one
+module instance at the level the strategy space talks about: the embedding,
+each block's norms, its attention, its MLP (or MoE), the final norm, the LM
+head and the value head. ``LayerInfo.block`` groups the layers of one
+transformer block; pipeline stage boundaries and full recompute act on blocks.
+
+Shape-dependent quantities are stored *per token* with a separate term that
+grows with the sequence length (attention), so the cost model can evaluate any
+(micro-batch, sequence) without capturing again:
+
+    flops(b, s)       = b*s * (flops_per_token + flops_per_token_seq * s)
+    saved_bytes(b, s) = b*s * (saved_*_per_token + saved_*_per_token_seq * s)
+
+Capture measures these at two sequence lengths and solves for both terms.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Iterator
+
+import networkx as nx
+
+LAYER_KINDS = ("embedding", "norm", "attention", "mlp", "moe", "head", "value_head", "other")
+
+# How a parameter is split by Megatron tensor parallelism:
+#   column: output features split (tensor_dim 0 of an nn.Linear weight)
+#   row:    input features split (tensor_dim 1 of an nn.Linear weight)
+#   vocab:  vocabulary rows split (embedding / LM head)
+#   expert: experts split over the ep axis (tensor_dim 0 of stacked expert weights)
+#   replicate: never split by tp (norms, router, value head)
+TP_ROLES = ("column", "row", "vocab", "expert", "replicate")
+
+
+@dataclass(frozen=True)
+class ParamInfo:
+    """One parameter: fully-qualified name, global shape, dtype and tp role."""
+
+    name: str
+    global_shape: tuple[int, ...]
+    dtype: str
+    tp_role: str = "replicate"
+
+    @property
+    def numel(self) -> int:
+        n = 1
+        for d in self.global_shape:
+            n *= d
+        return n
+
+
+@dataclass(frozen=True)
+class LayerInfo:
+    """One layer of the captured model, with its measured costs.
+
+    FLOPs are forward FLOPs (multiply-add = 2). Bytes are at the dtype the
+    model was captured in. ``saved_boundary_*`` are saved activations that
+    Megatron TP leaves replicated (inputs of column-parallel linears, norm
+    inputs, masks after the row-parallel output; sequence parallelism shards
+    them); ``saved_interior_*`` are the ones TP shards. The ``*_seq`` terms are
+    the part that grows with sequence length (attention scores), which
+    selective recompute drops.
+    """
+
+    name: str
+    kind: str
+    index: int
+    block: int | None
+    class_id: str
+    params: tuple[ParamInfo, ...]
+    matmul_flops_per_token: float = 0.0
+    attention_flops_per_token_seq: float = 0.0
+    elementwise_flops_per_token: float = 0.0
+    bytes_per_token: float = 0.0  # activation bytes read + written in forward
+    saved_boundary_per_token: float = 0.0
+    saved_interior_per_token: float = 0.0
+    saved_interior_per_token_seq: float = 0.0
+    input_bytes_per_token: float = 0.0  # bytes of the layer's input activation
+    output_bytes_per_token: float = 0.0  # bytes of the layer's output activation
+    num_heads: int | None = None
+    num_kv_heads: int | None = None
+    num_experts: int | None = None
+    top_k: int | None = None
+    hidden: int | None = None
+    ffn_hidden: int | None = None
+    vocab: int | None = None
+
+    @property
+    def param_count(self) -> int:
+        return sum(p.numel for p in self.params)
+
+    def param_bytes(self, bytes_per_element: int) -> int:
+        return self.param_count * bytes_per_element
+
+    def forward_flops(self, micro_batch: int, seq_len: int) -> float:
+        tokens = micro_batch * seq_len
+        return tokens * (
+            self.matmul_flops_per_token
+            + self.elementwise_flops_per_token
+            + self.attention_flops_per_token_seq * seq_len
+        )
+
+    def saved_bytes(self, micro_batch: int, seq_len: int) -> float:
+        tokens = micro_batch * seq_len
+        return tokens * (
+            self.saved_boundary_per_token
+            + self.saved_interior_per_token
+            + self.saved_interior_per_token_seq * seq_len
+        )
+
+
+@dataclass(frozen=True)
+class OpCoverage:
+    """Which ops capture priced, and which it saw but could not account for."""
+
+    counted: dict[str, int] = field(default_factory=dict)
+    unaccounted: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ModelGraph:
+    """The captured model: ordered layers, the layer DAG, and model metadata."""
+
+    model_name: str
+    layers: tuple[LayerInfo, ...]
+    edges: tuple[tuple[str, str], ...]
+    dtype: str
+    hidden: int
+    num_blocks: int
+    vocab: int
+    coverage: OpCoverage = field(default_factory=OpCoverage)
+    capture_seq_lens: tuple[int, ...] = ()
+
+    def __iter__(self) -> Iterator[LayerInfo]:
+        return iter(self.layers)
+
+    def __len__(self) -> int:
+        return len(self.layers)
+
+    def layer(self, name: str) -> LayerInfo:
+        for layer in self.layers:
+            if layer.name == name:
+                return layer
+        raise KeyError(name)
+
+    @property
+    def param_count(self) -> int:
+        return sum(layer.param_count for layer in self.layers)
+
+    def classes(self) -> dict[str, list[LayerInfo]]:
+        """Layer-class id → layers of that class, in order."""
+        out: dict[str, list[LayerInfo]] = {}
+        for layer in self.layers:
+            out.setdefault(layer.class_id, []).append(layer)
+        return out
+
+    def to_networkx(self) -> nx.DiGraph:
+        g = nx.DiGraph()
+        for layer in self.layers:
+            g.add_node(layer.name, info=layer)
+        g.add_edges_from(self.edges)
+        return g
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def fingerprint(self) -> str:
+        """Stable hash of structure and shapes (not of costs or weights)."""
+        skeleton = [
+            (l.name, l.kind, l.block, [(p.name, list(p.global_shape), p.dtype) for p in l.params])
+            for l in self.layers
+        ]
+        blob = json.dumps([self.model_name, self.dtype, skeleton], sort_keys=True)
+        return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]

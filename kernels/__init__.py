@@ -1,0 +1,1 @@
+"""autoshard subpackage."""
