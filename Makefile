@@ -12,7 +12,7 @@ venv: $(STAMP)
 # would pull a multi-GB CUDA build. The package itself accepts torch>=2.11.
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q --upgrade pip "setuptools>=68" wheel
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test]'
 	touch $(STAMP)

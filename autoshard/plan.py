@@ -1,20 +1,74 @@
 """``Plan``: the decision record search writes and the runtime executes.
 
 A plan is data: frozen dataclasses, no live objects, saved as versioned JSON
-(never pickle). It holds the mesh degrees, one ``LayerStrategy`` per layer,
-the pipeline schedule, the predictions of the cost model, solver statistics and
-fingerprints of the model graph, cluster and cost-model version, so a plan
-loaded for another model or cluster is refused with what differs.
+(never pickle; nothing loaded is executed). It holds the mesh degrees, one
+``LayerStrategy`` per layer, the pipeline schedule, the predictions of the
+cost model, solver statistics and fingerprints of the model graph, cluster
+and cost-model version, so a plan loaded for another model or cluster is
+refused with what differs.
 
-PLACEHOLDER: JSON I/O, validation and the human table are completed in this
-module by the Foundation issue; the field layout below is the contract.
+Forms (as DTensor prints ``Shard(dim=0)`` for machines and ``S(0)`` for people):
+
+* ``repr(plan)``: the full dataclass repr;
+* ``str(plan)``: a table (``autoshard/plan_format.py``): a mesh line
+  ``mesh dp_replicate=1 dp_shard=8 tp=1 pp=1 ep=1 cp=1 (world 8) | 1f1b m=4
+  mb=2``, the predictions, then one row per layer, with runs of identical
+  blocks folded (``blocks.0-31.attn``);
+* ``plan.to_rich()``: the same as a ``rich`` renderable for the CLI;
+* ``str(strategy)`` / ``strategy.notation``: a compact per-layer notation,
+  parts joined by ``·`` and omitted when at their default::
+
+      DDP | Z1 | Z2 | Z3 | Off      state: replicate, zero1/2/3, offload
+      TP                            tp == "megatron"
+      SP                            sequence parallelism
+      EP                            expert parallelism
+      R(sel) | R(full)              recompute
+      qW8 | qWf8                    weight all-gather in int8 / fp8
+      qG8 | qG4 | G32               gradient reduction in int8 / int4 / fp32
+
+  e.g. ``Z3·TP·SP·R(sel)·qW8``. The stage is not part of the notation (it is
+  its own column).
+
+JSON form (``to_dict``/``save``): every dataclass field under its own name,
+plus ``"format": "autoshard.plan"`` and ``"version": 1`` at the top;
+``sort_keys`` and 2-space indent, so one plan always gives the same bytes.
+``save`` writes a temporary file in the target directory and
+``os.replace``-s it, so a reader never sees half a plan. ``load`` checks every
+field's type, enum and range (``autoshard/_plan_schema.py``) and names the
+JSON path of the first bad one. Fields with a default may be omitted in a
+hand-written file; unknown fields are refused.
+
+Invariants checked on construction and load: mesh degrees >= 1 and ``ep``
+divides ``dp_replicate * dp_shard``; layer names unique; stages
+non-decreasing across layers and ``< pp * virtual_stages`` (with interleaving a
+layer's stage is its virtual stage, run by pp rank ``stage % pp``, as in
+Megatron-Core); ``virtual_stages > 1`` only with
+``interleaved_1f1b``; times and bytes >= 0 and finite.
+
+``check_compatible(graph=, cluster=)`` compares the stored fingerprints and
+says what differs: the first layer or parameter shape (from
+``Fingerprints.layers``) or the first cluster field (from
+``Fingerprints.cluster_spec``). The cost-model version is recorded, not
+enforced: stale predictions do not make a plan wrong to execute.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
+import secrets
 from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from autoshard._plan_schema import PlanFieldError, Record, at_least, choice, decode, encode, join_path
+from autoshard.errors import PlanError
+from autoshard.train import OPTIMIZERS, PRECISIONS
 
 PLAN_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+PLAN_FORMAT = "autoshard.plan"
 
 MESH_AXES = ("dp_replicate", "dp_shard", "tp", "pp", "ep", "cp")
 STATES = ("replicate", "zero1", "zero2", "zero3", "offload")
@@ -24,20 +78,35 @@ WEIGHT_COMM = ("bf16", "int8", "fp8")
 GRAD_COMM = ("bf16", "fp32", "int8", "int4")
 SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
 
+_NEXT_STEP = "fix the file or regenerate it with `autoshard plan`"
+
+# Compact notation of each strategy field value ("" = default, not shown).
+_STATE_NOTATION = {"replicate": "DDP", "zero1": "Z1", "zero2": "Z2", "zero3": "Z3", "offload": "Off"}
+_RECOMPUTE_NOTATION = {"none": "", "selective": "R(sel)", "full": "R(full)"}
+_WEIGHT_NOTATION = {"bf16": "", "int8": "qW8", "fp8": "qWf8"}
+_GRAD_NOTATION = {"bf16": "", "fp32": "G32", "int8": "qG8", "int4": "qG4"}
+
 
 @dataclass(frozen=True)
-class Mesh:
+class Mesh(Record):
     """Mesh degrees; their product is the world size. ``ep`` and ``cp`` reuse
     data-parallel ranks (as in Megatron-Core: experts are sharded across the
     dp ranks), so ``world = dp_replicate * dp_shard * tp * pp * cp``, and
     ``ep`` must divide ``dp_replicate * dp_shard``."""
 
-    dp_replicate: int = 1
-    dp_shard: int = 1
-    tp: int = 1
-    pp: int = 1
-    ep: int = 1
-    cp: int = 1
+    dp_replicate: int = at_least(1, 1)
+    dp_shard: int = at_least(1, 1)
+    tp: int = at_least(1, 1)
+    pp: int = at_least(1, 1)
+    ep: int = at_least(1, 1)
+    cp: int = at_least(1, 1)
+
+    def _validate(self) -> None:
+        if self.dp % self.ep:
+            raise PlanFieldError(
+                "ep",
+                f"{self.ep} must divide dp_replicate*dp_shard = {self.dp_replicate}*{self.dp_shard} = {self.dp}",
+            )
 
     @property
     def world_size(self) -> int:
@@ -47,73 +116,176 @@ class Mesh:
     def dp(self) -> int:
         return self.dp_replicate * self.dp_shard
 
+    def __str__(self) -> str:
+        axes = " ".join(f"{axis}={getattr(self, axis)}" for axis in MESH_AXES)
+        return f"{axes} (world {self.world_size})"
+
 
 @dataclass(frozen=True)
-class LayerStrategy:
-    """Per-layer decision (DESIGN.md, "Strategy space")."""
+class LayerStrategy(Record):
+    """Per-layer decision (DESIGN.md, "Strategy space"); ``str`` is the compact notation."""
 
     layer: str
-    state: str = "replicate"
-    tp: str = "none"
+    state: str = choice("replicate", STATES)
+    tp: str = choice("none", TP_MODES)
     sp: bool = False
     ep: bool = False
-    recompute: str = "none"
-    weight_comm: str = "bf16"
-    grad_comm: str = "bf16"
-    stage: int = 0
+    recompute: str = choice("none", RECOMPUTE)
+    weight_comm: str = choice("bf16", WEIGHT_COMM)
+    grad_comm: str = choice("bf16", GRAD_COMM)
+    stage: int = at_least(0, 0)
+
+    @property
+    def notation(self) -> str:
+        """Compact form, e.g. ``Z3·TP·SP·R(sel)·qW8`` (module docstring has the table)."""
+        parts = [
+            _STATE_NOTATION[self.state],
+            "TP" if self.tp == "megatron" else "",
+            "SP" if self.sp else "",
+            "EP" if self.ep else "",
+            _RECOMPUTE_NOTATION[self.recompute],
+            _WEIGHT_NOTATION[self.weight_comm],
+            _GRAD_NOTATION[self.grad_comm],
+        ]
+        return "·".join(p for p in parts if p)
+
+    def decision(self) -> tuple:
+        """Every field but the layer name: equal decisions print as one folded row."""
+        return (self.state, self.tp, self.sp, self.ep, self.recompute, self.weight_comm, self.grad_comm, self.stage)
+
+    def __str__(self) -> str:
+        return self.notation
 
 
 @dataclass(frozen=True)
-class Schedule:
-    """Global pipeline / batching decisions."""
+class Schedule(Record):
+    """Global pipeline / batching decisions. ``str``: ``1f1b m=4 mb=2`` (+ ``v=2`` when interleaved)."""
 
-    name: str = "1f1b"
-    micro_batch: int = 1
-    num_micro_batches: int = 1
-    virtual_stages: int = 1
-    prefetch: int = 1
-    bucket_bytes: int = 25 * 2**20
+    name: str = choice("1f1b", SCHEDULES)
+    micro_batch: int = at_least(1, 1)
+    num_micro_batches: int = at_least(1, 1)
+    virtual_stages: int = at_least(1, 1)
+    prefetch: int = at_least(1, 0)
+    bucket_bytes: int = at_least(25 * 2**20, 0)
+
+    def _validate(self) -> None:
+        if self.virtual_stages > 1 and self.name != "interleaved_1f1b":
+            raise PlanFieldError(
+                "virtual_stages",
+                f"{self.virtual_stages} > 1 needs name='interleaved_1f1b', got {self.name!r}",
+            )
+
+    def __str__(self) -> str:
+        text = f"{self.name} m={self.num_micro_batches} mb={self.micro_batch}"
+        return text + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")
 
 
 @dataclass(frozen=True)
-class Predictions:
+class Predictions(Record):
     """What the cost model expects of this plan, per rank, in seconds and bytes."""
 
-    step_time_s: float = 0.0
-    compute_s: float = 0.0
-    exposed_comm_s: float = 0.0
-    bubble_s: float = 0.0
-    optimizer_s: float = 0.0
-    peak_memory_bytes: int = 0
+    step_time_s: float = at_least(0.0, 0)
+    compute_s: float = at_least(0.0, 0)
+    exposed_comm_s: float = at_least(0.0, 0)
+    bubble_s: float = at_least(0.0, 0)
+    optimizer_s: float = at_least(0.0, 0)
+    peak_memory_bytes: int = at_least(0, 0)
     memory_by_stage: tuple[int, ...] = ()
     memory_breakdown: dict[str, int] = field(default_factory=dict)
-    tokens_per_s: float = 0.0
-    mfu: float = 0.0
+    tokens_per_s: float = at_least(0.0, 0)
+    mfu: float = at_least(0.0, 0)
 
 
 @dataclass(frozen=True)
-class SolverStats:
+class SolverStats(Record):
     """How the search ended: CP-SAT status, objective, bound, gap, wall time."""
 
     status: str = "NONE"
     objective: float = 0.0
     bound: float = 0.0
     gap: float = 0.0
-    wall_s: float = 0.0
-    meshes_considered: int = 0
-    meshes_solved: int = 0
+    wall_s: float = at_least(0.0, 0)
+    meshes_considered: int = at_least(0, 0)
+    meshes_solved: int = at_least(0, 0)
 
 
 @dataclass(frozen=True)
-class Fingerprints:
+class ParamSignature(Record):
+    """One parameter as the model fingerprint saw it."""
+
+    name: str
+    shape: tuple[int, ...] = ()
+    dtype: str = ""
+
+
+@dataclass(frozen=True)
+class LayerSignature(Record):
+    """One layer as the model fingerprint saw it: enough to say what differs."""
+
+    name: str
+    kind: str = ""
+    params: tuple[ParamSignature, ...] = ()
+
+
+@dataclass(frozen=True)
+class Fingerprints(Record):
+    """Hashes of the model graph, cluster and cost-model version, plus the
+    summaries behind them (``layers``, ``cluster_spec``) so a mismatch can be
+    explained. Empty means "not recorded" (a hand-written plan): not checked."""
+
     model: str = ""
     cluster: str = ""
     cost_model: str = ""
+    layers: tuple[LayerSignature, ...] = ()
+    cluster_spec: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, graph: Any = None, cluster: Any = None, cost_model: str = "") -> Fingerprints:
+        """Fingerprints of a ``ModelGraph`` and a ``Cluster`` (either may be ``None``)."""
+        return cls(
+            model=graph.fingerprint() if graph is not None else "",
+            cluster=cluster_fingerprint(cluster) if cluster is not None else "",
+            cost_model=cost_model,
+            layers=layer_signatures(graph) if graph is not None else (),
+            cluster_spec=cluster_dict(cluster) if cluster is not None else {},
+        )
+
+
+def layer_signatures(graph: Any) -> tuple[LayerSignature, ...]:
+    """Layer names, kinds and parameter shapes of a ``ModelGraph``."""
+    return tuple(
+        LayerSignature(
+            name=layer.name,
+            kind=layer.kind,
+            params=tuple(ParamSignature(p.name, tuple(p.global_shape), p.dtype) for p in layer.params),
+        )
+        for layer in graph.layers
+    )
+
+
+def cluster_dict(cluster: Any) -> dict[str, Any]:
+    """What the cluster fingerprint covers, as JSON data: ``cluster.planning_dict()``
+    (fields that change plans), else ``to_dict()``, else the dataclass fields."""
+    for method in ("planning_dict", "to_dict"):
+        if hasattr(cluster, method):
+            raw = getattr(cluster, method)()
+            break
+    else:
+        raw = encode(cluster)
+    return json.loads(json.dumps(raw, sort_keys=True, allow_nan=False))
+
+
+def cluster_fingerprint(cluster: Any) -> str:
+    """``cluster.fingerprint()``, or a hash of ``cluster_dict`` when absent."""
+    if hasattr(cluster, "fingerprint"):
+        return cluster.fingerprint()
+    blob = json.dumps(cluster_dict(cluster), sort_keys=True)
+    return "sha256:" + hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
 @dataclass(frozen=True)
-class Plan:
-    """A complete, executable sharding plan."""
+class Plan(Record):
+    """A complete, executable sharding plan (module docstring: forms, file format, invariants)."""
 
     model_name: str
     mesh: Mesh
@@ -122,14 +294,255 @@ class Plan:
     predictions: Predictions = field(default_factory=Predictions)
     solver: SolverStats = field(default_factory=SolverStats)
     fingerprints: Fingerprints = field(default_factory=Fingerprints)
-    global_batch: int = 1
-    seq_len: int = 1
-    precision: str = "bf16"
-    optimizer: str = "adamw"
-    version: int = PLAN_VERSION
+    global_batch: int = at_least(1, 1)
+    seq_len: int = at_least(1, 1)
+    precision: str = choice("bf16", PRECISIONS)
+    optimizer: str = choice("adamw", OPTIMIZERS)
+    version: int = choice(PLAN_VERSION, SUPPORTED_VERSIONS)
+
+    def _validate(self) -> None:
+        seen: dict[str, int] = {}
+        previous_stage = 0
+        for i, strategy in enumerate(self.layers):
+            if strategy.layer in seen:
+                raise PlanFieldError(
+                    f"layers[{i}].layer", f"{strategy.layer!r} repeats layers[{seen[strategy.layer]}]"
+                )
+            seen[strategy.layer] = i
+            if strategy.stage >= self.num_stages:
+                raise PlanFieldError(
+                    f"layers[{i}].stage",
+                    f"{strategy.stage} must be < mesh.pp*schedule.virtual_stages = "
+                    f"{self.mesh.pp}*{self.schedule.virtual_stages}",
+                )
+            if strategy.stage < previous_stage:
+                raise PlanFieldError(
+                    f"layers[{i}].stage",
+                    f"{strategy.stage} < {previous_stage} of layers[{i - 1}]: stages must be non-decreasing",
+                )
+            previous_stage = strategy.stage
+
+    # ----------------------------------------------------------------- lookup
+    @property
+    def num_stages(self) -> int:
+        """Pipeline stages, virtual ones included (stage ``s`` runs on pp rank ``s % pp``)."""
+        return self.mesh.pp * self.schedule.virtual_stages
 
     def strategy(self, layer: str) -> LayerStrategy:
+        """The strategy of layer ``layer`` (``KeyError`` if the plan has none)."""
         for s in self.layers:
             if s.layer == layer:
                 return s
         raise KeyError(layer)
+
+    # ------------------------------------------------------------------- JSON
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON data with ``format`` and ``version`` keys."""
+        return {"format": PLAN_FORMAT, **encode(self)}
+
+    @classmethod
+    def from_dict(cls, data: Any) -> Plan:
+        """Inverse of ``to_dict``; raises ``PlanError`` naming the JSON path of a bad field."""
+        if not isinstance(data, dict):
+            raise PlanFieldError("", f"a plan is a JSON object, got {type(data).__name__}")
+        if data.get("format") != PLAN_FORMAT:
+            raise PlanFieldError("format", f"{data.get('format')!r} is not {PLAN_FORMAT!r}: not an autoshard plan")
+        version = data.get("version")
+        if type(version) is not int or version not in SUPPORTED_VERSIONS:
+            raise PlanFieldError(
+                "version",
+                f"plan version {version!r} is not supported; this autoshard reads versions {SUPPORTED_VERSIONS}"
+                " (upgrade autoshard or regenerate the plan)",
+            )
+        return decode(cls, {k: v for k, v in data.items() if k != "format"})
+
+    def to_json(self) -> str:
+        """Canonical JSON text: sorted keys, 2-space indent, trailing newline."""
+        return json.dumps(self.to_dict(), sort_keys=True, indent=2, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str = "<string>") -> Plan:
+        """Parse JSON text; every error is a ``PlanError`` that names ``source``."""
+        try:
+            data = json.loads(text)
+        except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
+            raise PlanError(
+                f"{source}: not a valid JSON plan ({err}); the file may be truncated: {_NEXT_STEP}"
+            ) from None
+        try:
+            return cls.from_dict(data)
+        except PlanError as err:
+            raise PlanError(f"{source}: {err}; {_NEXT_STEP}") from None
+
+    def save(self, path: str | os.PathLike) -> Path:
+        """Write the plan atomically (temporary file + ``os.replace``); returns the path."""
+        path = Path(path)
+        text = self.to_json()
+        # A unique sibling created with mode 0o666 (minus umask), as open() would;
+        # tempfile.mkstemp would leave the plan readable by its owner only.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
+                f.write(text)
+                f.flush()
+                os.fsync(f.fileno())
+            os.replace(tmp, path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
+        return path
+
+    @classmethod
+    def load(cls, path: str | os.PathLike, *, graph: Any = None, cluster: Any = None) -> Plan:
+        """Read and validate a plan file; with ``graph``/``cluster``, also ``check_compatible``."""
+        path = Path(path)
+        try:
+            raw = path.read_bytes()
+        except OSError as err:
+            raise PlanError(
+                f"cannot read plan file {str(path)!r}: {err.strerror or err}; pass a plan JSON written by Plan.save"
+            ) from None
+        plan = cls.from_json(raw, source=str(path))
+        if graph is not None or cluster is not None:
+            try:
+                plan.check_compatible(graph=graph, cluster=cluster)
+            except PlanError as err:
+                raise PlanError(f"{path}: {err}") from None
+        return plan
+
+    # ---------------------------------------------------------- compatibility
+    def check_compatible(self, *, graph: Any = None, cluster: Any = None) -> None:
+        """Refuse (``PlanError``) a plan made for another model or cluster, saying what differs."""
+        if graph is not None:
+            problem = _model_mismatch(self, graph)
+            if problem:
+                raise PlanError(
+                    f"plan does not match model {getattr(graph, 'model_name', '?')!r}: {problem}; "
+                    "search a new plan for this model, or use the model the plan was made for"
+                )
+        if cluster is not None:
+            problem = _cluster_mismatch(self, cluster)
+            if problem:
+                raise PlanError(
+                    f"plan does not match cluster {getattr(cluster, 'name', '?')!r}: {problem}; "
+                    "search a new plan for this cluster, or use the cluster the plan was made for"
+                )
+
+    # ------------------------------------------------------------ human forms
+    def __str__(self) -> str:
+        from autoshard.plan_format import format_plan
+
+        return format_plan(self)
+
+    def to_rich(self, *, fold: bool = True) -> Any:
+        """A ``rich`` renderable of the plan (header + per-layer table) for the CLI."""
+        from autoshard.plan_format import plan_to_rich
+
+        return plan_to_rich(self, fold=fold)
+
+
+def _model_mismatch(plan: Plan, graph: Any) -> str | None:
+    """What differs between the model the plan was made for and ``graph`` (``None``: nothing)."""
+    stored = plan.fingerprints
+    if stored.model and stored.model != graph.fingerprint():
+        return _signature_difference(stored, layer_signatures(graph)) or (
+            f"model fingerprint {stored.model} != {graph.fingerprint()} although layer names and parameter "
+            f"shapes match: the model name or dtype differs (plan: {plan.model_name!r}, "
+            f"model: {getattr(graph, 'model_name', '?')!r})"
+        )
+    names = [layer.name for layer in graph.layers]
+    for i, (ours, theirs) in enumerate(zip([s.layer for s in plan.layers], names)):
+        if ours != theirs:
+            return f"layers[{i}] is {ours!r} but the model's layer {i} is {theirs!r}"
+    if len(plan.layers) != len(names):
+        return f"plan has {len(plan.layers)} layers, model has {len(names)}"
+    return None
+
+
+def _signature_difference(stored: Fingerprints, current: tuple[LayerSignature, ...]) -> str | None:
+    """The first layer or parameter where two model summaries differ."""
+    for i, (ours, theirs) in enumerate(zip(stored.layers, current)):
+        if ours.name != theirs.name:
+            return f"layer {i}: plan has {ours.name!r}, model has {theirs.name!r}"
+        if ours.kind != theirs.kind:
+            return f"layer {ours.name!r}: plan has kind {ours.kind!r}, model has {theirs.kind!r}"
+        for p, q in zip(ours.params, theirs.params):
+            if (p.name, p.shape, p.dtype) != (q.name, q.shape, q.dtype):
+                return (
+                    f"layer {ours.name!r}: plan has parameter {p.name!r} {list(p.shape)} {p.dtype}, "
+                    f"model has {q.name!r} {list(q.shape)} {q.dtype}"
+                )
+        if len(ours.params) != len(theirs.params):
+            return f"layer {ours.name!r}: plan has {len(ours.params)} parameters, model has {len(theirs.params)}"
+    if len(stored.layers) != len(current):
+        return f"plan has {len(stored.layers)} layers, model has {len(current)}"
+    return None
+
+
+def _cluster_mismatch(plan: Plan, cluster: Any) -> str | None:
+    """What differs between the cluster the plan was made for and ``cluster`` (``None``: nothing)."""
+    stored = plan.fingerprints
+    if stored.cluster and stored.cluster != cluster_fingerprint(cluster):
+        return _first_difference(stored.cluster_spec, cluster_dict(cluster), "") or (
+            f"cluster fingerprint {stored.cluster} != {cluster_fingerprint(cluster)}"
+        )
+    if plan.mesh.world_size != cluster.world_size:
+        return (
+            f"mesh world size {plan.mesh.world_size} ({plan.mesh}) != cluster world size {cluster.world_size}"
+        )
+    return None
+
+
+def _first_difference(ours: Any, theirs: Any, path: str) -> str | None:
+    """The first JSON path where two cluster dicts differ, as a sentence (``None``: equal).
+
+    ``ours`` empty means the plan did not record the cluster: nothing to compare.
+    """
+    if path == "" and not ours:
+        return None
+    if isinstance(ours, dict) and isinstance(theirs, dict):
+        for key in sorted(set(ours) | set(theirs)):
+            if key not in ours or key not in theirs:
+                side = "the plan" if key in ours else "the cluster"
+                return f"cluster field {join_path(path, key)!r} is only in {side}"
+            found = _first_difference(ours[key], theirs[key], join_path(path, key))
+            if found:
+                return found
+        return None
+    if isinstance(ours, list) and isinstance(theirs, list) and len(ours) == len(theirs):
+        for i, (a, b) in enumerate(zip(ours, theirs)):
+            found = _first_difference(a, b, f"{path}[{i}]")
+            if found:
+                return found
+        return None
+    if ours != theirs:
+        return f"cluster field {path!r}: plan has {ours!r}, cluster has {theirs!r}"
+    return None
+
+
+__all__ = [
+    "GRAD_COMM",
+    "MESH_AXES",
+    "PLAN_FORMAT",
+    "PLAN_VERSION",
+    "RECOMPUTE",
+    "SCHEDULES",
+    "STATES",
+    "SUPPORTED_VERSIONS",
+    "TP_MODES",
+    "WEIGHT_COMM",
+    "Fingerprints",
+    "LayerSignature",
+    "LayerStrategy",
+    "Mesh",
+    "ParamSignature",
+    "Plan",
+    "PlanFieldError",
+    "Predictions",
+    "Schedule",
+    "SolverStats",
+    "cluster_dict",
+    "cluster_fingerprint",
+    "layer_signatures",
+]

@@ -1,7 +1,106 @@
-"""Topology cost model (CONTRACT STUB — being implemented; signatures are fixed).
+"""Topology cost model: the time and memory of one layer under one strategy, and of a plan.
 
-Formulas and units are written out here once implemented. The solver
-(``search/solver.py``) calls only the functions below.
+The solver (``search/solver.py``) prices every (layer class, strategy) with
+``layer_cost`` / ``layer_cost_table`` and checks whole plans with ``predict``.
+Units: seconds, bytes, FLOP, bytes/s, FLOP/s. Collective formulas and the rank
+layout are in ``search/comm.py``, memory formulas in ``search/memory.py``, the
+pipeline schedule in ``search/pipeline.py``, the per-layer terms in
+``search/layer_terms.py``; this docstring is the summary that ``explain``
+refers to, and every term below appears by name in ``LayerCost.detail``.
+
+Per micro-batch on one rank: ``b`` = micro_batch, ``s`` = seq_len,
+``T = b·s/cp`` tokens; ``t`` = mesh.tp; ``m`` = micro-batches per step.
+
+Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_compute_s``)::
+
+    F_mm  = T·(matmul_flops_per_token + attention_flops_per_token_seq·s) / t_mm
+    F_ew  = T·elementwise_flops_per_token · split
+    bytes = T·(bytes_per_token·split + 2·saved_interior_per_token_seq·s/t_int)
+    fwd_compute = max(F_mm/(peak·eff) + F_ew/peak, bytes/(hbm·hbm_eff))   (roofline)
+    bwd_compute = 2 · fwd_compute              (dgrad + wgrad; 2× the bytes too)
+    recompute   = fwd_compute (full) | attention core (selective) | 0
+
+``peak`` = ``device.peak_flops[train.precision]``, ``eff`` =
+``device.matmul_efficiency``, ``hbm·hbm_eff`` = ``device.achieved_hbm_bandwidth``
+(``Cluster.with_calibration`` writes measured values into the device). ``t_mm = t``
+when the layer runs Megatron TP and has column/row/vocab parameters (vocab
+layers too), else 1. The elementwise split follows the saved-activation split:
+the boundary fraction ``B/(B+I)`` is divided by t only under SP, the interior
+fraction by ``t_int = max(t_mm, t_sp)``. The score tensors of a math attention
+(the ``*_seq`` saved bytes) are written once and read once: the ``2·`` term.
+The selective-recompute attention core is
+``max(T·attention_flops_per_token_seq·s/t_mm/(peak·eff), 2·T·Iₛ·s/t_int/hbm)``.
+MoE: ``matmul_flops_per_token`` holds the routed (top-k) expert FLOPs; with
+balanced routing EP leaves per-rank FLOPs unchanged (each rank runs E/ep experts
+on ep× the tokens); expert parameters are not split by tp.
+
+Critical-path communication per micro-batch (``tp_fwd_s`` … ``cp_bwd_s``; not
+overlapped; ``n_in/n_out = T·input/output_bytes_per_token``; the SP forms move
+the same bytes as all-reduce = reduce-scatter + all-gather)::
+
+    block (attention, mlp, …)  fwd AR(n_out) | SP: AG(n_in) + RS(n_out)
+                               bwd AR(n_in)  | SP: AG(n_out) + RS(n_in)
+    embedding (vocab-parallel) fwd AR(n_out) | SP: RS(n_out);  bwd 0 | SP: AG(n_out)
+    head (vocab-parallel)      fwd 3·AR(4T)  (+ SP: AG(n_in)); bwd AR(n_in) | SP: RS(n_in)
+    MoE with EP                fwd 2·A2A(T·top_k·input_bytes_per_token), bwd the same
+    attention with cp > 1      fwd AG(K,V of b·s tokens), bwd RS(dK,dV)
+                               (all-gather context parallelism; K,V bytes
+                               = 2·input_bytes_per_token·kv_heads/heads / t_mm)
+
+Full recompute repeats the forward critical-path comm in backward.
+
+Data-parallel communication per optimizer step (``dp_*``), over the gradient
+group of ``N`` ranks (``comm.dp_group``; HSDP: ``dp_shard_group`` then
+``dp_replicate_group``), ``Ψ`` = local parameters after TP/EP, ``w``/``q`` =
+bytes per element of ``weight_comm``/``grad_comm`` (bf16 2, fp32 4, int8/fp8 1,
+int4 0.5; quantized types add a 4-byte scale per 128 elements), ``p`` = param
+bytes::
+
+    replicate  grad_once  = AR(qΨ)                                  (DDP, no_sync: last micro-batch)
+    zero1      grad_once  = RS(qΨ);            post_step = AG(pΨ)
+    zero2      grad_per_mb = m·RS(qΨ);         post_step = AG(pΨ)    (reduce every micro-batch:
+    offload    like zero2                                            keeps grads sharded)
+    zero3      gather_fwd = m·AG(wΨ); gather_bwd = m·AG(wΨ); grad_per_mb = m·RS(qΨ)
+    HSDP       zero3 inside dp_shard + grad_once = AR(qΨ/N_shard) across dp_replicate
+    SP norms   grad_once += AR(gΨ_replicated) across tp (partial grads of sequence shards)
+
+Quantized collectives add kernel time ``quant_s`` (never hidden; it occupies the
+device): per zero3 gather, quantize the shard and dequantize the result,
+``Ψ/N·(p+w) + Ψ·(w+p)`` bytes; per quantized gradient reduction ``2Ψ·(g+q)``
+bytes; both at ``hbm · QUANT_KERNEL_EFFICIENCY`` (0.9).
+
+Overlap (``f`` = ``OVERLAP_EFFICIENCY`` = 0.8 unless ``cluster.calibration``
+holds a measured ``"overlap_efficiency"``):
+the zero3 gather of layer i+1 is prefetched during layer i, gradient reduction
+runs under the backward of earlier layers. With that layer's own compute as the
+window (a homogeneous-neighbour approximation; ``Schedule.prefetch`` only sizes
+buffers)::
+
+    exposed = max(0, gather_fwd − f·m·fwd_compute)
+            + max(0, gather_bwd + grad_per_mb − f·m·bwd_compute)
+            + max(0, grad_once − f·bwd_compute)        (issued in the last micro-batch)
+            + post_step + quant_s
+
+monotone in every comm term and in compute.
+
+Optimizer step (``optimizer_*``): ``Ψ_opt`` = Ψ/N for sharded states, Ψ for
+replicate; device update reads and writes every optimizer-state byte and the
+gradient and writes the compute copy: ``Ψ_opt·(2K + g + p)/(hbm·hbm_eff)`` (bf16
+AdamW: 28 B/param; fp32 keeps params as master, ``2K + g + 2p``). Offload:
+``Ψ_opt·g/host_bw`` (grads down) ``+ Ψ_opt/cpu_adam_params_per_s`` ``+
+Ψ_opt·p/host_bw`` (params up).
+
+Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
+Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
+
+    peak_k = (Σ static + (1 + prefetch)·max buffers + in_flight_k·Σ activations)
+             · (1 + ALLOCATOR_FRAGMENTATION) + reserved
+
+with ``ALLOCATOR_FRAGMENTATION = 0.05`` and ``reserved`` =
+``calibration["reserved_bytes"]`` or ``RESERVED_BYTES`` = 1 GiB (CUDA context,
+NCCL and cuBLAS workspaces). MFU counts model FLOPs from the graph,
+``3·Σ forward_flops`` per sequence (no recompute), over ``world·peak``;
+``tokens_per_s`` is the whole job's (global_batch·seq_len/step).
 """
 
 from __future__ import annotations
@@ -9,31 +108,47 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from autoshard.cluster import Cluster
+from autoshard.errors import PlanError
 from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Plan, Predictions, Schedule
+from autoshard.search import comm, layer_terms
+from autoshard.search.layer_terms import (
+    ALLOCATOR_FRAGMENTATION,
+    ATTENTION_SCORE_TRAFFIC,
+    OVERLAP_EFFICIENCY,
+    RESERVED_BYTES,
+    comm_bytes_per_element,
+    usable_memory_bytes,
+)
+from autoshard.search.memory import MemoryBreakdown, state_bytes
+from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank
 from autoshard.train import TrainSpec
+
+__all__ = [
+    "ALLOCATOR_FRAGMENTATION",
+    "ATTENTION_SCORE_TRAFFIC",
+    "COST_MODEL_VERSION",
+    "OVERLAP_EFFICIENCY",
+    "RESERVED_BYTES",
+    "LayerCost",
+    "MemoryBreakdown",
+    "comm_bytes_per_element",
+    "layer_cost",
+    "layer_cost_table",
+    "lower_bound_step_time",
+    "predict",
+    "usable_memory_bytes",
+]
 
 COST_MODEL_VERSION = "1"
 
 
 @dataclass(frozen=True)
-class MemoryBreakdown:
-    """Bytes one rank holds for one layer (or a whole stage when summed)."""
-
-    params: float = 0.0
-    grads: float = 0.0
-    optimizer: float = 0.0
-    activations: float = 0.0  # for ONE micro-batch in flight
-    buffers: float = 0.0  # collective / gather buffers
-
-    @property
-    def total_static(self) -> float:
-        return self.params + self.grads + self.optimizer + self.buffers
-
-
-@dataclass(frozen=True)
 class LayerCost:
-    """Cost of one layer under one strategy, per micro-batch unless stated."""
+    """Cost of one layer under one strategy, per micro-batch unless stated.
+
+    ``fwd_s + bwd_s == compute_s + critical_comm_s``.
+    """
 
     fwd_s: float  # forward compute time (incl. TP/SP/EP comm on the critical path)
     bwd_s: float  # backward compute (incl. recompute) time
@@ -42,6 +157,11 @@ class LayerCost:
     optimizer_s: float  # per optimizer step: optimizer update time (incl. offload)
     memory: MemoryBreakdown = field(default_factory=MemoryBreakdown)
     detail: dict[str, float] = field(default_factory=dict)  # named terms, for `explain`
+    compute_s: float = 0.0  # per micro-batch: fwd + bwd + recompute compute, no comm
+    critical_comm_s: float = 0.0  # per micro-batch: TP/SP/EP/CP comm on the critical path
+
+
+# ---- public API ------------------------------------------------------------------------------
 
 
 def layer_cost(
@@ -51,11 +171,226 @@ def layer_cost(
     cluster: Cluster,
     train: TrainSpec,
     schedule: Schedule,
+    *,
+    region_entry: bool = True,
 ) -> LayerCost:
-    """Cost of ``layer`` under ``strategy`` on ``mesh``."""
-    raise NotImplementedError
+    """Cost of ``layer`` under ``strategy`` on ``mesh`` (formulas: module docstring).
+
+    Times ``fwd_s``/``bwd_s`` are per micro-batch of ``schedule.micro_batch``
+    sequences of ``train.seq_len``; data-parallel comm and the optimizer are per
+    optimizer step of ``schedule.num_micro_batches`` micro-batches. Activation
+    memory is for one micro-batch. ``region_entry=False`` marks a full-recompute
+    layer that is not the first of its checkpoint region (it then keeps no
+    input; ``search/memory.py``).
+    """
+    sizes = state_bytes(train)
+    sh = layer_terms.sharding(layer, strategy, mesh, schedule, train.seq_len)
+    compute = layer_terms.compute_terms(layer, strategy, sh, cluster, train)
+    critical = layer_terms.critical_terms(layer, strategy, sh, mesh, cluster)
+    groups = layer_terms.param_groups(layer, strategy, mesh)
+    dp = layer_terms.dp_terms(layer, strategy, groups, mesh, cluster, schedule, sizes, compute)
+    optimizer = layer_terms.optimizer_terms(groups, strategy, cluster, train, sizes)
+    fwd_comm = critical["tp_fwd_s"] + critical["ep_fwd_s"] + critical["cp_fwd_s"]
+    bwd_comm = critical["tp_bwd_s"] + critical["ep_bwd_s"] + critical["cp_bwd_s"] + critical["recompute_comm_s"]
+    bwd_compute = compute["bwd_compute_s"] + compute["recompute_s"]
+    return LayerCost(
+        fwd_s=compute["fwd_compute_s"] + fwd_comm,
+        bwd_s=bwd_compute + bwd_comm,
+        comm_exposed_s=dp["dp_exposed_s"],
+        comm_total_s=dp["dp_total_s"],
+        optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
+        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry),
+        detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens},
+        compute_s=compute["fwd_compute_s"] + bwd_compute,
+        critical_comm_s=fwd_comm + bwd_comm,
+    )
+
+
+def layer_cost_table(
+    layer: LayerInfo,
+    strategies: list[LayerStrategy] | tuple[LayerStrategy, ...],
+    mesh: Mesh,
+    cluster: Cluster,
+    train: TrainSpec,
+    schedule: Schedule,
+    *,
+    region_entry: bool = True,
+) -> list[LayerCost]:
+    """``layer_cost`` of ``layer`` under each strategy, in order (one row per solver choice)."""
+    return [layer_cost(layer, s, mesh, cluster, train, schedule, region_entry=region_entry) for s in strategies]
+
+
+def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train: TrainSpec) -> float:
+    """A step time no plan on ``mesh`` can beat: the model's compute spread perfectly over all ranks.
+
+    Σ over layers of 3·roofline(layer, all global tokens) / world: every plan
+    does at least this work (TP, CP and the data split divide it by at most
+    tp·cp·dp, pipeline stages split layers, recompute, comm, bubbles and
+    optimizer only add). Used to prune meshes before CP-SAT.
+    """
+    peak, eff = layer_terms.peak_flops(cluster, train), layer_terms.matmul_efficiency(cluster)
+    hbm = layer_terms.hbm_bandwidth(cluster)
+    tokens, s = train.global_batch * train.seq_len, train.seq_len
+    total = 0.0
+    for layer in graph:
+        flops = tokens * (layer.matmul_flops_per_token + layer.attention_flops_per_token_seq * s)
+        matmul = flops / (peak * eff) + tokens * layer.elementwise_flops_per_token / peak
+        score_bytes = ATTENTION_SCORE_TRAFFIC * tokens * layer.saved_interior_per_token_seq * s
+        memory = (tokens * layer.bytes_per_token + score_bytes) / hbm
+        total += 3.0 * max(matmul, memory)
+    return total / mesh.world_size
 
 
 def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -> Predictions:
-    """Whole-plan prediction: stage times, pipeline bubble, exposed comm, peak memory per rank."""
-    raise NotImplementedError
+    """Whole-plan prediction: stage times, pipeline bubble, exposed comm, peak memory per rank.
+
+    ``step_time_s = compute_s + exposed_comm_s + bubble_s + optimizer_s``:
+    the slowest pipeline rank sets the pipelined part (``search/pipeline.py``),
+    then the rank with the longest tail of exposed data-parallel comm and
+    optimizer update finishes the step. Memory: module docstring.
+    """
+    strategies = _strategies_in_graph_order(graph, plan)
+    _check_batch(plan, train)
+    mesh, schedule = plan.mesh, plan.schedule
+    entries = _region_entries(graph, strategies)
+    ranks = [stage_rank(s.stage, mesh.pp, schedule) for s in strategies]
+    costs = [
+        layer_cost(layer, s, mesh, cluster, train, schedule, region_entry=entry)
+        for layer, s, entry in zip(graph.layers, strategies, entries)
+    ]
+    p2p = _boundary_p2p(graph, strategies, ranks, mesh, cluster, schedule, train)
+    stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh) for k in range(mesh.pp)]
+    slow = max(stages, key=lambda r: r.micro_batch_s)
+    tail = max(stages, key=lambda r: r.dp_exposed_s + r.optimizer_s)
+    _, bubble = pipeline_time(slow.micro_batch_s, mesh.pp, schedule)
+    m = schedule.num_micro_batches
+    compute_s = m * slow.compute_s
+    exposed_s = m * (slow.critical_comm_s + slow.p2p_s) + tail.dp_exposed_s
+    step = compute_s + exposed_s + bubble + tail.optimizer_s
+    peak = max(stages, key=lambda r: r.peak_bytes(cluster))
+    peak_flops = layer_terms.peak_flops(cluster, train)
+    model_flops = 3.0 * sum(layer.forward_flops(train.global_batch, train.seq_len) for layer in graph)
+    return Predictions(
+        step_time_s=step,
+        compute_s=compute_s,
+        exposed_comm_s=exposed_s,
+        bubble_s=bubble,
+        optimizer_s=tail.optimizer_s,
+        peak_memory_bytes=int(peak.peak_bytes(cluster)),
+        memory_by_stage=tuple(int(r.peak_bytes(cluster)) for r in stages),
+        memory_breakdown=peak.breakdown(cluster),
+        tokens_per_s=train.global_batch * train.seq_len / step if step > 0 else 0.0,
+        mfu=model_flops / (step * mesh.world_size * peak_flops) if step > 0 else 0.0,
+    )
+
+
+@dataclass(frozen=True)
+class _RankTotals:
+    """One pipeline rank's per-micro-batch time, per-step tail and memory."""
+
+    compute_s: float  # per micro-batch
+    critical_comm_s: float  # per micro-batch
+    p2p_s: float  # per micro-batch
+    dp_exposed_s: float  # per step
+    optimizer_s: float  # per step
+    static: MemoryBreakdown  # params, grads, optimizer, host summed; buffers = the live gather buffers
+    activations: float  # all in-flight micro-batches
+
+    @property
+    def micro_batch_s(self) -> float:
+        return self.compute_s + self.critical_comm_s + self.p2p_s
+
+    @classmethod
+    def of(cls, rank: int, costs: list[LayerCost], ranks: list[int], p2p_s: float, plan: Plan,
+           mesh: Mesh) -> _RankTotals:
+        mine = [c for c, k in zip(costs, ranks) if k == rank]
+        summed = sum((c.memory for c in mine), MemoryBreakdown())
+        live_buffers = (1 + plan.schedule.prefetch) * max((c.memory.buffers for c in mine), default=0.0)
+        static = MemoryBreakdown(summed.params, summed.grads, summed.optimizer, 0.0, live_buffers, summed.host)
+        return cls(
+            compute_s=sum(c.compute_s for c in mine),
+            critical_comm_s=sum(c.critical_comm_s for c in mine),
+            p2p_s=p2p_s,
+            dp_exposed_s=sum(c.comm_exposed_s for c in mine),
+            optimizer_s=sum(c.optimizer_s for c in mine),
+            static=static,
+            activations=summed.activations * in_flight(plan.schedule, mesh.pp, rank),
+        )
+
+    def allocated_bytes(self) -> float:
+        return self.static.total_static + self.activations
+
+    def peak_bytes(self, cluster: Cluster) -> float:
+        return self.allocated_bytes() * (1.0 + ALLOCATOR_FRAGMENTATION) + layer_terms.reserved_bytes(cluster)
+
+    def breakdown(self, cluster: Cluster) -> dict[str, int]:
+        s = self.static
+        return {
+            "params": int(s.params),
+            "grads": int(s.grads),
+            "optimizer": int(s.optimizer),
+            "activations": int(self.activations),
+            "buffers": int(s.buffers),
+            "fragmentation": int(self.allocated_bytes() * ALLOCATOR_FRAGMENTATION),
+            "reserved": int(layer_terms.reserved_bytes(cluster)),
+            "host": int(s.host),
+        }
+
+
+def _strategies_in_graph_order(graph: ModelGraph, plan: Plan) -> list[LayerStrategy]:
+    by_name = {s.layer: s for s in plan.layers}
+    missing = [layer.name for layer in graph if layer.name not in by_name]
+    extra = sorted(set(by_name) - {layer.name for layer in graph})
+    if missing or extra:
+        raise PlanError(
+            f"plan {plan.model_name!r} does not match graph {graph.model_name!r}: "
+            f"no strategy for {missing[:5]}, unknown layers {extra[:5]}; re-run the search for this model"
+        )
+    return [by_name[layer.name] for layer in graph]
+
+
+def _check_batch(plan: Plan, train: TrainSpec) -> None:
+    s, dp = plan.schedule, plan.mesh.dp
+    if s.micro_batch * s.num_micro_batches * dp != train.global_batch:
+        raise PlanError(
+            f"micro_batch {s.micro_batch} × num_micro_batches {s.num_micro_batches} × dp {dp} = "
+            f"{s.micro_batch * s.num_micro_batches * dp} sequences, but TrainSpec.global_batch="
+            f"{train.global_batch}; choose a schedule whose product equals the global batch"
+        )
+
+
+def _region_entries(graph: ModelGraph, strategies: list[LayerStrategy]) -> list[bool]:
+    """Whether each layer keeps its input under full recompute: False inside a checkpoint region.
+
+    A region is a maximal run of consecutive full-recompute layers of one block and one stage.
+    """
+    entries = []
+    for i, (layer, s) in enumerate(zip(graph.layers, strategies)):
+        prev, prev_s = (graph.layers[i - 1], strategies[i - 1]) if i else (None, None)
+        inside = (
+            prev is not None
+            and s.recompute == "full"
+            and prev_s.recompute == "full"
+            and layer.block is not None
+            and layer.block == prev.block
+            and s.stage == prev_s.stage
+        )
+        entries.append(not inside)
+    return entries
+
+
+def _boundary_p2p(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,
+                  cluster: Cluster, schedule: Schedule, train: TrainSpec) -> list[float]:
+    """Per pipeline rank, send/recv seconds per micro-batch: activation forward + gradient backward
+    at each stage boundary it sends from (``search/pipeline.py``)."""
+    out = [0.0] * mesh.pp
+    size, stride = comm.pp_group(mesh)
+    link = comm.group_link(cluster, size, stride)
+    tokens = schedule.micro_batch * train.seq_len / mesh.cp
+    for i in range(len(strategies) - 1):
+        if strategies[i].stage == strategies[i + 1].stage:
+            continue
+        sp_shard = mesh.tp if strategies[i].sp and mesh.tp > 1 else 1
+        nbytes = tokens * graph.layers[i].output_bytes_per_token / sp_shard
+        out[ranks[i]] += 2.0 * comm.send_recv_time(nbytes, link)
+    return out

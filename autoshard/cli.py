@@ -1,0 +1,255 @@
+"""``autoshard`` command line: look at models, clusters and plans.
+
+Commands are rows of one table, ``COMMANDS``: a path (``("cluster", "show")``),
+a one-line help, a function adding its arguments and a small handler
+``(args, console) -> exit code``. ``build_parser`` registers every row (and the
+group parsers its path needs, whose help is in ``GROUPS``); nothing else adds
+subcommands, so ``tests/test_cli.py`` can check that every command has help
+and that ``--help`` works for each. Commands still to come (``plan``,
+``explain``, ``diff``, ``run``, ``ppo``, ``plot``, ``cluster calibrate``) are
+added as rows when their stage lands; none is registered before it works.
+
+Errors: an ``AutoshardError`` (or ``OSError``) raised by a handler, and every
+argument error, prints one line ``autoshard: error: <message>`` on stderr and
+exits 2. ``--debug`` (before or after the command) prints the traceback
+first. Any other exception is a bug and propagates with its traceback.
+
+The modules behind the commands (models, capture, cluster) are imported
+inside the handlers, so ``autoshard --help`` stays fast and one missing stage
+does not break the others.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.metadata
+import sys
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable, Sequence
+
+from autoshard.errors import AutoshardError
+
+PROG = "autoshard"
+EXIT_OK = 0
+EXIT_USER_ERROR = 2
+
+Handler = Callable[[argparse.Namespace, Any], int | None]
+
+
+class _UsageError(Exception):
+    """An argument error; ``main`` prints it as one line and exits 2."""
+
+
+class _Parser(argparse.ArgumentParser):
+    """``ArgumentParser`` whose errors raise instead of printing usage and exiting."""
+
+    def error(self, message: str) -> Any:  # type: ignore[override]
+        raise _UsageError(f"{message} (see '{self.prog} --help')")
+
+
+def _no_arguments(parser: argparse.ArgumentParser) -> None:
+    """A command without arguments."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One subcommand: where it lives, what it says, what it parses and runs."""
+
+    path: tuple[str, ...]
+    help: str
+    handler: Handler
+    arguments: Callable[[argparse.ArgumentParser], None] = _no_arguments
+
+
+# ----------------------------------------------------------------- handlers
+def _format_count(n: int) -> str:
+    """``124_439_808`` → ``124.4M``; ``7_000_000_000`` → ``7.0B``."""
+    for suffix, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.1f}{suffix}"
+    return str(n)
+
+
+def _cmd_models(args: argparse.Namespace, console: Any) -> int:
+    from rich.table import Table
+    from rich.text import Text
+
+    from autoshard.models import list_models
+
+    table = Table(title="reference policy models", show_edge=False, header_style="bold")
+    for name in ("model", "params", "description"):
+        table.add_column(name, no_wrap=name != "description", justify="right" if name == "params" else "left")
+    for entry in list_models():
+        table.add_row(Text(f"{entry.family}:{entry.size}"), _format_count(entry.params), Text(entry.description))
+    console.print(table)
+    return EXIT_OK
+
+
+def _args_capture(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("model", metavar="MODEL[:SIZE]", help="reference model, e.g. 'llama:tiny' (see 'autoshard models')")
+    parser.add_argument("--seq", type=_positive_int, default=None, metavar="N", help="sequence length to capture with")
+    parser.add_argument("--batch", type=_positive_int, default=None, metavar="B", help="batch size to capture with")
+
+
+def _cmd_capture(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.passes.capture import capture_reference, format_coverage, format_layer_table
+
+    options = {key: value for key, value in (("seq_len", args.seq), ("batch", args.batch)) if value is not None}
+    graph = capture_reference(args.model, **options)
+    _print_text(console, format_layer_table(graph))
+    _print_text(console, format_coverage(graph))
+    return EXIT_OK
+
+
+def _args_cluster_show(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("spec", metavar="PRESET|FILE", help="a preset such as 'h100-sxm:2x8', or a YAML/JSON cluster file")
+
+
+def _cmd_cluster_show(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cluster import Cluster
+
+    _print_text(console, Cluster.load(args.spec).describe())
+    return EXIT_OK
+
+
+def _cmd_cluster_detect(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cluster import Cluster
+
+    _print_text(console, Cluster.detect().describe())
+    return EXIT_OK
+
+
+def _args_inspect(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("plan", metavar="PLAN.json", help="a plan file written by 'autoshard plan' or Plan.save")
+    parser.add_argument("--no-fold", action="store_true", help="one row per layer (do not fold identical blocks)")
+
+
+def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.plan import Plan
+
+    plan = Plan.load(args.plan)
+    console.print(plan.to_rich(fold=not args.no_fold))
+    return EXIT_OK
+
+
+def _print_text(console: Any, value: Any) -> None:
+    """Print a string verbatim (no markup, no highlighting) or any rich renderable."""
+    if isinstance(value, str):
+        console.print(value, markup=False, highlight=False, soft_wrap=True)
+    else:
+        console.print(value)
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+# -------------------------------------------------------------------- table
+GROUPS: dict[tuple[str, ...], str] = {
+    ("cluster",): "describe a cluster preset or file, or detect this machine",
+}
+
+COMMANDS: tuple[Command, ...] = (
+    Command(("models",), "list the reference policy models, their sizes and parameter counts", _cmd_models),
+    Command(
+        ("capture",),
+        "capture a reference model with torch.export; print its layers and op coverage",
+        _cmd_capture,
+        _args_capture,
+    ),
+    Command(("cluster", "show"), "describe a cluster preset or cluster file", _cmd_cluster_show, _args_cluster_show),
+    Command(("cluster", "detect"), "detect this machine's devices and describe them as a cluster", _cmd_cluster_detect),
+    Command(
+        ("inspect",),
+        "show a plan file: mesh, per-layer strategies, predicted memory per rank and step time",
+        _cmd_inspect,
+        _args_inspect,
+    ),
+)
+
+
+# ------------------------------------------------------------------- parser
+def _debug_flag(parser: argparse.ArgumentParser, default: Any) -> None:
+    parser.add_argument("--debug", action="store_true", default=default, help="show the traceback of an error")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The root parser with every row of ``COMMANDS`` registered."""
+    root = _Parser(prog=PROG, description="autoshard: capture, search and inspect sharding plans for policy models.")
+    _debug_flag(root, False)
+    root.add_argument("--version", action="version", version=f"{PROG} {_version()}")
+    subparsers: dict[tuple[str, ...], Any] = {(): _subparsers(root, ())}
+    for command in COMMANDS:
+        parent = _group_for(subparsers, command.path[:-1])
+        leaf = parent.add_parser(command.path[-1], help=command.help, description=command.help)
+        _debug_flag(leaf, argparse.SUPPRESS)  # keeps the root's value unless given here
+        command.arguments(leaf)
+        leaf.set_defaults(handler=command.handler)
+    return root
+
+
+def _version() -> str:
+    try:
+        return importlib.metadata.version("autoshard")
+    except importlib.metadata.PackageNotFoundError:
+        return "(not installed)"
+
+
+def _subparsers(parser: argparse.ArgumentParser, path: tuple[str, ...]) -> Any:
+    dest = "_".join(("command", *path))
+    return parser.add_subparsers(dest=dest, metavar="COMMAND", required=True, title="commands")
+
+
+def _group_for(subparsers: dict[tuple[str, ...], Any], path: tuple[str, ...]) -> Any:
+    """The subparsers action of group ``path``, creating the group parser on first use."""
+    if path not in subparsers:
+        parent = _group_for(subparsers, path[:-1])
+        group_help = GROUPS[path]  # a KeyError here: a command's group is missing from GROUPS
+        group = parent.add_parser(path[-1], help=group_help, description=group_help)
+        _debug_flag(group, argparse.SUPPRESS)
+        subparsers[path] = _subparsers(group, path)
+    return subparsers[path]
+
+
+# --------------------------------------------------------------------- main
+def _make_console() -> Any:
+    from rich.console import Console
+
+    console = Console(highlight=False)
+    if not console.is_terminal:
+        console.width = max(console.width, 160)  # pipes and files get whole table rows
+    return console
+
+
+def _one_line(message: str) -> str:
+    return "; ".join(line.strip() for line in message.splitlines() if line.strip())
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI with ``argv`` (default ``sys.argv[1:]``); returns the exit code."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv
+    try:
+        args = build_parser().parse_args(argv)
+        debug = args.debug
+        return args.handler(args, _make_console()) or EXIT_OK
+    except SystemExit as done:  # --help / --version
+        return done.code if isinstance(done.code, int) else EXIT_OK
+    except KeyboardInterrupt:
+        return 130
+    except (_UsageError, AutoshardError, OSError) as err:
+        if debug:
+            traceback.print_exc(file=sys.stderr)
+        print(f"{PROG}: error: {_one_line(str(err))}", file=sys.stderr)
+        return EXIT_USER_ERROR
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,237 @@
+"""Text in and out of ``Cluster``: preset strings, cluster files, unit strings, the summary table.
+
+Everything here turns user text into the plain nested dict that
+``Cluster.from_dict`` builds from (the ``Cluster.to_dict`` schema), and every
+mistake becomes a ``ClusterError`` naming the bad value, what is allowed and
+the next step. Nothing read from a file is executed (``yaml.safe_load``).
+
+Preset strings: ``PRESET[:NODESxDEVICES]``, e.g. ``h100-sxm:4x8``, ``cpu:1x2``;
+a bare ``PRESET`` is one node with the preset's default devices per node.
+
+Quantities in files may be numbers (SI base units: bytes, bytes/s, seconds,
+FLOP/s) or strings with a unit, parsed strictly (the unit must fit the field):
+
+| field kind | accepted units (case-sensitive) | example |
+| --- | --- | --- |
+| bytes | ``B``, ``KB MB GB TB`` (10³ⁿ), ``KiB MiB GiB TiB`` (2¹⁰ⁿ) | ``"80GiB"`` |
+| bytes/s | a bytes unit + ``/s``; bits: ``Kb/s Mb/s Gb/s Tb/s`` (÷ 8) | ``"900GB/s"``, ``"400Gb/s"`` |
+| seconds | ``s ms us µs ns`` | ``"10us"`` |
+| FLOP/s | ``FLOP/s`` or ``FLOPS`` with prefix ``K M G T P`` | ``"989TFLOP/s"`` |
+
+A plain number may also be written as a string (``"25e9"``): YAML 1.1 reads
+``25e9`` (no dot) as a string, so that spelling must keep working.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import yaml
+
+from autoshard.errors import ClusterError
+
+if TYPE_CHECKING:
+    from rich.table import Table
+
+    from autoshard.cluster import Cluster, LinkSpec
+
+_NUMBER = r"[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0-9]+)?"
+_QUANTITY_RE = re.compile(rf"^\s*(?P<number>{_NUMBER})\s*(?P<unit>[A-Za-zµ/]*)\s*$")
+_SPEC_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?::(?P<nodes>[^x:]*)x(?P<devices>[^x:]*))?$")
+
+_SI = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
+_BIN = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
+_BYTE_UNITS = {"B": 1.0, **{p + "B": f for p, f in _SI.items() if p != "P"}, **{p + "B": f for p, f in _BIN.items()}}
+_UNITS: dict[str, dict[str, float]] = {
+    "bytes": _BYTE_UNITS,
+    "bytes/s": {
+        **{u + "/s": f for u, f in _BYTE_UNITS.items()},
+        **{p + "b/s": f / 8 for p, f in _SI.items() if p != "P"},
+    },
+    "seconds": {"s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9},
+    "flop/s": {
+        **{"FLOP/s": 1.0, "FLOPS": 1.0},
+        **{p + "FLOP/s": f for p, f in _SI.items()},
+        **{p + "FLOPS": f for p, f in _SI.items()},
+    },
+    "number": {},
+}
+
+PRESET_SPEC_FORM = "PRESET[:NODESxDEVICES], e.g. 'h100-sxm:4x8' or 'cpu:1x2'"
+
+
+def parse_quantity(value: Any, kind: str, where: str) -> float:
+    """Parse a number or a unit string of ``kind`` (a key of the table above) to SI units.
+
+    ``where`` names the field for the error message (``"device.memory_bytes"``).
+    Raises ``ClusterError`` for a bool, a non-finite number, an unknown unit or
+    a unit of another kind (``"10us"`` for a bandwidth).
+    """
+    assert kind in _UNITS, kind
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise ClusterError(f"{where}={value!r}: expected a number{_unit_hint(kind)}")
+    if isinstance(value, str):
+        match = _QUANTITY_RE.match(value)
+        units = _UNITS[kind]
+        if match is None or (match["unit"] and match["unit"] not in units):
+            raise ClusterError(f"{where}={value!r}: cannot read it as a number{_unit_hint(kind)}")
+        value = float(match["number"].replace("_", "")) * units.get(match["unit"], 1.0)
+    if not math.isfinite(value):
+        raise ClusterError(f"{where}={value!r}: must be a finite number")
+    return value
+
+
+def _unit_hint(kind: str) -> str:
+    units = list(_UNITS[kind])
+    return f" or a string with one of the units {units}" if units else ""
+
+
+def parse_count(value: Any, where: str) -> int:
+    """An integer count (``nodes``, ``devices_per_node``); integral floats are accepted."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ClusterError(f"{where}={value!r}: expected an integer ≥ 1")
+    return value
+
+
+def parse_preset_spec(text: str, presets: list[str]) -> tuple[str, int | None, int | None]:
+    """Split ``PRESET[:NODESxDEVICES]`` into ``(preset, nodes, devices_per_node)``.
+
+    The preset name is returned as written (lower-cased); whether it exists is
+    the caller's check. ``nodes``/``devices_per_node`` are ``None`` when absent.
+    """
+    if not isinstance(text, str):
+        raise ClusterError(f"cluster spec {text!r}: expected a string of the form {PRESET_SPEC_FORM}")
+    match = _SPEC_RE.match(text.strip())
+    if match is None:
+        raise ClusterError(
+            f"cluster spec {text!r}: expected {PRESET_SPEC_FORM}; presets: {', '.join(presets)}"
+        )
+    if match["nodes"] is None:
+        return match["name"].lower(), None, None
+    nodes = _spec_count(match["nodes"], "nodes", text)
+    devices = _spec_count(match["devices"], "devices per node", text)
+    return match["name"].lower(), nodes, devices
+
+
+def _spec_count(digits: str, what: str, text: str) -> int:
+    if not digits.isdigit() or int(digits) < 1:
+        raise ClusterError(
+            f"cluster spec {text!r}: {what} {digits!r} must be an integer ≥ 1 ({PRESET_SPEC_FORM})"
+        )
+    return int(digits)
+
+
+def looks_like_file(spec: str) -> bool:
+    """Whether ``Cluster.load`` should treat ``spec`` as a path rather than a preset string."""
+    return Path(spec).suffix.lower() in (".json", ".yaml", ".yml") or "/" in spec or Path(spec).is_file()
+
+
+def read_mapping_file(path: str | Path) -> dict[str, Any]:
+    """Read a JSON or YAML file holding one mapping.
+
+    The format comes from the extension (``.json``, ``.yaml``/``.yml``); any
+    other extension is read as JSON when the text starts with ``{`` and as YAML
+    otherwise. Errors name the file and the parse problem.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ClusterError(
+            f"cluster file {str(path)!r} does not exist; pass an existing .json/.yaml file or a preset string "
+            f"({PRESET_SPEC_FORM})"
+        )
+    text = path.read_text(encoding="utf-8")
+    as_json = path.suffix.lower() == ".json" or (
+        path.suffix.lower() not in (".yaml", ".yml") and text.lstrip().startswith("{")
+    )
+    try:
+        data = json.loads(text) if as_json else yaml.safe_load(text)
+    except json.JSONDecodeError as err:
+        raise ClusterError(f"cluster file {str(path)!r}: invalid JSON: {err}") from err
+    except yaml.YAMLError as err:
+        problem = " ".join(str(err).split())
+        raise ClusterError(f"cluster file {str(path)!r}: invalid YAML: {problem}") from err
+    if not isinstance(data, dict):
+        raise ClusterError(
+            f"cluster file {str(path)!r}: expected a mapping at the top level, got {type(data).__name__}; "
+            "see Cluster.from_file for the schema"
+        )
+    return data
+
+
+def check_keys(data: Any, allowed: tuple[str, ...], where: str) -> dict[str, Any]:
+    """Return ``data`` if it is a mapping whose keys are all in ``allowed``; else raise."""
+    if not isinstance(data, dict):
+        raise ClusterError(f"{where}: expected a mapping with keys {list(allowed)}, got {data!r}")
+    unknown = sorted(str(k) for k in data if k not in allowed)
+    if unknown:
+        raise ClusterError(f"{where}: unknown key(s) {unknown}; allowed keys: {list(allowed)}")
+    return data
+
+
+def require_keys(data: dict[str, Any], required: tuple[str, ...], where: str) -> None:
+    """Raise naming every missing key of ``required``."""
+    missing = [k for k in required if k not in data]
+    if missing:
+        raise ClusterError(
+            f"{where}: missing key(s) {missing}; give them, or start from a preset with 'preset: NAME'"
+        )
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """``base`` updated by ``override``, nested mappings merged key by key (inputs untouched)."""
+    merged = dict(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def describe_table(cluster: Cluster) -> Table:
+    """Two-column ``rich`` table of ``cluster`` for ``autoshard cluster show``."""
+    from rich.table import Table
+
+    device = cluster.device
+    table = Table(title=f"cluster {cluster.name}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    rows = [
+        ("world size", f"{cluster.world_size} = {cluster.nodes} node(s) × {cluster.devices_per_node} device(s)"),
+        ("device", device.name),
+        ("memory / device", _human(device.memory_bytes, "B", binary=True)),
+        ("peak FLOP/s", ", ".join(f"{k} {_human(v, 'FLOP/s')}" for k, v in device.peak_flops.items())),
+        ("matmul efficiency", f"{device.matmul_efficiency:.2f}"),
+        ("HBM bandwidth", f"{_human(device.hbm_bandwidth, 'B/s')} (× {device.hbm_efficiency:.2f} achieved)"),
+        ("intra-node link", _link(cluster.intra_node)),
+        ("inter-node link", _link(cluster.inter_node) + ("" if cluster.nodes > 1 else " (unused: 1 node)")),
+        ("host link / device", _human(cluster.host_bandwidth, "B/s")),
+        ("host memory / node", _human(cluster.host_memory_bytes, "B", binary=True) or "unknown"),
+        ("CPU Adam / device", f"{cluster.cpu_adam_params_per_s:.3g} params/s"),
+        ("fingerprint", cluster.fingerprint()),
+    ]
+    if cluster.calibration:
+        rows.append(("calibration", ", ".join(f"{k}={v}" for k, v in cluster.calibration.items())))
+    for row in rows:
+        table.add_row(*row)
+    return table
+
+
+def _link(link: LinkSpec) -> str:
+    label = f"{link.name}: " if link.name else ""
+    return f"{label}{_human(link.bandwidth, 'B/s')} per device per direction, α {link.latency * 1e6:.3g} µs"
+
+
+def _human(value: float, unit: str, *, binary: bool = False) -> str:
+    """``_human(3.35e12, "B/s")`` → ``"3.35 TB/s"``; binary prefixes (GiB) for memory sizes."""
+    if value == 0:
+        return ""
+    base, prefixes = (1024.0, ("", "Ki", "Mi", "Gi", "Ti", "Pi")) if binary else (1000.0, ("", "K", "M", "G", "T", "P"))
+    exponent = min(int(math.log(abs(value), base)), len(prefixes) - 1) if abs(value) >= 1 else 0
+    return f"{value / base**exponent:.3g} {prefixes[exponent]}{unit}"

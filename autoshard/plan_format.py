@@ -1,0 +1,200 @@
+"""Human forms of a ``Plan``: the ``str`` table and the ``rich`` renderable.
+
+Layout::
+
+    plan for gpt:tiny | global_batch=64 seq_len=2048 bf16 adamw
+    mesh dp_replicate=1 dp_shard=8 tp=1 pp=1 ep=1 cp=1 (world 8) | 1f1b m=4 mb=2
+    predicted step 1.23 s (compute 0.9 s, exposed comm 210 ms, bubble 0 s, optimizer 30 ms) | ...
+    predicted memory/rank peak 61.20 GiB | by stage: ... | params ..., grads ...
+    solver OPTIMAL objective 1.23 bound 1.2 gap 2.5% in 3.2 s (meshes 12 solved / 40 considered)
+
+    layer              strategy   state  tp        sp   ep  recompute  weight  grad  stage
+    embed              Z3         zero3  none      -    -   none       bf16    bf16  0
+    blocks.0-31.attn   Z3·TP·SP   ...
+
+Folding (a decision): a layer name's first all-digit component is its block
+index (``blocks.7.attn`` → prefix ``blocks``, index 7, suffix ``attn``). The
+consecutive layers sharing a prefix and index form one block. A run of
+blocks with consecutive indices whose layers have the same suffixes and the
+same decisions (every ``LayerStrategy`` field but the name, the stage
+included) prints once, as ``blocks.0-31.attn``. So a stage boundary or one
+block that differs breaks the run and stays visible. ``repr`` and the JSON
+form are never folded; ``fold=False`` prints every layer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from autoshard.plan import LayerStrategy, Plan
+
+HEADERS = ("layer", "strategy", "state", "tp", "sp", "ep", "recompute", "weight", "grad", "stage")
+
+
+@dataclass(frozen=True)
+class _Block:
+    """Consecutive layers sharing one (prefix, block index); ``index`` None = not in a block."""
+
+    prefix: str
+    index: int | None
+    members: tuple[tuple[str, LayerStrategy], ...]  # (suffix or full name, strategy)
+
+    def signature(self) -> tuple:
+        return tuple((suffix, s.decision()) for suffix, s in self.members)
+
+
+def _split_name(name: str) -> tuple[str, int, str] | None:
+    """``"blocks.7.attn"`` → ``("blocks", 7, "attn")``; ``None`` without a numeric part."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i]), int(part), ".".join(parts[i + 1 :])
+    return None
+
+
+def _blocks(layers: tuple[LayerStrategy, ...]) -> list[_Block]:
+    out: list[_Block] = []
+    for s in layers:
+        split = _split_name(s.layer)
+        if split is None:
+            out.append(_Block(s.layer, None, ((s.layer, s),)))
+            continue
+        prefix, index, suffix = split
+        last = out[-1] if out else None
+        if last is not None and (last.prefix, last.index) == (prefix, index):
+            out[-1] = _Block(prefix, index, last.members + ((suffix, s),))
+        else:
+            out.append(_Block(prefix, index, ((suffix, s),)))
+    return out
+
+
+def _folded_name(prefix: str, first: int, last: int, suffix: str) -> str:
+    index = str(first) if first == last else f"{first}-{last}"
+    return ".".join(part for part in (prefix, index, suffix) if part)
+
+
+def fold_layers(layers: tuple[LayerStrategy, ...]) -> list[tuple[str, LayerStrategy]]:
+    """Rows ``(display name, strategy)`` with runs of identical blocks folded (module docstring)."""
+    rows: list[tuple[str, LayerStrategy]] = []
+    blocks = _blocks(layers)
+    i = 0
+    while i < len(blocks):
+        head = blocks[i]
+        j = i
+        while (
+            head.index is not None
+            and j + 1 < len(blocks)
+            and blocks[j + 1].prefix == head.prefix
+            and blocks[j + 1].index == blocks[j].index + 1
+            and blocks[j + 1].signature() == head.signature()
+        ):
+            j += 1
+        if j == i:
+            rows.extend((s.layer, s) for _, s in head.members)
+        else:
+            last = blocks[j].index
+            rows.extend((_folded_name(head.prefix, head.index, last, suffix), s) for suffix, s in head.members)
+        i = j + 1
+    return rows
+
+
+def layer_row(name: str, s: LayerStrategy) -> tuple[str, ...]:
+    """One table row (columns as ``HEADERS``)."""
+    return (
+        name,
+        s.notation,
+        s.state,
+        s.tp,
+        "yes" if s.sp else "-",
+        "yes" if s.ep else "-",
+        s.recompute,
+        s.weight_comm,
+        s.grad_comm,
+        str(s.stage),
+    )
+
+
+def format_bytes(n: float) -> str:
+    """Bytes in binary units: ``61.20 GiB``, ``512.0 MiB``, ``12 B``."""
+    for unit, scale in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}" if unit in ("TiB", "GiB") else f"{n / scale:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def format_seconds(t: float) -> str:
+    """Seconds in a readable unit: ``1.23 s``, ``45.6 ms``, ``12.0 µs``, ``0 s``."""
+    if t == 0:
+        return "0 s"
+    if abs(t) >= 1:
+        return f"{t:.3g} s"
+    if abs(t) >= 1e-3:
+        return f"{t * 1e3:.3g} ms"
+    return f"{t * 1e6:.3g} µs"
+
+
+def header_lines(plan: Plan) -> list[str]:
+    """The lines above the layer table: model, mesh + schedule, predictions, solver."""
+    lines = [
+        f"plan for {plan.model_name} | global_batch={plan.global_batch} seq_len={plan.seq_len} "
+        f"{plan.precision} {plan.optimizer}",
+        f"mesh {plan.mesh} | {plan.schedule}",
+    ]
+    lines.extend(_prediction_lines(plan))
+    stats = plan.solver
+    if stats.status != "NONE":
+        lines.append(
+            f"solver {stats.status} objective {stats.objective:.4g} bound {stats.bound:.4g} gap {stats.gap:.1%} "
+            f"in {format_seconds(stats.wall_s)} (meshes {stats.meshes_solved} solved / "
+            f"{stats.meshes_considered} considered)"
+        )
+    return lines
+
+
+def _prediction_lines(plan: Plan) -> list[str]:
+    p = plan.predictions
+    if p.step_time_s == 0 and p.peak_memory_bytes == 0:
+        return ["predicted (none recorded)"]
+    step = (
+        f"predicted step {format_seconds(p.step_time_s)} (compute {format_seconds(p.compute_s)}, "
+        f"exposed comm {format_seconds(p.exposed_comm_s)}, bubble {format_seconds(p.bubble_s)}, "
+        f"optimizer {format_seconds(p.optimizer_s)}) | {p.tokens_per_s:,.0f} tokens/s | MFU {p.mfu:.1%}"
+    )
+    memory = f"predicted memory/rank peak {format_bytes(p.peak_memory_bytes)}"
+    if p.memory_by_stage:
+        memory += " | by stage: " + ", ".join(
+            f"{i}: {format_bytes(b)}" for i, b in enumerate(p.memory_by_stage)
+        )
+    if p.memory_breakdown:
+        parts = sorted(p.memory_breakdown.items(), key=lambda kv: (-kv[1], kv[0]))
+        memory += " | " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts)
+    return [step, memory]
+
+
+def _rows(plan: Plan, fold: bool) -> list[tuple[str, ...]]:
+    pairs = fold_layers(plan.layers) if fold else [(s.layer, s) for s in plan.layers]
+    return [layer_row(name, s) for name, s in pairs]
+
+
+def format_plan(plan: Plan, *, fold: bool = True) -> str:
+    """``str(plan)``: header lines, a blank line, then the per-layer table."""
+    rows = [HEADERS, *_rows(plan, fold)]
+    widths = [max(len(row[c]) for row in rows) for c in range(len(HEADERS))]
+    table = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    return "\n".join([*header_lines(plan), "", *table])
+
+
+def plan_to_rich(plan: Plan, *, fold: bool = True) -> Any:
+    """The plan as a ``rich`` renderable: header text above a per-layer table."""
+    from rich.console import Group
+    from rich.table import Table
+    from rich.text import Text
+
+    table = Table(show_edge=False, pad_edge=False, header_style="bold")
+    for name in HEADERS:
+        table.add_column(name, no_wrap=name in ("layer", "strategy"))
+    for row in _rows(plan, fold):
+        table.add_row(*(Text(cell) for cell in row))
+    header = Text("\n".join(header_lines(plan)))
+    return Group(header, Text(""), table)

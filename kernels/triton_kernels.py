@@ -1,0 +1,282 @@
+"""Triton quantize / dequantize / dequantize-reduce kernels and their typed launchers.
+
+Importing this module imports triton; ``autoshard.kernels.ops`` imports it lazily and
+falls back to the pure-torch reference when triton is missing.
+
+Work split: a 2-D grid ``(programs per rank, world)``; a program owns ``BLOCKS_PER_PROG``
+consecutive quantization blocks of one rank shard as a ``(BLOCKS_PER_PROG, BLOCK)`` tile,
+so each program reads its input once (contiguous, vectorisable), computes the block
+absmax in registers, and writes payload and scales once: bytes moved are the minimum,
+``numel * (in_bytes + bits/8) + 4 * num_blocks``. Large tiles also matter for the
+interpreter, whose cost is per program (PLATFORM_NOTES "Triton").
+
+Arithmetic is exactly that of ``reference.py`` (same operations, same order):
+``tl.div_rn`` for the two per-block divisions, multiplication elsewhere, round-half-even
+through the ``1.5 * 2**23`` add-subtract (exact for ``|y| < 2**22``; here ``|y| <= 448``),
+and launchers pass ``enable_fp_fusion=False`` so no multiply-add is contracted into an
+FMA (which would round once where the reference rounds twice).
+
+Offsets: per-program bases are int64 (tensors above 2**31 bytes); in-tile offsets int32.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from autoshard.kernels.layout import QuantLayout
+
+_KIND = {"int8": 0, "fp8": 1, "int4": 2}
+_OUT_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_TINY = tl.constexpr(2.0**-112)
+_ROUND_MAGIC = tl.constexpr(12582912.0)  # 1.5 * 2**23
+
+
+@triton.jit
+def _round_half_even(y):
+    # exact round-half-even for |y| < 2**22 (no libdevice rint under the interpreter)
+    return (y + _ROUND_MAGIC) - _ROUND_MAGIC
+
+
+@triton.jit
+def _fp8e4m3_bits(y):
+    """fp32 ``y`` (finite, |y| <= 448) -> e4m3fn bits as uint8, round-half-even, integer ops only.
+
+    The interpreter's fp32->fp8 cast drops the carry when rounding crosses a binade
+    (124.3 -> 64), so the CPU path encodes by hand: round ``y`` to a multiple of the
+    e4m3 spacing of its binade (binades below 2**-6 share 2**-9, the subnormal step),
+    then read exponent and top 3 mantissa bits off the exact rounded fp32 value.
+    """
+    b = y.to(tl.int32, bitcast=True)
+    e = tl.maximum(((b >> 23) & 0xFF) - 127, -6)
+    inv_step = ((130 - e) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
+    step = ((124 + e) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3)
+    v = _round_half_even(y * inv_step) * step  # exact: power-of-two scalings
+    vb = v.to(tl.int32, bitcast=True)
+    sign = (b >> 24) & 0x80  # from y: the add-subtract rounding turns -0.0 into +0.0
+    ve = ((vb >> 23) & 0xFF) - 127
+    normal_bits = ((ve + 7) << 3) | ((vb >> 20) & 7)
+    subnormal_bits = (tl.abs(v) * 512.0).to(tl.int32)  # v = k * 2**-9, k in 0..7
+    return (sign | tl.where(ve >= -6, normal_bits, subnormal_bits)).to(tl.uint8)
+
+
+@triton.jit
+def _round_bf16(v):
+    """fp32 -> the (fp32) value of its round-half-even bf16, by integer ops; NaN kept."""
+    b = v.to(tl.int32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & -65536  # keep the top 16 bits, rounded
+    return tl.where(v != v, v, r.to(tl.float32, bitcast=True))
+
+
+@triton.jit
+def _round_fp16(v):
+    """fp32 -> the (fp32) value of its round-half-even fp16 (subnormals, overflow to inf); NaN kept."""
+    b = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((b >> 23) & 0xFF) - 127, -14)  # fp16 subnormals share the 2**-24 step
+    inv_step = ((137 - e) << 23).to(tl.float32, bitcast=True)  # 2**(10 - e)
+    step = ((117 + e) << 23).to(tl.float32, bitcast=True)  # 2**(e - 10)
+    r = _round_half_even(v * inv_step) * step
+    r = tl.where(tl.abs(v) >= 65520.0, tl.where(v > 0, float("inf"), float("-inf")), r)  # round-to-inf midpoint
+    return tl.where(v != v, v, r)
+
+
+@triton.jit
+def _cast_out(v, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 -> output dtype (0 fp32, 1 bf16, 2 fp16), round-half-even.
+
+    The interpreter's fp32->bf16/fp16 cast truncates, so off-GPU the value is first
+    rounded exactly to the target grid (then the truncating cast is lossless).
+    """
+    if OUT_KIND == 0:
+        return v
+    if OUT_KIND == 1:
+        if not HW_CAST:
+            v = _round_bf16(v)
+        return v.to(tl.bfloat16)
+    if not HW_CAST:
+        v = _round_fp16(v)
+    return v.to(tl.float16)
+
+
+@triton.jit
+def _encode(y, QMAX: tl.constexpr, KIND: tl.constexpr, BPP: tl.constexpr, BLOCK: tl.constexpr,
+            HW_CAST: tl.constexpr):
+    """fp32 (BPP, BLOCK) scaled values -> uint8 payload tile (BPP, BLOCK) or (BPP, BLOCK // 2)."""
+    if KIND == 1:
+        y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
+        if HW_CAST:
+            return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        return _fp8e4m3_bits(y)
+    q = tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int32)
+    if KIND == 0:
+        return q.to(tl.int8).to(tl.uint8, bitcast=True)
+    lo, hi = tl.split(tl.reshape(q, (BPP, BLOCK // 2, 2)))  # even / odd elements
+    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _decode(p_ptrs, mask, KIND: tl.constexpr, BPP: tl.constexpr, BLOCK: tl.constexpr):
+    """Load a payload tile and return fp32 quantized values (BPP, BLOCK)."""
+    b = tl.load(p_ptrs, mask=mask, other=0)
+    if KIND == 0:
+        return b.to(tl.int8, bitcast=True).to(tl.float32)
+    if KIND == 1:
+        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    b = b.to(tl.int32)
+    lo = ((b & 0xF) ^ 8) - 8  # sign-extend 4-bit two's complement
+    hi = ((b >> 4) ^ 8) - 8
+    return tl.reshape(tl.join(lo, hi), (BPP, BLOCK)).to(tl.float32)
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, out_ptr, scale_ptr,  # out_ptr: uint8 buffer; scale_ptr: the same buffer viewed as fp32
+    numel, shard_numel, num_blocks, chunk_bytes, payload_bytes,
+    QMAX: tl.constexpr, KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rank = tl.program_id(1).to(tl.int64)
+    blk = pid * BPP + tl.arange(0, BPP)  # (BPP,) block index within the shard
+    col = tl.arange(0, BLOCK)
+    within = blk[:, None] * BLOCK + col[None, :]  # (BPP, BLOCK) element index within the padded shard
+    src_base = rank * shard_numel
+    mask = (within < shard_numel) & (src_base + within < numel)
+    x = tl.load(x_ptr + src_base + within, mask=mask, other=0.0).to(tl.float32)
+
+    finite = tl.abs(x) < float("inf")
+    x = tl.where(finite, x, 0.0)
+    absmax = tl.max(tl.abs(x), axis=1)  # (BPP,)
+    bad = tl.min(finite.to(tl.int32), axis=1) == 0
+    ok = (absmax >= _TINY) & (~bad)
+    safe = tl.where(ok, absmax, 1.0)
+    inv = tl.where(ok, tl.div_rn(tl.zeros_like(safe) + QMAX, safe), 0.0)
+    scale = tl.where(ok, tl.div_rn(safe, tl.zeros_like(safe) + QMAX), 0.0)
+    scale = tl.where(bad, float("nan"), scale)
+
+    payload = _encode(x * inv[:, None], QMAX, KIND, BPP, BLOCK, HW_CAST)
+    block_ok = blk < num_blocks
+    row = out_ptr + rank * chunk_bytes
+    if KIND == 2:
+        half = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        tl.store(row + half, payload, mask=block_ok[:, None])
+    else:
+        tl.store(row + within, payload, mask=block_ok[:, None])
+    scale_row = scale_ptr + (rank * chunk_bytes + payload_bytes) // 4
+    tl.store(scale_row + blk, scale, mask=block_ok)
+
+
+@triton.jit
+def _load_dequant(row_ptr, scale_row_ptr, blk, within, block_ok,
+                  KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr):
+    """fp32 (BPP, BLOCK) dequantized values of blocks ``blk`` of one row (payload, scales)."""
+    if KIND == 2:
+        half = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        q = _decode(row_ptr + half, block_ok[:, None], KIND, BPP, BLOCK)
+    else:
+        q = _decode(row_ptr + within, block_ok[:, None], KIND, BPP, BLOCK)
+    s = tl.load(scale_row_ptr + blk, mask=block_ok, other=0.0)
+    return q * s[:, None]
+
+
+@triton.jit
+def _dequantize_kernel(
+    in_ptr, scale_ptr, out_ptr,
+    numel, shard_numel, num_blocks, chunk_bytes, payload_bytes,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    rank = tl.program_id(1).to(tl.int64)
+    blk = pid * BPP + tl.arange(0, BPP)
+    within = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    row_ptr = in_ptr + rank * chunk_bytes
+    scale_row_ptr = scale_ptr + (rank * chunk_bytes + payload_bytes) // 4
+    v = _load_dequant(row_ptr, scale_row_ptr, blk, within, blk < num_blocks, KIND, BLOCK, BPP)
+    dst = rank * shard_numel
+    mask = (within < shard_numel) & (dst + within < numel)
+    tl.store(out_ptr + dst + within, _cast_out(v, OUT_KIND, HW_CAST), mask=mask)
+
+
+@triton.jit
+def _dequantize_reduce_kernel(
+    in_ptr, scale_ptr, out_ptr,
+    world, shard_numel, num_blocks, chunk_bytes, payload_bytes,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    blk = pid * BPP + tl.arange(0, BPP)
+    within = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]
+    block_ok = blk < num_blocks
+    acc = tl.zeros((BPP, BLOCK), dtype=tl.float32)
+    row_ptr = in_ptr  # 64-bit pointers advance one row per source rank
+    scale_row_ptr = scale_ptr + payload_bytes // 4
+    for _ in range(0, world):  # rank order 0..world-1, as the reference
+        acc += _load_dequant(row_ptr, scale_row_ptr, blk, within, block_ok, KIND, BLOCK, BPP)
+        row_ptr += chunk_bytes
+        scale_row_ptr += chunk_bytes // 4
+    tl.store(out_ptr + within, _cast_out(acc, OUT_KIND, HW_CAST), mask=within < shard_numel)
+
+
+def _tile(layout: QuantLayout, target_elems: int) -> tuple[int, int]:
+    """(blocks per program, programs per rank) for a tile of about ``target_elems`` elements."""
+    bpp = max(1, min(target_elems // layout.block, triton.next_power_of_2(layout.num_blocks)))
+    return bpp, triton.cdiv(layout.num_blocks, bpp)
+
+
+def _launch_opts(device: torch.device, tile_elems: int, num_warps: int | None) -> dict:
+    if device.type != "cuda":
+        return {}
+    if num_warps is None:
+        num_warps = 8 if tile_elems >= 8192 else 4
+    return {"num_warps": num_warps, "enable_fp_fusion": False}
+
+
+def quantize_triton(x: torch.Tensor, layout: QuantLayout, target_elems: int,
+                    num_warps: int | None = None) -> torch.Tensor:
+    """Contiguous ``x`` -> ``uint8[world, chunk_bytes]`` (see ``reference.quantize_ref``)."""
+    out = torch.empty(layout.world, layout.chunk_bytes, dtype=torch.uint8, device=x.device)
+    if layout.num_blocks == 0:
+        return out
+    bpp, progs = _tile(layout, target_elems)
+    _quantize_kernel[(progs, layout.world)](
+        x, out, out.view(torch.float32), layout.numel, layout.shard_numel, layout.num_blocks,
+        layout.chunk_bytes, layout.payload_bytes,
+        QMAX=layout.fmt.qmax, KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
+        HW_CAST=x.device.type == "cuda",
+        **_launch_opts(x.device, bpp * layout.block, num_warps),
+    )
+    return out
+
+
+def dequantize_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype,
+                      target_elems: int, num_warps: int | None = None) -> torch.Tensor:
+    """``uint8[world, chunk_bytes]`` -> flat ``out_dtype[numel]`` (see ``reference.dequantize_ref``)."""
+    out = torch.empty(layout.numel, dtype=out_dtype, device=data.device)
+    if layout.num_blocks == 0:
+        return out
+    bpp, progs = _tile(layout, target_elems)
+    _dequantize_kernel[(progs, layout.world)](
+        data, data.view(torch.float32), out, layout.numel, layout.shard_numel, layout.num_blocks,
+        layout.chunk_bytes, layout.payload_bytes,
+        KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
+        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda",
+        **_launch_opts(data.device, bpp * layout.block, num_warps),
+    )
+    return out
+
+
+def dequantize_reduce_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype,
+                             target_elems: int, num_warps: int | None = None) -> torch.Tensor:
+    """Sum over rows of ``uint8[world, chunk_bytes]`` -> ``out_dtype[shard_numel]``."""
+    out = torch.empty(layout.shard_numel, dtype=out_dtype, device=data.device)
+    if layout.num_blocks == 0:
+        return out
+    bpp, progs = _tile(layout, target_elems)
+    _dequantize_reduce_kernel[(progs,)](
+        data, data.view(torch.float32), out, layout.world, layout.shard_numel, layout.num_blocks,
+        layout.chunk_bytes, layout.payload_bytes,
+        KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
+        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda",
+        **_launch_opts(data.device, bpp * layout.block, num_warps),
+    )
+    return out

@@ -1,0 +1,266 @@
+"""Capture, part 4: run ``torch.export``, attribute nodes to layers, price them per layer.
+
+Attribution rule (also in ``capture``'s docstring): a ``call_function`` node
+belongs to the deepest module of ``node.meta["nn_module_stack"]`` that is a
+layer; otherwise to the layer of the nearest preceding node; nodes before the
+first layer node go to that first layer.
+
+An export failure becomes a ``CaptureError`` naming the module and op: the
+module is the innermost traceback frame whose first argument (``self``) is a
+module of the model, preferring frames outside torch itself; the op is the last
+``torch.ops.<op>`` the exception text mentions (export prints the graph traced
+so far, ending at the failing op), else the source line of that frame.
+"""
+
+from __future__ import annotations
+
+import linecache
+import os
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+import sympy
+import torch
+from torch import fx, nn
+from torch.export import Dim, ExportedProgram
+
+from autoshard.errors import CaptureError
+from autoshard.passes import _capture_costs as costs
+
+_TORCH_DIR = os.path.dirname(torch.__file__)
+_STRICT_PATH = re.compile(r"\[['\"]?([^'\"\]]+)['\"]?\]")
+
+
+@dataclass(frozen=True)
+class Exported:
+    """One exported program with its node → layer attribution."""
+
+    program: ExportedProgram
+    owner: dict[fx.Node, str]
+    weight_like: frozenset[fx.Node]
+    layer_order: tuple[str, ...]  # layers by their first node
+    batch_symbol: sympy.Symbol | None
+    seq_symbol: sympy.Symbol | None
+    hints: dict[sympy.Symbol, int]  # example value of every backed symbol
+
+    @property
+    def dynamic_dims(self) -> tuple[str, ...]:
+        named = (("batch", self.batch_symbol), ("seq", self.seq_symbol))
+        return tuple(label for label, sym in named if sym is not None)
+
+    def size_at(self, seq: int | None) -> costs.SizeEval:
+        """Evaluator of this graph's shapes with the sequence symbol set to ``seq`` (None: the example's)."""
+        bindings = dict(self.hints)
+        if seq is not None and self.seq_symbol is not None:
+            bindings[self.seq_symbol] = seq
+        return costs.SizeEval(bindings)
+
+
+@dataclass
+class Accum:
+    """Per-layer cost totals at one (batch, sequence) point (an accumulator, internal)."""
+
+    matmul_flops: float = 0.0
+    elementwise_flops: float = 0.0
+    bytes: float = 0.0
+    attention_op_flops: float = 0.0  # SDPA + activation×activation matmuls (cross-check)
+    input_bytes: float = 0.0
+    output_bytes: float = 0.0
+
+
+@dataclass
+class Priced:
+    """Per-layer totals and op coverage of one exported graph at one point."""
+
+    layers: dict[str, Accum] = field(default_factory=dict)
+    counted: Counter = field(default_factory=Counter)
+    unaccounted: Counter = field(default_factory=Counter)
+
+
+def export(model: nn.Module, inputs: tuple, dynamic: bool, layer_names: list[str], model_name: str) -> Exported:
+    """``torch.export.export(strict=False)`` (``Dim.AUTO`` on every dim if ``dynamic``) + attribution."""
+    shapes = None
+    if dynamic:
+        shapes = tuple({d: Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs)
+    try:
+        program = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+    except Exception as exc:  # every export failure is reported as a CaptureError
+        raise export_error(model, model_name, exc) from exc
+    graph = program.graph
+    owner, order = _attribute(graph, set(layer_names))
+    if not owner:
+        raise CaptureError(
+            f"the export of {model_name} has no operations in any layer ({', '.join(layer_names[:5])}, ...); "
+            "capture needs the forward pass to call the model's submodules"
+        )
+    sig = program.graph_signature
+    constants = {*sig.inputs_to_parameters, *sig.inputs_to_buffers, *sig.inputs_to_lifted_tensor_constants}
+    batch_sym, seq_sym, hints = _symbols(graph, sig.user_inputs)
+    weight_like = frozenset(costs.weight_like_nodes(graph, constants))
+    return Exported(program, owner, weight_like, order, batch_sym, seq_sym, hints)
+
+
+def _symbols(graph: fx.Graph, user_inputs) -> tuple[sympy.Symbol | None, sympy.Symbol | None, dict]:
+    """Symbols of the tokens' batch and sequence dims, and every backed symbol's example value."""
+    placeholders = {n.name: n for n in graph.nodes if n.op == "placeholder"}
+    tokens = placeholders[user_inputs[0]].meta["val"]
+    dims = []
+    for size in tokens.shape[:2]:
+        expr = size.node.expr if isinstance(size, torch.SymInt) else None
+        dims.append(expr if isinstance(expr, sympy.Symbol) else None)
+    if dims[0] is not None and dims[0] == dims[1]:
+        dims = [None, None]  # duck-sized: batch == seq at the example; the caller exports statically
+    shape_env = _shape_env(placeholders.values())
+    hints = {sym: int(v) for sym, v in shape_env.var_to_val.items()} if shape_env is not None else {}
+    return dims[0], dims[1], hints
+
+
+def _shape_env(nodes):
+    for node in nodes:
+        val = node.meta.get("val")
+        if isinstance(val, torch.Tensor):
+            for size in val.shape:
+                if isinstance(size, torch.SymInt):
+                    return size.node.shape_env
+    return None
+
+
+def module_path(path: str) -> str:
+    """``"L['self'].blocks[0].attn"`` (strict export) or ``"blocks.0.attn"`` → ``"blocks.0.attn"``."""
+    path = path.removeprefix("L['self']").removeprefix("L__self__")
+    path = _STRICT_PATH.sub(lambda m: "." + m.group(1), path)
+    return path.lstrip(".").replace("..", ".")
+
+
+def _stack_owner(node: fx.Node, layer_names: set[str]) -> str | None:
+    stack = node.meta.get("nn_module_stack") or {}
+    for entry in reversed(list(stack.values())):
+        path = module_path(entry[0])
+        if path in layer_names:
+            return path
+    return None
+
+
+def _attribute(graph: fx.Graph, layer_names: set[str]) -> tuple[dict[fx.Node, str], tuple[str, ...]]:
+    owner: dict[fx.Node, str] = {}
+    pending: list[fx.Node] = []
+    order: list[str] = []
+    last: str | None = None
+    for node in graph.nodes:
+        if node.op != "call_function":
+            continue
+        layer = _stack_owner(node, layer_names) or last
+        if layer is None:
+            pending.append(node)
+            continue
+        if layer not in order:
+            order.append(layer)
+        for early in pending:
+            owner[early] = layer
+        pending.clear()
+        owner[node] = layer
+        last = layer
+    return owner, tuple(order)
+
+
+def price(exported: Exported, size: costs.SizeEval) -> Priced:
+    """Per-layer FLOPs, bytes and boundary bytes of ``exported`` at the point ``size`` evaluates."""
+    out = Priced()
+    for node, layer in exported.owner.items():
+        acc = out.layers.setdefault(layer, Accum())
+        name = costs.op_name(node)
+        if not costs.is_known(name):
+            out.unaccounted[name] += 1
+            continue
+        try:
+            cost = costs.node_cost(node, size, exported.weight_like)
+        except costs.UnresolvedShape:
+            out.unaccounted[f"{name} (data-dependent shape)"] += 1
+            continue
+        out.counted[name] += 1
+        acc.matmul_flops += cost.matmul_flops
+        acc.elementwise_flops += cost.elementwise_flops
+        acc.bytes += cost.bytes
+        if name in costs.SDPA_OPS or (name in costs.MATMUL_OPS and _activation_product(node, exported.weight_like)):
+            acc.attention_op_flops += cost.matmul_flops
+    _boundary_bytes(exported, size, out.layers)
+    return out
+
+
+def _activation_product(node: fx.Node, weight_like: frozenset[fx.Node]) -> bool:
+    operands = [a for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
+    return len(operands) >= 2 and not any(a in weight_like for a in operands)
+
+
+def _boundary_bytes(exported: Exported, size: costs.SizeEval, layers: dict[str, Accum]) -> None:
+    """Bytes of distinct tensors entering / leaving each layer (parameters and constants excluded)."""
+    inputs: dict[str, set[fx.Node]] = {}
+    outputs: dict[str, set[fx.Node]] = {}
+    owner = exported.owner
+    for node, layer in owner.items():
+        for source in node.all_input_nodes:
+            if source not in exported.weight_like and owner.get(source) != layer:
+                inputs.setdefault(layer, set()).add(source)
+        if any(user.op == "output" or owner.get(user) != layer for user in node.users):
+            outputs.setdefault(layer, set()).add(node)
+    for layer, acc in layers.items():
+        acc.input_bytes = _nodes_bytes(inputs.get(layer, ()), size)
+        acc.output_bytes = _nodes_bytes(outputs.get(layer, ()), size)
+
+
+def _nodes_bytes(nodes, size: costs.SizeEval) -> float:
+    total = 0
+    for node in nodes:
+        for t in costs.tensors_of(node.meta.get("val")):
+            try:
+                total += size.nbytes(t)
+            except costs.UnresolvedShape:
+                continue
+    return float(total)
+
+
+def edges(exported: Exported, order: list[str]) -> tuple[tuple[str, str], ...]:
+    """(producer layer, consumer layer) pairs of activation data flow, in layer order."""
+    rank = {name: i for i, name in enumerate(order)}
+    found: set[tuple[str, str]] = set()
+    for node, layer in exported.owner.items():
+        for source in node.all_input_nodes:
+            producer = exported.owner.get(source)
+            if producer is not None and producer != layer and source not in exported.weight_like:
+                found.add((producer, layer))
+    return tuple(sorted(found, key=lambda e: (rank[e[0]], rank[e[1]])))
+
+
+def export_error(model: nn.Module, model_name: str, exc: BaseException) -> CaptureError:
+    """A ``CaptureError`` naming the module and op where ``torch.export`` failed."""
+    module, where = _failing_frame(model, exc)
+    ops = re.findall(r"torch\.ops\.([A-Za-z_][\w]*\.[\w.]+?)(?:\(|\s|$)", str(exc))
+    op = ops[-1] if ops else (where or "unknown op")
+    first_line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
+    return CaptureError(
+        f"cannot capture {model_name}: torch.export failed in module {module!r} at op {op}"
+        f"{f' ({where})' if where and where != op else ''}: {type(exc).__name__}: {first_line[:300]}. "
+        "Capture supports forwards whose control flow depends only on shapes; next step: replace "
+        "data-dependent Python branching (.item(), `if tensor:`) with torch.where / torch.cond, and give "
+        "custom ops a fake kernel (torch.library.register_fake)"
+    )
+
+
+def _failing_frame(model: nn.Module, exc: BaseException) -> tuple[str, str | None]:
+    names = {id(m): (n or "<root>") for n, m in model.named_modules()}
+    best: tuple[str, str | None] | None = None
+    best_user: tuple[str, str | None] | None = None
+    tb = exc.__traceback__
+    while tb is not None:
+        frame, code = tb.tb_frame, tb.tb_frame.f_code
+        first = code.co_varnames[0] if code.co_argcount else None
+        candidate = frame.f_locals.get(first) if first else None
+        if candidate is not None and id(candidate) in names:
+            line = linecache.getline(code.co_filename, tb.tb_lineno).strip()
+            here = (names[id(candidate)], f"{os.path.basename(code.co_filename)}:{tb.tb_lineno}: {line}")
+            best = here
+            if not code.co_filename.startswith(_TORCH_DIR):
+                best_user = here
+        tb = tb.tb_next
+    return best_user or best or ("<unknown>", None)

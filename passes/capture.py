@@ -1,0 +1,281 @@
+"""Capture pass: ``torch.export`` → ``ModelGraph``, the first pass and the entry of autoshard.
+
+Pre-condition: ``model(*example_inputs)`` runs, the first input is tokens
+``[B, S]`` (dim 0 batch, dim 1 sequence), and the model's forward is traceable
+by ``torch.export.export(..., strict=False)``. Post-condition: a ``ModelGraph``
+whose layers partition the model's parameters (tied ones counted once), in
+execution order, with forward FLOPs, bytes and *measured* saved activations.
+The model is left as it was (training flags restored, hooks removed).
+
+Steps:
+
+1. Layers (``_capture_layers``): module instances at the strategy granularity
+   (embedding, each block's norms, attention, MLP/MoE, final norm, heads), their
+   parameters, TP roles and shape metadata.
+2. Export (training IR, nothing decomposed) with ``Dim.AUTO`` on every dim of
+   every tensor input, at the longer sequence ``s2``. Node → layer attribution:
+   a node belongs to the deepest module of ``node.meta["nn_module_stack"]``
+   that is a layer; a node with no layer in its stack (root-level ``arange``,
+   RoPE tables, the residual adds of ``blocks.i``, the final ``squeeze``) goes
+   to the layer of the nearest *preceding* node in graph order, or to the
+   first layer when it precedes every layer node.
+3. Costs (``_capture_costs``): FLOPs and activation bytes per node from the
+   symbolic shapes evaluated at ``(b, s1)`` and ``(b, s2)`` (the sequence symbol
+   substituted, so one dynamic export serves both points). When the sequence
+   dim was specialised by export, or ``dynamic=False``, the model is exported
+   again at ``s1`` instead.
+4. Saved activations (``_capture_saved``): measured by a forward pass on meta
+   under saved-tensor hooks, at ``s1`` and at ``s2``.
+5. Per-token coefficients by a two-point fit. For a quantity ``Q`` measured at
+   both points, with ``q_i = Q(b, s_i) / (b·s_i)``:
+
+       slope     = (q2 − q1) / (s2 − s1),   intercept = q1 − slope·s1
+       Q(b, s)  ≈ b·s·(intercept + slope·s)
+
+   exact for the ``a·bs + c·bs²`` shapes of a transformer. A negative slope
+   (a per-call constant, e.g. a ``[h]``-sized op, shrinking per token) is
+   charged as ``intercept = q2, slope = 0``. Matmul-family FLOPs (incl. SDPA)
+   split this way into ``matmul_flops_per_token`` (intercept) and
+   ``attention_flops_per_token_seq`` (slope: QKᵀ and ·V); the slope is checked
+   against the op-level count (SDPA + activation × activation matmuls) and a
+   mismatch over 1 % is logged. Saved bytes split into boundary and interior
+   (``LayerInfo``); a boundary slope (none in the reference blocks) is folded
+   into ``saved_interior_per_token_seq`` because ``LayerInfo`` has one seq term.
+   Input/output activation bytes per token are taken at ``s2``.
+6. ``class_id``: ``"<kind>:<sha256[:10]>"`` of kind, parameters (names relative
+   to the layer, shapes, dtypes, roles), tied parameter names, every cost
+   coefficient (9 significant digits) and the shape metadata; equal ids mean
+   structurally identical layers that the solver may decide once.
+
+Korthikanti check ([Note: saved-activation residual]). For the GPT reference
+block with ``attn_impl="math"`` and dropout, the measured per-block bytes equal
+``sbh(34 + 5as/h)`` plus (a) the boolean causal mask ``~mask`` that
+``masked_fill`` keeps, ``s²`` bytes per block independent of the batch, and (b)
+the fp32 mean and reciprocal standard deviation of the two LayerNorms, ``16·bs``
+bytes; together about 0.3 % at ``h=768, s=128``. The formula omits both.
+
+MoE note: the reference MoE layer in dropless mode computes every expert on a
+``[E, T, h]`` buffer; capture prices the graph as written (``E/k`` times the
+routed FLOPs). ``LayerInfo.num_experts`` and ``top_k`` let the cost model rescale
+for a grouped-GEMM runtime.
+
+Both export and measurement run with the model in training mode (dropout
+active), the mode of a PPO update.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import linecache
+import logging
+import re
+import sys
+import types
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field, replace
+
+import sympy
+import torch
+from torch import fx, nn
+from torch.export import Dim, ExportedProgram
+
+from autoshard.errors import CaptureError
+from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
+from autoshard.passes import _capture_costs as costs
+from autoshard.passes._capture_layers import (
+    LayerSpec,
+    dtype_name,
+    find_layers,
+    layer_params,
+    model_hidden_vocab,
+    module_weight_roles,
+    param_roles,
+    shape_meta,
+)
+from autoshard.passes._capture_report import format_coverage, format_layer_table
+from autoshard.passes._capture_saved import SavedBytes, measure_saved
+
+log = logging.getLogger(__name__)
+
+DEFAULT_LONG_SEQ = 256  # s2 when neither example inputs nor seq_lens say otherwise (capped by max_seq_len)
+_MAX_SEQ_ATTRS = ("max_seq_len", "max_position_embeddings", "block_size", "n_positions", "max_seq")
+
+
+def capture(
+    model: nn.Module,
+    example_inputs: tuple | None = None,
+    *,
+    name: str | None = None,
+    seq_lens: tuple[int, int] | None = None,
+    batch: int = 2,
+    dynamic: bool = True,
+) -> ModelGraph:
+    """Capture ``model`` into a ``ModelGraph`` (steps and formulas in the module docstring).
+
+    Args:
+        model: the policy; its first forward input is tokens ``[B, S]``. Any
+            device, meta included; parameters are never read.
+        example_inputs: forward arguments. Default: zero tokens ``[batch, s2]``
+            on the model's device. When given, ``S`` of the first input is
+            ``s2`` unless ``seq_lens`` says otherwise, and every dim ≥ 1 of
+            every tensor input whose size is ``S`` is resized to the measured
+            sequence length (narrowed, or zero-filled when longer).
+        name: model name recorded in the graph (default: the class name).
+        seq_lens: the two sequence lengths ``(s1, s2)``, ``2 ≤ s1 < s2``, of the
+            two-point fit. Default: ``(S//2, S)`` for example inputs, else
+            ``s2 = min(256, model.config.max_seq_len)`` and ``s1 = s2 // 2``.
+        batch: batch size of the default inputs (ignored with example inputs).
+        dynamic: export with dynamic batch and sequence dims (``Dim.AUTO``);
+            ``False`` exports twice with static shapes.
+
+    Raises:
+        CaptureError: the model cannot be exported (the message names the
+            module and op), or the arguments are invalid.
+    """
+    model_name = name or type(model).__name__
+    layers = find_layers(model)
+    hidden, vocab = model_hidden_vocab(model, layers)
+    roles = param_roles(model, layers, vocab)
+    example = _Example.make(model, example_inputs, seq_lens, batch)
+    with _training_mode(model):
+        exported, sizes = _export_points(model, example, layers, dynamic, model_name)
+        saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
+    priced = [_price(graph, size) for graph, size in zip(exported, sizes)]
+    primary = exported[-1]
+    ordered = _execution_order(layers, primary)
+    params = layer_params(ordered, roles)
+    infos = []
+    for index, spec in enumerate(ordered):
+        meta = shape_meta(spec, model, hidden, vocab)
+        points = [p.layers.get(spec.name, _Accum()) for p in priced]
+        info = _layer_info(spec, index, params[spec.name], points, [s[spec.name] for s in saved], example, meta)
+        infos.append(replace(info, class_id=_class_id(info)))
+    return ModelGraph(
+        model_name=model_name,
+        layers=tuple(infos),
+        edges=_edges(primary, [spec.name for spec in ordered]),
+        dtype=_model_dtype(model),
+        hidden=hidden,
+        num_blocks=len({spec.block for spec in layers if spec.block is not None}),
+        vocab=vocab,
+        coverage=OpCoverage(counted=dict(sorted(priced[-1].counted.items())), unaccounted=dict(sorted(priced[-1].unaccounted.items()))),
+        capture_seq_lens=example.seq_lens,
+        dynamic_dims=primary.dynamic_dims,
+    )
+
+
+def capture_reference(
+    spec: str, *, seq_lens: tuple[int, int] | None = None, batch: int = 2, **overrides: object
+) -> ModelGraph:
+    """Build reference model ``spec`` (``"llama:70b"``) on meta in bf16 and capture it.
+
+    ``overrides`` go to ``autoshard.models.build`` (config fields such as
+    ``dropout=0.1, attn_impl="math"``; ``device`` and ``dtype`` default to
+    ``"meta"`` and ``torch.bfloat16``: 16-bit saved activations, as Korthikanti
+    et al. assume). Raises ``ModelError`` (a ``CaptureError``) for an unknown spec.
+    """
+    from autoshard.models import build  # models import autoshard.graph; keep the pass importable alone
+
+    device = overrides.pop("device", "meta")
+    dtype = overrides.pop("dtype", torch.bfloat16)
+    model = build(spec, device=device, dtype=dtype, **overrides)
+    return capture(model, name=spec, seq_lens=seq_lens, batch=batch)
+
+
+# ---------------------------------------------------------------------------------------------
+# example inputs
+
+
+@dataclass(frozen=True)
+class _Example:
+    """Forward inputs at the reference sequence length and how to resize them."""
+
+    base: tuple
+    batch: int
+    base_seq: int
+    seq_lens: tuple[int, int]
+
+    @staticmethod
+    def make(model: nn.Module, example_inputs: tuple | None, seq_lens: tuple[int, int] | None, batch: int) -> _Example:
+        if example_inputs is None:
+            if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+                raise CaptureError(f"batch={batch!r}: must be a positive integer (2 or more keeps the batch dim dynamic)")
+            s1, s2 = seq_lens or _default_seq_lens(model)
+            tokens = torch.zeros(batch, s2, dtype=torch.long, device=_model_device(model))
+            return _Example((tokens,), batch, s2, _check_seq_lens((s1, s2)))
+        if not isinstance(example_inputs, tuple):
+            example_inputs = (example_inputs,)
+        tokens = example_inputs[0] if example_inputs else None
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
+            got = type(tokens).__name__ if not isinstance(tokens, torch.Tensor) else f"tensor of shape {tuple(tokens.shape)}"
+            raise CaptureError(
+                f"example_inputs[0] is a {got}; capture needs tokens [B, S] as the first input "
+                "(dim 0 batch, dim 1 sequence): pass example_inputs=(tokens,)"
+            )
+        seq = tokens.shape[1]
+        lens = seq_lens or (seq // 2, seq)
+        log.info("capture: sequence lengths %s (%s)", lens, "given" if seq_lens else "S//2 and S of the example")
+        return _Example(example_inputs, tokens.shape[0], seq, _check_seq_lens(lens))
+
+    def inputs(self, seq: int) -> tuple:
+        """The example inputs with every sequence-sized dim (≥ 1) resized to ``seq``."""
+        return tuple(_resize_seq(x, self.base_seq, seq) for x in self.base)
+
+
+def _resize_seq(x: object, old: int, new: int) -> object:
+    if not isinstance(x, torch.Tensor) or old == new:
+        return x
+    shape = [new if (d >= 1 and size == old) else size for d, size in enumerate(x.shape)]
+    if new <= old:
+        for d, size in enumerate(shape):
+            x = x.narrow(d, 0, size)
+        return x
+    return torch.zeros(shape, dtype=x.dtype, device=x.device)
+
+
+def _check_seq_lens(lens: tuple[int, int]) -> tuple[int, int]:
+    ok = (
+        isinstance(lens, (tuple, list)) and len(lens) == 2
+        and all(isinstance(s, int) and not isinstance(s, bool) for s in lens) and 2 <= lens[0] < lens[1]
+    )
+    if not ok:
+        raise CaptureError(
+            f"seq_lens={lens!r}: need two integers 2 <= s1 < s2 for the two-point fit; "
+            "pass e.g. seq_lens=(64, 128), or example tokens with S >= 4"
+        )
+    return int(lens[0]), int(lens[1])
+
+
+def _default_seq_lens(model: nn.Module) -> tuple[int, int]:
+    config = getattr(model, "config", None)
+    limits = [getattr(config, a) for a in _MAX_SEQ_ATTRS if isinstance(getattr(config, a, None), int)]
+    s2 = min([DEFAULT_LONG_SEQ, *limits])
+    log.info("capture: sequence lengths (%d, %d) (s2 = min(%d, the model's max sequence))", s2 // 2, s2, DEFAULT_LONG_SEQ)
+    return s2 // 2, s2
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for t in [*model.parameters(), *model.buffers()]:
+        return t.device
+    return torch.device("cpu")
+
+
+def _model_dtype(model: nn.Module) -> str:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return dtype_name(p.dtype)
+    return dtype_name(torch.get_default_dtype())
+
+
+@contextlib.contextmanager
+def _training_mode(model: nn.Module) -> Iterator[None]:
+    flags = [(m, m.training) for m in model.modules()]
+    model.train()
+    try:
+        yield
+    finally:
+        for module, flag in flags:
+            module.training = flag

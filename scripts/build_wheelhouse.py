@@ -1,0 +1,124 @@
+#!/usr/bin/env python3
+"""Build a wheelhouse for an air-gapped GPU machine.
+
+GPU clusters often have no network. This script downloads, on a machine that
+has one, the wheels autoshard needs beyond what a typical CUDA image already
+holds (torch, triton, numpy), for a target Python version and Linux platform,
+plus autoshard's own wheel. Carry the folder over and install with::
+
+    python3 -m pip install --no-index --no-deps --target /tmp/site WHEELHOUSE/*.whl
+    export PYTHONPATH=/tmp/site
+
+Dependencies are resolved here, recursively, from each wheel's
+``Requires-Dist`` metadata (extras and markers for other platforms skipped),
+because ``pip download`` with deps would also fetch torch and the CUDA stack.
+Packages the target already has are named with ``--skip`` (defaults below).
+
+Usage: scripts/build_wheelhouse.py --python-version 3.12 --out .whl [--baselines]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+CORE = ["ortools", "rich", "pyyaml", "networkx"]
+# Pinned to the versions measured in docs (PLATFORM_NOTES): newer ones may change APIs.
+BASELINES = ["megatron-core==0.16.1", "deepspeed==0.19.8"]
+# Present on the CUDA images this project runs on; never downloaded.
+DEFAULT_SKIP = {
+    "torch", "triton", "numpy", "setuptools", "pip", "wheel", "typing-extensions", "filelock",
+    "jinja2", "markupsafe", "sympy", "mpmath", "fsspec", "packaging", "psutil", "pynvml",
+    "nvidia-ml-py", "torchvision", "pillow",
+}
+PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
+             "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
+             "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
+
+
+def _norm(name: str) -> str:
+    return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def _download(req: str, out: Path, py: str) -> Path | None:
+    before = set(out.glob("*.whl"))
+    cmd = [sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+           "--python-version", py, "--implementation", "cp", "-d", str(out)]
+    for plat in PLATFORMS:
+        cmd += ["--platform", plat]
+    cmd += ["--platform", "any", req]
+    res = subprocess.run(cmd, capture_output=True, text=True)
+    if res.returncode != 0:
+        # Some packages (deepspeed) publish only an sdist: build a wheel here.
+        # DS_BUILD_OPS=0 keeps it pure Python; its ops JIT-build on the target.
+        build = [sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation", "-w", str(out), req]
+        res = subprocess.run(build, capture_output=True, text=True, env={**os.environ, "DS_BUILD_OPS": "0"})
+        if res.returncode != 0:
+            print(f"  ! {req}: {res.stderr.strip().splitlines()[-1] if res.stderr.strip() else 'failed'}")
+            return None
+    new = set(out.glob("*.whl")) - before
+    return next(iter(new), None)
+
+
+def _requirements(wheel: Path) -> list[str]:
+    with zipfile.ZipFile(wheel) as zf:
+        meta = next(n for n in zf.namelist() if n.endswith(".dist-info/METADATA"))
+        text = zf.read(meta).decode()
+    reqs = []
+    for line in text.splitlines():
+        if not line.startswith("Requires-Dist:"):
+            continue
+        spec = line.split(":", 1)[1].strip()
+        if ";" in spec:
+            spec, marker = spec.split(";", 1)
+            if "extra" in marker or "win32" in marker or "darwin" in marker:
+                continue
+        reqs.append(spec.strip())
+    return reqs
+
+
+def build(out: Path, py: str, roots: list[str], skip: set[str]) -> list[Path]:
+    out.mkdir(parents=True, exist_ok=True)
+    seen: set[str] = set()
+    queue = list(roots)
+    wheels = []
+    while queue:
+        req = queue.pop(0)
+        name = _norm(re.split(r"[<>=!~\[ (]", req, maxsplit=1)[0])
+        if name in seen or name in skip:
+            continue
+        seen.add(name)
+        print(f"- {req}")
+        wheel = _download(req.replace(" ", ""), out, py)
+        if wheel is None:
+            continue
+        wheels.append(wheel)
+        queue.extend(_requirements(wheel))
+    return wheels
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--python-version", default="3.12")
+    p.add_argument("--out", default=".whl", type=Path)
+    p.add_argument("--baselines", action="store_true", help="also megatron-core and deepspeed")
+    p.add_argument("--skip", nargs="*", default=[], help="more packages the target already has")
+    p.add_argument("--no-self", action="store_true", help="do not build autoshard's own wheel")
+    args = p.parse_args(argv)
+    roots = CORE + (BASELINES if args.baselines else [])
+    build(args.out, args.python_version, roots, DEFAULT_SKIP | {_norm(s) for s in args.skip})
+    if not args.no_self:
+        repo = Path(__file__).resolve().parent.parent
+        subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(args.out),
+                        str(repo)], check=True)
+    print(f"wheelhouse: {args.out} ({len(list(args.out.glob('*.whl')))} wheels)")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,261 @@
+"""One CP-SAT model: strategies per layer class and stage boundaries for a fixed (mesh, schedule).
+
+The math is written out in ``solver.py``'s module docstring; each constraint
+family there names the function here that builds it. Units inside the model:
+time in ``unit_s`` (chosen per solve so the largest time is ~1e8 units),
+memory in KiB (rounded up, the cap rounded down, so rounding never admits an
+over-budget plan).
+"""
+
+from __future__ import annotations
+
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Sequence
+
+from ortools.sat.python import cp_model
+
+from autoshard.plan import LayerStrategy, Mesh, Schedule
+from autoshard.search.evaluate import Option, interleaved_block_stages
+from autoshard.search.pipeline import in_flight, virtual_stages
+from autoshard.search.space import SolverClass, strategy_key
+
+KIB = 1024
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    """Everything one CP-SAT model needs, already reduced to numbers."""
+
+    classes: tuple[SolverClass, ...]
+    options: tuple[tuple[Option, ...], ...]  # per class, dominance-pruned
+    block_classes: tuple[tuple[int, ...], ...]  # per anchor block: solver-class index of each layer on it
+    mesh: Mesh
+    schedule: Schedule
+    cap_bytes: int
+    unit_s: float
+    cutoff_s: float | None = None  # only solutions strictly better than this are wanted
+    hint: tuple[LayerStrategy | None, ...] = ()  # per class
+    hint_block_stage: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class ModelResult:
+    """Decoded CP-SAT answer."""
+
+    status: str
+    choice: tuple[int, ...]  # per class: index into ModelInput.options[c]
+    block_stage: tuple[int, ...]  # per anchor block: (virtual) stage
+    objective_s: float
+    bound_s: float
+
+
+def _noise(key: str, modulo: int) -> int:
+    """Deterministic tie-break weight (zlib.crc32, not the salted ``hash``)."""
+    return zlib.crc32(key.encode()) % modulo
+
+
+class _Builder:
+    def __init__(self, inp: ModelInput) -> None:
+        self.inp = inp
+        self.model = cp_model.CpModel()
+        self.pp = inp.mesh.pp
+        self.v = virtual_stages(inp.schedule)
+        self.num_blocks = len(inp.block_classes)
+
+    # -- scaled coefficients ---------------------------------------------------------------
+    def t(self, o: Option) -> int:
+        return int(round(o.time_s / self.inp.unit_s))
+
+    def tail(self, o: Option) -> int:
+        return int(round(o.tail_s / self.inp.unit_s))
+
+    def s(self, o: Option) -> int:
+        return int(math.ceil(o.static_bytes / KIB))
+
+    def a(self, o: Option) -> int:
+        return int(math.ceil(o.activation_bytes / KIB))
+
+    def g(self, o: Option) -> int:
+        return int(math.ceil(o.buffer_bytes / KIB))
+
+    # -- buffers: G ≥ gather buffer of every class (evaluate.py docstring) ----------------------
+    def add_buffer_max(self) -> None:
+        hi = max((self.g(o) for opts in self.inp.options for o in opts), default=0)
+        self.g_max = self.model.new_int_var(0, hi, "G_max")
+        for c, cls in enumerate(self.inp.classes):
+            self.model.add(self.g_max >= self.class_expr(c, self.g)).with_name(f"buffer_max/{cls.name}")
+
+    # -- one_strategy/<class>, sp_consistent/<class> ----------------------------------------
+    def add_strategy_choice(self) -> None:
+        m, inp = self.model, self.inp
+        self.x = [[m.new_bool_var(f"x[{c.name}][{i}]") for i in range(len(opts))]
+                  for c, opts in zip(inp.classes, inp.options)]
+        for c, xs in zip(inp.classes, self.x):
+            m.add_exactly_one(xs).with_name(f"one_strategy/{c.name}")
+        self.sp = m.new_bool_var("sp") if inp.mesh.tp > 1 else None
+        if self.sp is not None:
+            for c, xs, opts in zip(inp.classes, self.x, inp.options):
+                m.add(sum(x for x, o in zip(xs, opts) if o.strategy.sp) == self.sp).with_name(f"sp_consistent/{c.name}")
+
+    def class_expr(self, c: int, coef) -> cp_model.LinearExpr:
+        return sum(coef(o) * x for o, x in zip(self.inp.options[c], self.x[c]))
+
+    # -- per-block linear terms (one IntVar per distinct block composition) -------------------
+    def add_block_terms(self) -> None:
+        self.block_terms: list[tuple] = []
+        self.upper: dict[int, int] = {}
+        cache: dict[tuple, tuple] = {}
+        for members in self.inp.block_classes:
+            key = tuple(sorted(members))
+            if key not in cache:
+                cache[key] = tuple(self._block_var(key, coef, n)
+                                   for n, coef in (("T", self.t), ("tail", self.tail), ("S", self.s), ("A", self.a)))
+            self.block_terms.append(cache[key])
+
+    def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
+        hi = sum(max(coef(o) for o in self.inp.options[c]) for c in members)
+        lo = sum(min(coef(o) for o in self.inp.options[c]) for c in members)
+        var = self.model.new_int_var(lo, hi, f"{name}{list(members)}")
+        self.model.add(var == sum(self.class_expr(c, coef) for c in members))
+        self.upper[var.index] = hi
+        return var
+
+    # -- stage_assign/<block>, stage_contiguous/<block>, stage_first, stage_last ----------------
+    def add_stage_assignment(self) -> None:
+        """``self.y[b]``: stage → literal (``True`` when fixed). Contiguity as in the solver docstring."""
+        B, p, m = self.num_blocks, self.pp, self.model
+        if self.v > 1:
+            fixed = interleaved_block_stages(B, p, self.v)
+            self.y = [{fixed[b] % p: True} for b in range(B)]
+            self.block_stage_fixed = fixed
+            return
+        self.block_stage_fixed = None
+        width = max(2, math.ceil(B / p))
+        centres = [round(k * B / p) for k in range(1, p)]
+        self.y, self.st = [], []
+        for b in range(B):
+            lo = max(sum(1 for c in centres if c + width <= b), p - (B - b), 0)
+            hi = min(sum(1 for c in centres if c - width <= b), b, p - 1)
+            if lo == hi:
+                self.y.append({lo: True})
+                self.st.append(lo)
+                continue
+            lits = {k: m.new_bool_var(f"y[{b}][{k}]") for k in range(lo, hi + 1)}
+            m.add_exactly_one(lits.values()).with_name(f"stage_assign/{b}")
+            st = m.new_int_var(lo, hi, f"st[{b}]")
+            m.add(st == sum(k * lit for k, lit in lits.items())).with_name(f"stage_assign/{b}")
+            self.y.append(lits)
+            self.st.append(st)
+        for b in range(B - 1):
+            if isinstance(self.st[b], int) and isinstance(self.st[b + 1], int):
+                continue  # both fixed by their windows, consistent by construction
+            m.add(self.st[b] <= self.st[b + 1]).with_name(f"stage_contiguous/{b}")
+            m.add(self.st[b + 1] <= self.st[b] + 1).with_name(f"stage_contiguous/{b}")
+
+    def _rank_sum(self, k: int, term: int, scale_a: int = 0) -> cp_model.LinearExpr:
+        """Σ_b [block b on rank k] · (term of b) (+ scale_a · A_b for memory rows)."""
+        total = []
+        for b, lits in enumerate(self.y):
+            if k not in lits:
+                continue
+            terms = self.block_terms[b]
+            value = terms[term] if not scale_a else terms[2] * self.v + scale_a * terms[3]
+            lit = lits[k]
+            if lit is True:
+                total.append(value)
+                continue
+            hi = (self._ub(terms[term]) if not scale_a else self._ub(terms[2]) * self.v + scale_a * self._ub(terms[3]))
+            w = self.model.new_int_var(0, hi, f"w{term}[{b}][{k}]")
+            self.model.add(w >= value).only_enforce_if(lit)
+            total.append(w)
+        return sum(total)
+
+    def _ub(self, var: cp_model.IntVar) -> int:
+        return self.upper[var.index]
+
+    # -- stage_time/stage<k>, mem/stage<k>, step/stage<k>, objective ---------------------------
+    def add_stage_rows_and_objective(self) -> None:
+        inp, m, p, v = self.inp, self.model, self.pp, self.v
+        t_hi = sum(self._ub(terms[0]) for terms in self.block_terms)
+        self.t_max = m.new_int_var(0, t_hi, "T_max")
+        tail_hi = sum(self._ub(terms[1]) for terms in self.block_terms)
+        slots_v = inp.schedule.num_micro_batches * v + p - 1
+        self.z = m.new_int_var(0, (slots_v * t_hi + v * tail_hi) // v + 1, "Z")
+        cap_kib = inp.cap_bytes // KIB
+        for k in range(p):
+            m.add(self.t_max >= self._rank_sum(k, 0)).with_name(f"stage_time/stage{k}")
+            flight_v = int(round(in_flight(inp.schedule, p, k) * v))
+            live_buffers = (1 + inp.schedule.prefetch) * v * self.g_max
+            m.add(self._rank_sum(k, 2, scale_a=flight_v) + live_buffers <= cap_kib * v).with_name(f"mem/stage{k}")
+            m.add(v * self.z >= slots_v * self.t_max + v * self._rank_sum(k, 1)).with_name(f"step/stage{k}")
+        if inp.cutoff_s is not None:
+            m.add(self.z <= max(int(math.floor(inp.cutoff_s / inp.unit_s)) - 1, 0)).with_name("cutoff")
+        noise = [(_noise(f"{c.name}|{strategy_key(o.strategy)}", 64), x)
+                 for c, opts, xs in zip(inp.classes, inp.options, self.x) for o, x in zip(opts, xs)]
+        stage_noise = [(1 + _noise(f"block{b}", 8), st) for b, st in enumerate(getattr(self, "st", []))
+                       if not isinstance(st, int)]
+        max_noise = sum(63 for _ in noise) + sum(w * (p - 1) for w, _ in stage_noise)
+        self.weight = 1 << max(1, max_noise.bit_length())
+        m.minimize(self.weight * self.z + sum(w * x for w, x in noise) + sum(w * st for w, st in stage_noise))
+
+    def add_hints(self) -> None:
+        for c, strategy in enumerate(self.inp.hint):
+            if strategy is None:
+                continue
+            want = strategy_key(strategy)
+            for o, x in zip(self.inp.options[c], self.x[c]):
+                self.model.add_hint(x, strategy_key(o.strategy) == want)
+        if self.inp.hint_block_stage and getattr(self, "st", None) and self.v == 1:
+            for st, stage in zip(self.st, self.inp.hint_block_stage):
+                if not isinstance(st, int):
+                    self.model.add_hint(st, stage)
+
+
+def build(inp: ModelInput) -> _Builder:
+    """Build the full model for ``inp`` (families in the solver docstring)."""
+    builder = _Builder(inp)
+    builder.add_strategy_choice()
+    builder.add_block_terms()
+    builder.add_buffer_max()
+    builder.add_stage_assignment()
+    builder.add_stage_rows_and_objective()
+    builder.add_hints()
+    return builder
+
+
+def solve_model(inp: ModelInput, *, time_limit_s: float, num_workers: int, seed: int = 0) -> ModelResult:
+    """Build and solve; ``status`` is the CP-SAT status name."""
+    builder = build(inp)
+    solver = cp_model.CpSolver()
+    params = solver.parameters
+    params.max_time_in_seconds = max(time_limit_s, 0.01)
+    params.num_workers = num_workers
+    params.random_seed = seed
+    status = solver.status_name(solver.solve(builder.model))
+    if status not in ("OPTIMAL", "FEASIBLE"):
+        return ModelResult(status, (), (), math.inf, _bound_s(solver, builder, inp, status))
+    choice = tuple(next(i for i, x in enumerate(xs) if solver.boolean_value(x)) for xs in builder.x)
+    if builder.block_stage_fixed is not None:
+        block_stage = tuple(builder.block_stage_fixed)
+    else:
+        block_stage = tuple(st if isinstance(st, int) else solver.value(st) for st in builder.st)
+    return ModelResult(status, choice, block_stage, solver.value(builder.z) * inp.unit_s,
+                       _bound_s(solver, builder, inp, status))
+
+
+def _bound_s(solver: cp_model.CpSolver, builder: _Builder, inp: ModelInput, status: str) -> float:
+    if status == "INFEASIBLE":
+        return math.inf
+    if status == "UNKNOWN":
+        return 0.0
+    return math.floor(solver.best_objective_bound / builder.weight) * inp.unit_s
+
+
+def block_members(block_of_layer: Sequence[int], class_of_layer: Sequence[int], num_blocks: int) -> tuple:
+    """Per anchor block, the solver-class index of each layer riding on it."""
+    out: list[list[int]] = [[] for _ in range(num_blocks)]
+    for b, c in zip(block_of_layer, class_of_layer):
+        out[b].append(c)
+    return tuple(tuple(members) for members in out)

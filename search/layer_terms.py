@@ -1,0 +1,344 @@
+"""Per-layer cost terms: compute, critical-path comm, data-parallel comm, optimizer, memory.
+
+The private building blocks of ``search/cost_model.py``, whose module docstring
+writes every formula out with its units; each function here returns its terms
+under the names that docstring (and ``LayerCost.detail``) uses.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.cluster import Cluster
+from autoshard.graph import LayerInfo
+from autoshard.plan import LayerStrategy, Mesh, Schedule
+from autoshard.search import comm
+from autoshard.search.memory import (
+    TP_SPLIT_ROLES,
+    MemoryBreakdown,
+    StateBytes,
+    activation_bytes,
+    model_state_memory,
+    tp_shardable,
+)
+from autoshard.train import TrainSpec
+
+OVERLAP_EFFICIENCY = 0.8  # fraction of a compute window a collective can hide behind
+QUANT_KERNEL_EFFICIENCY = 0.9  # quantize/dequantize kernels vs raw HBM bandwidth (REFERENCES: ≥ 90% goal)
+QUANT_GROUP_ELEMENTS = 128  # elements per fp32 scale in quantized collectives
+QUANT_SCALE_BYTES = 4
+ATTENTION_SCORE_TRAFFIC = 2.0  # saved score tensors: written once, read once
+ALLOCATOR_FRAGMENTATION = 0.05
+RESERVED_BYTES = 2**30
+LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy: max, sum-exp, target logit
+LOSS_REDUCTION_BYTES = 4  # fp32 per token
+
+_COMM_DTYPE_BYTES = {"bf16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
+_QUANTIZED = ("fp8", "int8", "int4")
+_SHARDED_STATES = ("zero1", "zero2", "zero3", "offload")
+
+
+def comm_bytes_per_element(dtype: str) -> float:
+    """Wire bytes per element of a collective in ``dtype``, scales included."""
+    scale = QUANT_SCALE_BYTES / QUANT_GROUP_ELEMENTS if dtype in _QUANTIZED else 0.0
+    return _COMM_DTYPE_BYTES[dtype] + scale
+
+
+def usable_memory_bytes(cluster: Cluster) -> float:
+    """Device bytes the model may plan for: (memory − reserved) / (1 + fragmentation)."""
+    return (cluster.device.memory_bytes - reserved_bytes(cluster)) / (1.0 + ALLOCATOR_FRAGMENTATION)
+
+
+# ---- device rates ----------------------------------------------------------------------------
+
+
+def peak_flops(cluster: Cluster, train: TrainSpec) -> float:
+    """Dense peak FLOP/s of the device in the training precision."""
+    return cluster.peak_flops(train.precision)
+
+
+def matmul_efficiency(cluster: Cluster) -> float:
+    """Achieved / peak for large GEMMs (calibration is applied into the device spec)."""
+    return cluster.device.matmul_efficiency
+
+
+def hbm_bandwidth(cluster: Cluster) -> float:
+    """Achievable HBM bytes/s: peak · hbm_efficiency."""
+    return cluster.device.achieved_hbm_bandwidth
+
+
+def overlap_efficiency(cluster: Cluster) -> float:
+    """Fraction of a compute window a collective hides behind (``OVERLAP_EFFICIENCY`` unless calibrated)."""
+    return cluster.calibration.get("overlap_efficiency", OVERLAP_EFFICIENCY)
+
+
+def reserved_bytes(cluster: Cluster) -> float:
+    """Device bytes outside the allocator: CUDA context, NCCL and cuBLAS workspaces."""
+    return cluster.calibration.get("reserved_bytes", RESERVED_BYTES)
+
+
+# ---- compute ---------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Sharding:
+    """How tensor/sequence parallelism divides one layer's work on one rank."""
+
+    tokens: float  # T = b·s/cp
+    seq_len: int
+    tp_mm: int  # divides matmul/attention FLOPs
+    tp_boundary: int  # divides boundary (replicated-under-TP) elementwise work: t under SP
+    tp_interior: int  # divides interior elementwise work
+
+    def elementwise_split(self, layer: LayerInfo) -> float:
+        """Fraction of the layer's elementwise work one rank does."""
+        b, i = layer.saved_boundary_per_token, layer.saved_interior_per_token
+        interior = i / (b + i) if b + i > 0 else (1.0 if self.tp_mm > 1 else 0.0)
+        return (1.0 - interior) / self.tp_boundary + interior / self.tp_interior
+
+
+def sharding(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Schedule, seq_len: int) -> Sharding:
+    """Tokens on this rank and the tp divisors of each kind of work."""
+    sp = strategy.sp and mesh.tp > 1
+    tp_mm = mesh.tp if strategy.tp == "megatron" and tp_shardable(layer) else 1
+    tp_boundary = mesh.tp if sp else 1
+    tokens = schedule.micro_batch * seq_len / mesh.cp
+    return Sharding(tokens, seq_len, tp_mm, tp_boundary, max(tp_mm, tp_boundary))
+
+
+def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, cluster: Cluster,
+                   train: TrainSpec) -> dict[str, float]:
+    """Forward/backward/recompute compute seconds of one micro-batch (module docstring)."""
+    peak, eff, hbm = peak_flops(cluster, train), matmul_efficiency(cluster), hbm_bandwidth(cluster)
+    t, s = sh.tokens, sh.seq_len
+    split = sh.elementwise_split(layer)
+    attn_flops = t * layer.attention_flops_per_token_seq * s / sh.tp_mm
+    mm_flops = t * layer.matmul_flops_per_token / sh.tp_mm + attn_flops
+    score_bytes = ATTENTION_SCORE_TRAFFIC * t * layer.saved_interior_per_token_seq * s / sh.tp_interior
+    fwd_matmul = mm_flops / (peak * eff) + t * layer.elementwise_flops_per_token * split / peak
+    fwd_memory = (t * layer.bytes_per_token * split + score_bytes) / hbm
+    fwd = max(fwd_matmul, fwd_memory)
+    recompute = {
+        "none": 0.0,
+        "selective": max(attn_flops / (peak * eff), score_bytes / hbm),
+        "full": fwd,
+    }[strategy.recompute]
+    return {
+        "fwd_matmul_s": fwd_matmul,
+        "fwd_memory_s": fwd_memory,
+        "fwd_compute_s": fwd,
+        "bwd_compute_s": 2.0 * fwd,
+        "recompute_s": recompute,
+    }
+
+
+# ---- critical-path communication -------------------------------------------------------------
+
+
+def _tp_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh,
+             cluster: Cluster) -> tuple[float, float]:
+    """(fwd, bwd) seconds of Megatron TP/SP collectives for one micro-batch."""
+    if sh.tp_mm == 1:
+        return 0.0, 0.0
+    size, stride = comm.tp_group(mesh)
+    link = comm.group_link(cluster, size, stride)
+
+    def ar(n: float) -> float:
+        return comm.all_reduce_time(n, size, link)
+
+    def ag(n: float) -> float:
+        return comm.all_gather_time(n, size, link)
+
+    def rs(n: float) -> float:
+        return comm.reduce_scatter_time(n, size, link)
+
+    n_in, n_out = sh.tokens * layer.input_bytes_per_token, sh.tokens * layer.output_bytes_per_token
+    sp = strategy.sp
+    if layer.kind == "embedding":
+        return (rs(n_out), ag(n_out)) if sp else (ar(n_out), 0.0)
+    if layer.kind == "head":
+        loss = LOSS_REDUCTIONS * ar(LOSS_REDUCTION_BYTES * sh.tokens)
+        return (loss + ag(n_in), rs(n_in)) if sp else (loss, ar(n_in))
+    if sp:
+        return ag(n_in) + rs(n_out), ag(n_out) + rs(n_in)
+    return ar(n_out), ar(n_in)
+
+
+def _ep_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh, cluster: Cluster) -> float:
+    """Seconds of one direction (fwd or bwd) of MoE dispatch + combine all-to-alls."""
+    if not (strategy.ep and mesh.ep > 1 and layer.kind == "moe"):
+        return 0.0
+    size, stride = comm.ep_group(mesh)
+    routed = sh.tokens / sh.tp_boundary * (layer.top_k or 1) * layer.input_bytes_per_token
+    return 2.0 * comm.all_to_all_time(routed, size, comm.group_link(cluster, size, stride))
+
+
+def _cp_comm(layer: LayerInfo, sh: Sharding, mesh: Mesh, cluster: Cluster) -> float:
+    """Seconds of the K,V all-gather (fwd) = dK,dV reduce-scatter (bwd) of context parallelism."""
+    if mesh.cp == 1 or layer.kind != "attention":
+        return 0.0
+    kv_ratio = (layer.num_kv_heads or 1) / (layer.num_heads or 1) if layer.num_heads else 1.0
+    kv_bytes = sh.tokens * mesh.cp * 2.0 * layer.input_bytes_per_token * kv_ratio / sh.tp_mm
+    size, stride = comm.cp_group(mesh)
+    return comm.all_gather_time(kv_bytes, size, comm.group_link(cluster, size, stride))
+
+
+def critical_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh,
+                    cluster: Cluster) -> dict[str, float]:
+    tp_fwd, tp_bwd = _tp_comm(layer, strategy, sh, mesh, cluster)
+    ep = _ep_comm(layer, strategy, sh, mesh, cluster)
+    cp = _cp_comm(layer, sh, mesh, cluster)
+    fwd = tp_fwd + ep + cp
+    return {
+        "tp_fwd_s": tp_fwd,
+        "tp_bwd_s": tp_bwd,
+        "ep_fwd_s": ep,
+        "ep_bwd_s": ep,
+        "cp_fwd_s": cp,
+        "cp_bwd_s": cp,
+        "recompute_comm_s": fwd if strategy.recompute == "full" else 0.0,
+    }
+
+
+# ---- data-parallel communication, optimizer, model states --------------------------------------
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters of one layer that share a data-parallel group."""
+
+    psi: float  # local elements after TP/EP sharding
+    shard_group: tuple[int, int]  # (size, stride) that ZeRO shards over and reduces in
+    replicate_group: tuple[int, int] | None = None  # HSDP outer all-reduce
+
+
+def param_groups(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) -> list[ParamGroup]:
+    """Dense parameters (dp group, or HSDP) and, under EP, expert parameters (expert-dp group)."""
+    dense = expert = 0.0
+    for param in layer.params:
+        if param.tp_role == "expert" and strategy.ep and mesh.ep > 1:
+            expert += param.numel / mesh.ep
+        elif param.tp_role in TP_SPLIT_ROLES and strategy.tp == "megatron":
+            dense += param.numel / mesh.tp
+        else:
+            dense += param.numel
+    if strategy.state == "zero3" and mesh.dp_replicate > 1:
+        groups = [ParamGroup(dense, comm.dp_shard_group(mesh), comm.dp_replicate_group(mesh))]
+    else:
+        groups = [ParamGroup(dense, comm.dp_group(mesh))]
+    if expert:
+        groups.append(ParamGroup(expert, comm.expert_dp_group(mesh)))
+    return groups
+
+
+def _shard_degree(group: ParamGroup, state: str) -> int:
+    return group.shard_group[0] if state in _SHARDED_STATES else 1
+
+
+def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, cluster: Cluster, schedule: Schedule,
+                    sizes: StateBytes) -> dict[str, float]:
+    """Per-step data-parallel comm of one parameter group (module docstring table)."""
+    size, stride = group.shard_group
+    link = comm.group_link(cluster, size, stride)
+    m, state = schedule.num_micro_batches, strategy.state
+    n_grad = group.psi * comm_bytes_per_element(strategy.grad_comm)
+    n_param = group.psi * sizes.param
+    terms = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step"), 0.0)
+    if state == "replicate":
+        terms["grad_once"] = comm.all_reduce_time(n_grad, size, link)
+    elif state == "zero1":
+        terms["grad_once"] = comm.reduce_scatter_time(n_grad, size, link)
+        terms["post_step"] = comm.all_gather_time(n_param, size, link)
+    elif state in ("zero2", "offload"):
+        terms["grad_per_mb"] = m * comm.reduce_scatter_time(n_grad, size, link)
+        terms["post_step"] = comm.all_gather_time(n_param, size, link)
+    else:  # zero3
+        n_weight = group.psi * comm_bytes_per_element(strategy.weight_comm)
+        terms["gather_fwd"] = terms["gather_bwd"] = m * comm.all_gather_time(n_weight, size, link)
+        terms["grad_per_mb"] = m * comm.reduce_scatter_time(n_grad, size, link)
+        if group.replicate_group is not None:
+            rep_size, rep_stride = group.replicate_group
+            rep_link = comm.group_link(cluster, rep_size, rep_stride)
+            terms["grad_once"] = comm.all_reduce_time(n_grad / size, rep_size, rep_link)
+    terms["quant"] = _quant_kernel_time(group, strategy, cluster, schedule, sizes)
+    return terms
+
+
+def _quant_kernel_time(group: ParamGroup, strategy: LayerStrategy, cluster: Cluster, schedule: Schedule,
+                       sizes: StateBytes) -> float:
+    """Quantize/dequantize kernel seconds per step (module docstring)."""
+    size, m = group.shard_group[0], schedule.num_micro_batches
+    rate = cluster.device.hbm_bandwidth * QUANT_KERNEL_EFFICIENCY
+    kernel_bytes = 0.0
+    if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED and size > 1:
+        w = comm_bytes_per_element(strategy.weight_comm)
+        per_gather = group.psi / size * (sizes.param + w) + group.psi * (w + sizes.param)
+        kernel_bytes += 2 * m * per_gather
+    if strategy.grad_comm in _QUANTIZED and size > 1:
+        reductions = m if strategy.state in ("zero2", "zero3", "offload") else 1
+        kernel_bytes += reductions * 2 * group.psi * (sizes.grad + comm_bytes_per_element(strategy.grad_comm))
+    return kernel_bytes / rate
+
+
+def _sp_grad_allreduce(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: Cluster,
+                       sizes: StateBytes) -> float:
+    """All-reduce across tp of the grads of tp-replicated params that saw sequence shards (SP)."""
+    if not (strategy.sp and mesh.tp > 1):
+        return 0.0
+    replicated = sum(p.numel for p in layer.params if p.tp_role not in TP_SPLIT_ROLES + ("expert",))
+    size, stride = comm.tp_group(mesh)
+    return comm.all_reduce_time(replicated * sizes.grad, size, comm.group_link(cluster, size, stride))
+
+
+def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh,
+              cluster: Cluster, schedule: Schedule, sizes: StateBytes, compute: dict[str, float]) -> dict[str, float]:
+    """All data-parallel comm terms of the layer and their exposed part after overlap."""
+    total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step", "quant"), 0.0)
+    for group in groups:
+        for key, value in _dp_group_terms(group, strategy, cluster, schedule, sizes).items():
+            total[key] += value
+    total["grad_once"] += _sp_grad_allreduce(layer, strategy, mesh, cluster, sizes)
+    f, m = overlap_efficiency(cluster), schedule.num_micro_batches
+    bwd_window = compute["bwd_compute_s"] + compute["recompute_s"]
+    exposed = (
+        max(0.0, total["gather_fwd"] - f * m * compute["fwd_compute_s"])
+        + max(0.0, total["gather_bwd"] + total["grad_per_mb"] - f * m * bwd_window)
+        + max(0.0, total["grad_once"] - f * bwd_window)
+        + total["post_step"]
+        + total["quant"]
+    )
+    out = {f"dp_{key}_s": value for key, value in total.items()}
+    out["dp_total_s"] = sum(total.values())
+    out["dp_exposed_s"] = exposed
+    return out
+
+
+def optimizer_terms(groups: list[ParamGroup], strategy: LayerStrategy, cluster: Cluster, train: TrainSpec,
+                     sizes: StateBytes) -> dict[str, float]:
+    """Optimizer-update seconds per step (device HBM, or host copies + CPU Adam for offload)."""
+    local = sum(g.psi / _shard_degree(g, strategy.state) for g in groups)
+    if strategy.state == "offload":
+        host = cluster.host_bandwidth
+        terms = {
+            "optimizer_d2h_s": local * sizes.grad / host,
+            "optimizer_cpu_s": local / cluster.cpu_adam_params_per_s,
+            "optimizer_h2d_s": local * sizes.param / host,
+        }
+    else:
+        param_traffic = sizes.param * (2 if train.precision == "fp32" else 1)
+        touched = 2 * sizes.optimizer + sizes.grad + param_traffic
+        terms = {"optimizer_hbm_s": local * touched / hbm_bandwidth(cluster)}
+    terms["optimizer_params_local"] = local
+    return terms
+
+
+def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh, sh: Sharding,
+            sizes: StateBytes, region_entry: bool) -> MemoryBreakdown:
+    """Model states of every parameter group plus one micro-batch of activations."""
+    states = MemoryBreakdown()
+    for group in groups:
+        states = states + model_state_memory(group.psi, strategy.state, _shard_degree(group, strategy.state), sizes)
+        if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
+            states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
+    acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
+    return states + MemoryBreakdown(activations=acts)

@@ -1,0 +1,154 @@
+"""Per-rank memory formulas: model states (ZeRO) and activations (Korthikanti).
+
+Units: bytes. ``Ψ`` = parameters of a layer a rank holds after tensor/expert
+sharding; ``N`` = the degree the ZeRO stage shards over (1 for replicate).
+
+Model states (Rajbhandari et al. 2020, "ZeRO", §3 and Table 1), with ``p`` =
+parameter bytes, ``g`` = gradient bytes, ``K`` = optimizer-state bytes per
+parameter:
+
+    state       params   grads    optimizer   buffers (transient)        host
+    replicate   pΨ       gΨ       KΨ          0                          0
+    zero1       pΨ       gΨ       KΨ/N        0                          0
+    zero2       pΨ       gΨ/N     KΨ/N        gΨ   (unsharded grad)       0
+    zero3       pΨ/N     gΨ/N     KΨ/N        (p+g)Ψ (gathered layer)     0
+    offload     pΨ       gΨ       0           0                          KΨ/N
+
+Mixed precision (``precision="bf16"``): p = g = 2, K = 12 for AdamW (fp32
+master 4 + momentum 4 + variance 4; ``TrainSpec.optimizer_state_bytes_per_param``),
+4 for SGD (fp32 master). Full fp32 (``precision="fp32"``): p = g = 4 and the
+fp32 parameters are the master copy, so K drops the master: 8 for AdamW, 0 for
+SGD. ``buffers`` is what one layer needs while it runs (its gathered
+parameters and unsharded gradient before the reduce-scatter); only the largest
+layer's buffers (times the prefetch depth) live at once, so whole-stage peaks
+take a max over layers, never a sum.
+
+Activations of one micro-batch (Korthikanti et al. 2022, Table 2), from the
+captured per-token coefficients of ``LayerInfo`` (B = saved_boundary, I =
+saved_interior, Iₛ = saved_interior_seq, all bytes/token; T = b·s/cp tokens
+on this rank; t = tensor-parallel degree):
+
+    recompute none, no TP      T · (B + I + Iₛ·s)
+    TP (no SP)                 T · (B + (I + Iₛ·s)/t)
+    TP + SP                    T · (B + I + Iₛ·s)/t
+    selective                  the same with Iₛ dropped
+    full                       T · input_bytes_per_token (/t under SP), for the
+                               first layer of a checkpoint region; 0 for the rest
+
+A *checkpoint region* is a maximal run of consecutive full-recompute layers of
+one block (and one stage): it keeps only its input, so a fully recomputed
+transformer block holds ``2sbh`` (Korthikanti's "full recompute" row). A layer
+priced alone (``region_entry=True``, the default) is its own region.
+
+Activation bytes are at the dtype the model was captured in (capture in the
+training dtype); dropout masks are counted by capture at 1 byte.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.graph import LayerInfo
+from autoshard.plan import LayerStrategy
+from autoshard.train import TrainSpec
+
+STATES = ("replicate", "zero1", "zero2", "zero3", "offload")
+
+
+@dataclass(frozen=True)
+class MemoryBreakdown:
+    """Bytes one rank holds for one layer (or a whole stage when summed)."""
+
+    params: float = 0.0
+    grads: float = 0.0
+    optimizer: float = 0.0
+    activations: float = 0.0  # for ONE micro-batch in flight
+    buffers: float = 0.0  # collective / gather buffers
+    host: float = 0.0  # bytes in host memory (ZeRO-Offload optimizer states); not device memory
+
+    @property
+    def total_static(self) -> float:
+        return self.params + self.grads + self.optimizer + self.buffers
+
+    @property
+    def model_states(self) -> float:
+        """params + grads + optimizer on the device: the quantity of ZeRO's Table 1."""
+        return self.params + self.grads + self.optimizer
+
+    def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        return MemoryBreakdown(
+            params=self.params + other.params,
+            grads=self.grads + other.grads,
+            optimizer=self.optimizer + other.optimizer,
+            activations=self.activations + other.activations,
+            buffers=self.buffers + other.buffers,
+            host=self.host + other.host,
+        )
+
+
+@dataclass(frozen=True)
+class StateBytes:
+    """Bytes per parameter: ``param`` (p), ``grad`` (g), ``optimizer`` (K)."""
+
+    param: int
+    grad: int
+    optimizer: int
+
+
+def state_bytes(train: TrainSpec) -> StateBytes:
+    """p, g and K for ``train``'s precision and optimizer (module docstring)."""
+    k = train.optimizer_state_bytes_per_param
+    if train.precision == "fp32":
+        return StateBytes(param=4, grad=4, optimizer=k - 4)  # fp32 params are the master copy
+    return StateBytes(param=2, grad=2, optimizer=k)
+
+
+def model_state_memory(psi: float, state: str, shard_degree: int, sizes: StateBytes) -> MemoryBreakdown:
+    """ZeRO model-state bytes of ``psi`` parameters under ``state`` sharded over ``shard_degree`` ranks."""
+    if state not in STATES:
+        raise ValueError(f"state={state!r}: allowed {STATES}")
+    n = max(1, shard_degree)
+    p, g, k = sizes.param * psi, sizes.grad * psi, sizes.optimizer * psi
+    if state == "replicate":
+        return MemoryBreakdown(params=p, grads=g, optimizer=k)
+    if state == "zero1":
+        return MemoryBreakdown(params=p, grads=g, optimizer=k / n)
+    if state == "zero2":
+        return MemoryBreakdown(params=p, grads=g / n, optimizer=k / n, buffers=g)
+    if state == "zero3":
+        return MemoryBreakdown(params=p / n, grads=g / n, optimizer=k / n, buffers=p + g)
+    return MemoryBreakdown(params=p, grads=g, optimizer=0.0, host=k / n)  # offload
+
+
+TP_SPLIT_ROLES = ("column", "row", "vocab")
+
+
+def tp_shardable(layer: LayerInfo) -> bool:
+    """Whether Megatron TP splits this layer's work (it has column/row/vocab parameters)."""
+    return any(p.tp_role in TP_SPLIT_ROLES for p in layer.params)
+
+
+def activation_bytes(
+    layer: LayerInfo,
+    strategy: LayerStrategy,
+    tp: int,
+    tokens: float,
+    seq_len: int,
+    *,
+    region_entry: bool = True,
+) -> float:
+    """Saved-activation bytes of one micro-batch of ``tokens`` tokens (module docstring table).
+
+    ``tp`` is the mesh's tensor-parallel degree; it shards only when the
+    strategy uses Megatron TP on a layer with tp-split parameters (interior
+    tensors) or SP (all of them).
+    """
+    sp = strategy.sp and tp > 1
+    tp_interior = tp if ((strategy.tp == "megatron" and tp_shardable(layer)) or sp) else 1
+    tp_boundary = tp if sp else 1
+    if strategy.recompute == "full":
+        return tokens * layer.input_bytes_per_token / tp_boundary if region_entry else 0.0
+    interior = layer.saved_interior_per_token
+    if strategy.recompute == "none":
+        interior += layer.saved_interior_per_token_seq * seq_len
+    return tokens * (layer.saved_boundary_per_token / tp_boundary + interior / tp_interior)

@@ -1,0 +1,407 @@
+r"""Search: meshes enumerated outside CP-SAT, one CP-SAT model per surviving (mesh, schedule).
+
+Outer search (``solve``)
+    1. ``space.enumerate_meshes`` lists admissible meshes; ``space.schedule_candidates``
+       lists (micro-batch, schedule) per mesh. Each pair is a *candidate*.
+    2. Each candidate gets a cheap lower bound from two cost calls per layer
+       class (``_probe_bound``): the fastest-looking strategy (first state, no
+       recompute, bf16 comm, per ``sp``) gives ``t_c``, and
+       ``LB = (m + (p−1)/v) · Σ_l t_l / p``. It is valid when neither sharding
+       state nor quantized comm makes forward+backward faster and recompute
+       never does (true of every cost model here). With the real cost model,
+       ``cost_model.lower_bound_step_time`` (when present) is max-ed in.
+    3. Candidates run in increasing (LB, mesh, schedule) order; one whose LB is
+       ≥ the best step time found is skipped (branch and bound). A survivor's
+       full cost table is built (every admissible strategy of every class,
+       ``evaluate.prune_dominated``), its table bound and memory bound are
+       checked, and then the CP-SAT model below runs with ``Z < best`` as a cutoff.
+
+CP-SAT model (``cpsat_model.py``), for mesh (p = pp) and schedule (m, v). Classes
+c (``space.solver_classes``), options s ∈ S_c, anchor blocks b (``evaluate``),
+n_{c,b} layers of class c riding on block b, ranks k:
+
+    x[c,s] ∈ {0,1}                Σ_s x[c,s] = 1                       one_strategy/<c>       add_strategy_choice
+    sp ∈ {0,1} (tp > 1)           Σ_{s: s.sp} x[c,s] = sp              sp_consistent/<c>      add_strategy_choice
+    y[b,k] ∈ {0,1}, k ∈ W(b)      Σ_k y[b,k] = 1, st_b = Σ_k k·y[b,k]  stage_assign/<b>       add_stage_assignment
+                                  st_b ≤ st_{b+1} ≤ st_b + 1           stage_contiguous/<b>   add_stage_assignment
+    X_b = Σ_c n_{c,b} Σ_s x[c,s]·X[c,s]  for X ∈ {t, tail, S, A}                              add_block_terms
+    T_max ≥ Σ_b y[b,k]·t_b                                             stage_time/stage<k>    add_stage_rows_and_objective
+    Σ_b y[b,k]·(S_b + f_k·A_b) ≤ M                                     mem/stage<k>           add_stage_rows_and_objective
+    Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective
+    minimise  W·Z + Σ_{c,s} h(c,s)·x[c,s] + Σ_b g(b)·st_b
+
+Products y·(linear in x) are linearised with one non-negative variable per
+(b, k) bounded below under ``only_enforce_if(y[b,k])``; every row using them
+is an upper bound, so the optimum sets them to the product. f_k is
+``pipeline.in_flight`` (1F1B: min(p−k, m); GPipe: m; interleaved: Megatron's
+warm-up count / v; rows are multiplied by v to stay integral). M is the
+per-rank limit ``(max_memory_bytes or device memory) · (1 − headroom)``.
+W(b) is a window: stage boundary k lies within ``max(2, ⌈B/p⌉)`` blocks of
+``round(k·B/p)`` (so one stage may shrink or grow by a whole stage's worth to
+offset the embedding or the head); blocks outside every window are fixed.
+Interleaved schedules use p·v equal chunks (virtual stage j on rank j mod p)
+and no y. Strategies are shared by all layers of a class on every stage
+(stages differ only in their boundaries).
+
+Determinism. h and g are small deterministic weights (crc32 of the class and
+strategy names) below W, so ties in Z resolve to one unique optimum; candidate
+order is a pure function of the inputs; CP-SAT runs with a fixed seed and
+worker count. Two solves that reach OPTIMAL return identical plans. Only the
+wall time differs: ``SolverStats.wall_s`` is recorded, and callers comparing
+plans byte for byte zero it (``without_wall_time``). A search cut short by
+``time_limit_s`` (status FEASIBLE) depends on timing and is not reproducible.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from dataclasses import dataclass
+
+from autoshard.cluster import Cluster
+from autoshard.errors import AutoshardError, InfeasibleError
+from autoshard.graph import ModelGraph
+from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions, Schedule, SolverStats
+from autoshard.search import cost_model
+from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, solve_model
+from autoshard.search.evaluate import (
+    CostFn, CostTable, Option, anchor_blocks, evaluate, fallback_predictions, layer_stages, num_anchor_blocks,
+    prune_dominated,
+)
+from autoshard.search.pipeline import in_flight
+from autoshard.search.space import (
+    Constraints, PruneRecord, SolverClass, admissible_strategies, enumerate_meshes, resolve_pins,
+    schedule_candidates, solver_classes, strategy_key, validate_constraints,
+)
+from autoshard.train import TrainSpec
+
+DEFAULT_TIME_LIMIT_S = 60.0
+DEFAULT_NUM_WORKERS = 8
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One (mesh, schedule) pair with its probe lower bound."""
+
+    mesh: Mesh
+    schedule: Schedule
+    lower_bound_s: float
+    admissible: tuple[tuple[LayerStrategy, ...], ...]  # per class, pin-filtered
+
+    def order_key(self) -> tuple:
+        m, s = self.mesh, self.schedule
+        return (self.lower_bound_s, m.tp, m.pp, m.dp_shard, m.dp_replicate, m.ep, s.micro_batch, s.name,
+                s.virtual_stages)
+
+
+@dataclass
+class _Search:
+    """Mutable state of one ``solve`` call (never escapes it)."""
+
+    graph: ModelGraph
+    cluster: Cluster
+    train: TrainSpec
+    classes: tuple[SolverClass, ...]
+    class_of_layer: tuple[int, ...]
+    table: CostTable
+    cap_bytes: int
+    unit_s: float = 1e-9
+    best: tuple[float, Candidate, ModelResult, tuple[tuple[Option, ...], ...]] | None = None
+    bound_s: float = math.inf
+    min_memory_bytes: float = math.inf
+    min_memory_where: str = ""
+    solved_meshes: set = dataclasses.field(default_factory=set)
+    statuses: list = dataclasses.field(default_factory=list)
+
+
+def without_wall_time(plan: Plan) -> Plan:
+    """``plan`` with ``solver.wall_s = 0`` (for byte-for-byte comparison of two solves)."""
+    return dataclasses.replace(plan, solver=dataclasses.replace(plan.solver, wall_s=0.0))
+
+
+def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints: Constraints | None = None,
+          time_limit_s: float = DEFAULT_TIME_LIMIT_S, hint: Plan | None = None, cost_fn: CostFn | None = None,
+          num_workers: int = DEFAULT_NUM_WORKERS) -> Plan:
+    """Search the fastest plan for ``graph`` on ``cluster`` that fits per-rank memory.
+
+    constraints: pins, fixed mesh degrees, memory limit, schedule (``space.Constraints``).
+    time_limit_s: wall-clock budget for the whole search; when it runs out the
+        best plan so far is returned with status ``FEASIBLE``.
+    hint: a previous plan (e.g. for another cluster); its mesh and schedule
+        are tried first and its per-class choices seed CP-SAT (``AddHint``).
+    cost_fn: ``layer_cost``-compatible function; default ``cost_model.layer_cost``.
+    Raises ``AutoshardError`` for malformed or contradictory constraints and
+    ``InfeasibleError`` (naming the binding family and what to relax) when no plan fits.
+    """
+    start = time.monotonic()
+    constraints = constraints or Constraints()
+    validate_constraints(constraints, graph, cluster)
+    cost_fn = cost_fn or cost_model.layer_cost
+    search = _new_search(graph, cluster, train, constraints, cost_fn)
+    enumeration = enumerate_meshes(graph, cluster, train, constraints.mesh)
+    if not enumeration.meshes:
+        raise _no_mesh_error(enumeration.pruned, constraints)
+    candidates, pin_records = _candidates(search, enumeration.meshes, constraints, cost_fn)
+    if not candidates:
+        raise _no_mesh_error(enumeration.pruned + tuple(pin_records), constraints)
+    search.unit_s = _time_unit(candidates)
+    _run(search, _ordered(candidates, hint), hint, start + time_limit_s, num_workers)
+    if search.best is None:
+        raise _infeasible_error(search, constraints)
+    return _assemble(search, len(enumeration.meshes), time.monotonic() - start, cost_fn)
+
+
+# ----------------------------------------------------------------------------- setup
+def _new_search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Constraints,
+                cost_fn: CostFn) -> _Search:
+    classes = solver_classes(graph, resolve_pins(constraints, graph))
+    index = {layer.name: i for i, c in enumerate(classes) for layer in c.layers}
+    return _Search(
+        graph=graph, cluster=cluster, train=train, classes=classes,
+        class_of_layer=tuple(index[layer.name] for layer in graph.layers), table=CostTable(cost_fn, cluster, train),
+        cap_bytes=usable_memory(cluster, constraints),
+    )
+
+
+def usable_memory(cluster: Cluster, constraints: Constraints) -> int:
+    """M: per-rank bytes a plan may use (``Constraints`` docstring)."""
+    limit = constraints.max_memory_bytes or cluster.device.memory_bytes
+    if constraints.memory_headroom is not None:
+        return int(limit * (1.0 - constraints.memory_headroom))
+    device = dataclasses.replace(cluster.device, memory_bytes=limit)
+    return int(cost_model.usable_memory_bytes(dataclasses.replace(cluster, device=device)))
+
+
+def _candidates(search: _Search, meshes: tuple[Mesh, ...], constraints: Constraints,
+                cost_fn: CostFn) -> tuple[list[Candidate], list[PruneRecord]]:
+    out, records = [], []
+    for mesh in meshes:
+        admissible = tuple(admissible_strategies(c.representative, mesh, dict(c.pin)) for c in search.classes)
+        empty = [c for c, a in zip(search.classes, admissible) if not a]
+        if empty:
+            records.append(PruneRecord(f"pin/{empty[0].name}",
+                                       f"pin {dict(empty[0].pin)} is not admissible on this mesh", mesh))
+            continue
+        mesh_bound = _mesh_bound(search, mesh, cost_fn)
+        for schedule in schedule_candidates(mesh, search.graph, search.train, constraints.schedule):
+            bound = max(mesh_bound, _probe_bound(search, mesh, schedule, admissible))
+            out.append(Candidate(mesh, schedule, bound, admissible))
+    return out, records
+
+
+def _mesh_bound(search: _Search, mesh: Mesh, cost_fn: CostFn) -> float:
+    bound_fn = getattr(cost_model, "lower_bound_step_time", None)
+    if bound_fn is None or cost_fn is not cost_model.layer_cost:
+        return 0.0
+    return float(bound_fn(search.graph, mesh, search.cluster, search.train))
+
+
+def _slots(mesh: Mesh, schedule: Schedule) -> float:
+    v = schedule.virtual_stages if schedule.name == "interleaved_1f1b" else 1
+    return schedule.num_micro_batches + (mesh.pp - 1) / v
+
+
+def _probe_bound(search: _Search, mesh: Mesh, schedule: Schedule,
+                 admissible: tuple[tuple[LayerStrategy, ...], ...]) -> float:
+    """Module docstring, step 2."""
+    per_sp: dict[bool, float] = {}
+    for sp in (False, True):
+        total = 0.0
+        for c, strategies in zip(search.classes, admissible):
+            probes = [s for s in strategies if s.sp == sp]
+            if not probes:
+                total = math.inf
+                break
+            probe = min(probes, key=strategy_key)
+            total += len(c.layers) * search.table.option(c.representative, probe, mesh, schedule).time_s
+        per_sp[sp] = total
+    return _slots(mesh, schedule) * min(per_sp.values()) / mesh.pp
+
+
+def _time_unit(candidates: list[Candidate]) -> float:
+    """Power of ten with the smallest positive bound at ~1e7 units (objective resolution 1e-7)."""
+    positive = [c.lower_bound_s for c in candidates if c.lower_bound_s > 0]
+    reference = min(positive) if positive else 1.0
+    return 10.0 ** (math.floor(math.log10(reference)) - 7)
+
+
+def _ordered(candidates: list[Candidate], hint: Plan | None) -> list[Candidate]:
+    ordered = sorted(candidates, key=Candidate.order_key)
+    if hint is None:
+        return ordered
+    first = [c for c in ordered if c.mesh == hint.mesh and c.schedule == _bare(hint.schedule)]
+    return first + [c for c in ordered if c not in first]
+
+
+def _bare(schedule: Schedule) -> Schedule:
+    return Schedule(name=schedule.name, micro_batch=schedule.micro_batch,
+                    num_micro_batches=schedule.num_micro_batches, virtual_stages=schedule.virtual_stages)
+
+
+# ----------------------------------------------------------------------------- main loop
+def _run(search: _Search, candidates: list[Candidate], hint: Plan | None, deadline: float, num_workers: int) -> None:
+    for i, cand in enumerate(candidates):
+        best_s = search.best[0] if search.best else math.inf
+        if cand.lower_bound_s >= best_s:
+            continue  # sorted by bound: every later one is ≥ too, but keep counting for the bound
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            search.bound_s = min(search.bound_s, min(c.lower_bound_s for c in candidates[i:]))
+            search.statuses.append("TIME_LIMIT")
+            return
+        _solve_candidate(search, cand, hint, remaining, num_workers)
+
+
+def _class_options(search: _Search, cand: Candidate) -> tuple[tuple[Option, ...], ...]:
+    return tuple(
+        tuple(prune_dominated(search.table.options(c.representative, strategies, cand.mesh, cand.schedule)))
+        for c, strategies in zip(search.classes, cand.admissible)
+    )
+
+
+def _table_bounds(search: _Search, cand: Candidate, options) -> tuple[float, float]:
+    """(time lower bound ignoring memory, per-rank memory lower bound ignoring time)."""
+    flight = min(in_flight(cand.schedule, cand.mesh.pp, k) for k in range(cand.mesh.pp))
+    time_lb, mem_lb = math.inf, math.inf
+    for sp in (False, True):
+        t = tail = mem = 0.0
+        for c, opts in zip(search.classes, options):
+            mine = [o for o in opts if o.strategy.sp == sp]
+            if not mine:
+                t = math.inf
+                break
+            n = len(c.layers)
+            t += n * min(o.time_s for o in mine)
+            tail += n * min(o.tail_s for o in mine)
+            mem += n * min(o.static_bytes + flight * o.activation_bytes for o in mine)
+        mem += (1 + cand.schedule.prefetch) * max(min(o.buffer_bytes for o in opts) for opts in options) * cand.mesh.pp
+        time_lb = min(time_lb, (_slots(cand.mesh, cand.schedule) * t + tail) / cand.mesh.pp)
+        mem_lb = min(mem_lb, mem / cand.mesh.pp)
+    return time_lb, mem_lb
+
+
+def _solve_candidate(search: _Search, cand: Candidate, hint: Plan | None, remaining: float, num_workers: int) -> None:
+    options = _class_options(search, cand)
+    time_lb, mem_lb = _table_bounds(search, cand, options)
+    if mem_lb < search.min_memory_bytes:
+        search.min_memory_bytes, search.min_memory_where = mem_lb, f"mesh {_mesh_text(cand.mesh)}, {_sched_text(cand.schedule)}"
+    best_s = search.best[0] if search.best else math.inf
+    if time_lb >= best_s or mem_lb > search.cap_bytes:
+        return
+    anchors = anchor_blocks(search.graph)
+    inp = ModelInput(
+        classes=search.classes, options=options,
+        block_classes=block_members(anchors, search.class_of_layer, num_anchor_blocks(search.graph)),
+        mesh=cand.mesh, schedule=cand.schedule, cap_bytes=search.cap_bytes, unit_s=search.unit_s,
+        cutoff_s=None if search.best is None else best_s, hint=_hint_strategies(search, hint),
+        hint_block_stage=_hint_block_stages(search, hint, cand),
+    )
+    result = solve_model(inp, time_limit_s=remaining, num_workers=num_workers)
+    search.solved_meshes.add(cand.mesh)
+    search.statuses.append(result.status)
+    if result.status in ("FEASIBLE", "UNKNOWN"):
+        search.bound_s = min(search.bound_s, max(result.bound_s, cand.lower_bound_s))
+    if result.status not in ("OPTIMAL", "FEASIBLE"):
+        return
+    step_s = _evaluate_result(search, cand, options, result)
+    if step_s < best_s:
+        search.best = (step_s, cand, result, options)
+
+
+def _layer_options(search: _Search, options, result: ModelResult) -> list[Option]:
+    return [options[c][result.choice[c]] for c in search.class_of_layer]
+
+
+def _evaluate_result(search: _Search, cand: Candidate, options, result: ModelResult) -> float:
+    stages = layer_stages(search.graph, result.block_stage)
+    return evaluate(_layer_options(search, options, result), stages, cand.mesh, cand.schedule).step_s
+
+
+def _hint_strategies(search: _Search, hint: Plan | None) -> tuple[LayerStrategy | None, ...]:
+    if hint is None:
+        return ()
+    names = {s.layer: s for s in hint.layers}
+    return tuple(names.get(c.representative.name) for c in search.classes)
+
+
+def _hint_block_stages(search: _Search, hint: Plan | None, cand: Candidate) -> tuple[int, ...]:
+    if hint is None or hint.mesh.pp != cand.mesh.pp or len(hint.layers) != len(search.graph.layers):
+        return ()
+    stages: dict[int, int] = {}
+    for anchor, strategy in zip(anchor_blocks(search.graph), hint.layers):
+        stages.setdefault(anchor, strategy.stage)
+    return tuple(stages[b] for b in sorted(stages))
+
+
+# ----------------------------------------------------------------------------- result
+def _assemble(search: _Search, meshes_considered: int, wall_s: float, cost_fn: CostFn) -> Plan:
+    step_s, cand, result, options = search.best
+    stages = layer_stages(search.graph, result.block_stage)
+    layer_opts = _layer_options(search, options, result)
+    layers = tuple(dataclasses.replace(o.strategy, layer=layer.name, stage=stage)
+                   for layer, o, stage in zip(search.graph.layers, layer_opts, stages))
+    proven = all(s in ("OPTIMAL", "INFEASIBLE") for s in search.statuses)
+    bound = min(search.bound_s, step_s)
+    plan = Plan(
+        model_name=search.graph.model_name, mesh=cand.mesh, layers=layers, schedule=cand.schedule,
+        solver=SolverStats(status="OPTIMAL" if proven else "FEASIBLE", objective=step_s, bound=bound,
+                           gap=(step_s - bound) / step_s if step_s > 0 else 0.0, wall_s=wall_s,
+                           meshes_considered=meshes_considered, meshes_solved=len(search.solved_meshes)),
+        fingerprints=_fingerprints(search, cost_fn), global_batch=search.train.global_batch,
+        seq_len=search.train.seq_len, precision=search.train.precision, optimizer=search.train.optimizer,
+    )
+    return dataclasses.replace(plan, predictions=_predictions(search, plan, layer_opts, stages, cost_fn))
+
+
+def _predictions(search: _Search, plan: Plan, layer_opts, stages, cost_fn: CostFn) -> Predictions:
+    if cost_fn is cost_model.layer_cost:
+        try:
+            return cost_model.predict(search.graph, plan, search.cluster, search.train)
+        except NotImplementedError:
+            pass
+    return fallback_predictions(search.graph, layer_opts, stages, plan.mesh, plan.schedule, search.cluster,
+                                search.train)
+
+
+def _fingerprints(search: _Search, cost_fn: CostFn) -> Fingerprints:
+    version = cost_model.COST_MODEL_VERSION if cost_fn is cost_model.layer_cost else (
+        f"custom:{getattr(cost_fn, '__module__', '?')}.{getattr(cost_fn, '__qualname__', '?')}")
+    if hasattr(Fingerprints, "of"):
+        return Fingerprints.of(search.graph, search.cluster, version)
+    cluster_fp = search.cluster.fingerprint() if hasattr(search.cluster, "fingerprint") else ""
+    return Fingerprints(model=search.graph.fingerprint(), cluster=cluster_fp, cost_model=version)
+
+
+# ----------------------------------------------------------------------------- errors
+def _mesh_text(mesh: Mesh) -> str:
+    return f"dp_replicate={mesh.dp_replicate} dp_shard={mesh.dp_shard} tp={mesh.tp} pp={mesh.pp} ep={mesh.ep}"
+
+
+def _sched_text(schedule: Schedule) -> str:
+    return f"{schedule.name} micro_batch={schedule.micro_batch} m={schedule.num_micro_batches}"
+
+
+def _no_mesh_error(records: tuple[PruneRecord, ...], constraints: Constraints) -> AutoshardError:
+    families = sorted({r.constraint for r in records})
+    examples = "; ".join(sorted({r.detail for r in records})[:4])
+    fixed = f" with Constraints.mesh={dict(constraints.mesh)}" if constraints.mesh else ""
+    return InfeasibleError(
+        f"no mesh is admissible{fixed}: binding constraint families {families} ({examples}); relax: "
+        "change or drop the fixed mesh degrees or pins, use a global_batch divisible by the data-parallel "
+        "degree, or pad heads/vocab to a multiple of the tensor-parallel degree"
+    )
+
+
+def _infeasible_error(search: _Search, constraints: Constraints) -> InfeasibleError:
+    need = search.min_memory_bytes
+    need_text = f"{need / GiB:.2f} GiB" if math.isfinite(need) else "unknown"
+    limit = (constraints.max_memory_bytes or search.cluster.device.memory_bytes) / GiB
+    pins = f"; pins in effect: {dict(constraints.pin)}" if constraints.pin else ""
+    return InfeasibleError(
+        f"no plan fits in memory: binding constraint family mem/stage*: the smallest per-rank memory any "
+        f"plan needs is at least {need_text} ({search.min_memory_where}), but the usable per-rank memory is "
+        f"{search.cap_bytes / GiB:.2f} GiB ({limit:.2f} GiB less allocator headroom){pins}; relax: more devices, recompute='full', "
+        "state='offload' or 'zero3', a smaller micro-batch or global batch, or a larger Constraints.max_memory_bytes"
+    )

@@ -1,0 +1,345 @@
+"""The one place autoshard tests touch PyTorch's private distributed test helpers.
+
+Three tiers of distributed tests (DESIGN.md, "Tests"), one entry point each:
+
+| entry point | processes | ranks | computes? | use for |
+| --- | --- | --- | --- | --- |
+| ``fake_world(n, rank)`` | 1 | 1 real, n pretended | no (collectives return garbage) | building per-rank programs, meshes and shapes at 8-1024 ranks |
+| ``local_ranks(n)`` | 1 | n simulated | yes (``LocalTensorMode``) | sharded numerics of DTensor / functional-collective code |
+| ``run_gloo(fn, n)`` | n | n real | yes (gloo) | anything that needs real processes (FSDP2, custom collectives, hangs) |
+
+Only this file imports ``torch.testing._internal`` and ``torch.distributed._local_tensor``:
+when they move, only this file changes.
+
+[Note: spawned jobs are expensive]
+A spawned gloo job costs about 2 s at world 2 and 3.5 s at world 4 on two cores
+(``import torch`` once per process). Group many checks into one job with
+``run_gloo_cases`` and fan the results out to small pytest tests with a
+module-scoped fixture (see ``tests/test_harness.py``).
+
+[Note: importing ``fn`` in the child]
+Workers are started with the ``spawn`` method, so ``fn`` and every argument are
+pickled by reference: ``fn`` must be a module-level function (``functools.partial``
+of one works). A spawned child receives the parent's ``sys.path``; under pytest's
+default ``prepend`` import mode the ``tests/`` folder is on it, so functions
+defined in ``tests/test_*.py`` import in the child as they do in the parent.
+
+[Note: deadlines]
+``timeout_s`` is both the gloo timeout of every collective (a hung collective
+raises inside the child, whose traceback then reaches the parent) and the
+wall-clock limit of ``fn`` itself, counted once every rank has joined the
+process group; the parent allows ``_GRACE_S`` more before it kills the job and
+raises ``TimeoutError``. Start-up (interpreter, imports, rendezvous) has its own
+limit of ``_STARTUP_S + timeout_s``. Nothing here can hang CI.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pickle
+import queue
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+try:  # torch >= 2.11: backend "fake" is registered by importing this module.
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+except ImportError:  # pragma: no cover - depends on the installed torch
+    FakeStore = None
+
+try:  # Present in torch 2.13; absent or incomplete in older releases.
+    from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
+except ImportError:  # pragma: no cover - depends on the installed torch
+    LocalTensor = LocalTensorMode = None
+
+HAS_FAKE_PG = FakeStore is not None
+HAS_LOCAL_TENSOR = LocalTensorMode is not None
+
+_STARTUP_S = 60.0  # spawn + import torch + rendezvous, on two busy cores
+_GRACE_S = 10.0  # lets gloo's own timeout error (more informative) arrive first
+_POLL_S = 0.05
+
+
+# --------------------------------------------------------------------------- fake world
+
+
+def _require_no_process_group() -> None:
+    if dist.is_initialized():
+        raise RuntimeError(
+            "a default process group already exists in this process; "
+            "fake_world/local_ranks need a fresh one: exit the enclosing world first"
+        )
+
+
+@contextlib.contextmanager
+def fake_world(world_size: int, rank: int = 0) -> Iterator[None]:
+    """Pretend to be ``rank`` of ``world_size`` ranks in this one process.
+
+    Initialises the default process group with the ``fake`` backend over a
+    ``FakeStore``: groups, ``DeviceMesh`` and DTensor placement logic work at any
+    size, collectives return without communicating (their outputs are garbage).
+    Use it to build per-rank programs and check shapes; destroys the group on exit.
+    """
+    if not HAS_FAKE_PG:
+        pytest.skip("this torch has no fake process group (torch.testing._internal.distributed.fake_pg)")
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank={rank} is outside [0, {world_size}); pick a rank below world_size")
+    _require_no_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- local ranks
+
+
+@dataclass(frozen=True)
+class LocalRanks:
+    """All ``world_size`` ranks held in one process by ``LocalTensorMode``.
+
+    A "per-rank tensor" is a ``LocalTensor``: one plain tensor per simulated rank.
+    Every op on it runs once per rank; collectives (c10d and functional) combine
+    the ranks' tensors as a real process group would.
+    """
+
+    world_size: int
+    mode: Any  # LocalTensorMode; typed loosely because older torch lacks it
+
+    def per_rank(self, make: Callable[[int], torch.Tensor]) -> torch.Tensor:
+        """A per-rank tensor whose shard on rank ``r`` is ``make(r)`` (built outside the mode)."""
+        return self.mode.rank_map(make)
+
+    def replicated(self, tensor: torch.Tensor) -> torch.Tensor:
+        """A per-rank tensor holding an independent copy of ``tensor`` on every rank."""
+        return self.per_rank(lambda _rank: tensor.detach().clone())
+
+    def shards(self, tensor: torch.Tensor) -> list[torch.Tensor]:
+        """The plain tensors each rank holds, in rank order (waits on async collective results)."""
+        wait = getattr(tensor, "wait", None)  # AsyncCollectiveTensor from functional collectives
+        if wait is not None:
+            tensor = wait()
+        if not isinstance(tensor, LocalTensor):
+            raise TypeError(f"expected a per-rank LocalTensor, got {type(tensor).__name__}")
+        return [tensor._local_tensors[r] for r in range(self.world_size)]
+
+
+@contextlib.contextmanager
+def local_ranks(world_size: int) -> Iterator[LocalRanks]:
+    """Simulate ``world_size`` ranks in this process: fake process group + ``LocalTensorMode``.
+
+    Skips the calling test when this torch has no ``LocalTensorMode``. Build
+    models outside the context and give each parameter per-rank copies before
+    building an optimizer (else one update applies once per simulated rank).
+    """
+    if not HAS_LOCAL_TENSOR:
+        pytest.skip("this torch has no torch.distributed._local_tensor.LocalTensorMode")
+    with fake_world(world_size, rank=0):
+        with LocalTensorMode(world_size) as mode:
+            yield LocalRanks(world_size=world_size, mode=mode)
+
+
+# --------------------------------------------------------------------------- real gloo jobs
+
+
+class RankFailedError(RuntimeError):
+    """A spawned rank died or raised an exception that could not be sent back as itself."""
+
+
+class _RemoteTraceback(Exception):
+    """Carries a child's formatted traceback as the ``__cause__`` of the re-raised error."""
+
+    def __str__(self) -> str:
+        return self.args[0]
+
+
+def _worker(rank, world_size, init_file, timeout_s, results, fn, args, kwargs) -> None:
+    """Child body: join the gloo group, run ``fn``, post ``(rank, kind, payload)``."""
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{init_file}",
+            rank=rank,
+            world_size=world_size,
+            timeout=timedelta(seconds=timeout_s),
+        )
+        results.put((rank, "ready", None))
+        value = fn(rank, world_size, *args, **kwargs)
+        results.put((rank, "ok", pickle.dumps(value)))
+    except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
+        text = f"rank {rank} of {world_size}:\n{traceback.format_exc()}"
+        try:
+            blob = pickle.dumps(exc)
+            pickle.loads(blob)
+        except Exception:  # noqa: BLE001 - unpicklable exception: send text only
+            blob = None
+        results.put((rank, "error", (text, blob)))
+        return
+    # A failed rank skips this: it exits at once so its peers' collectives fail fast.
+    dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _single_threaded_children() -> Iterator[None]:
+    """Children inherit ``OMP_NUM_THREADS=1`` (read when they import torch)."""
+    old = os.environ.get("OMP_NUM_THREADS")
+    os.environ["OMP_NUM_THREADS"] = "1"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["OMP_NUM_THREADS"]
+        else:
+            os.environ["OMP_NUM_THREADS"] = old
+
+
+def _raise_rank_error(text: str, blob: bytes | None) -> None:
+    if blob is None:
+        raise RankFailedError(text)
+    exc = pickle.loads(blob)
+    raise exc from _RemoteTraceback(text)
+
+
+def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
+    """Drain the result queue until every rank answered, one failed, or a deadline passed."""
+    start = time.monotonic()
+    deadline = start + _STARTUP_S + timeout_s
+    ready: set[int] = set()
+    values: dict[int, Any] = {}
+    while len(values) < world_size:
+        if time.monotonic() > deadline:
+            phase = "running fn" if len(ready) == world_size else f"starting ({len(ready)} ready)"
+            missing = sorted(set(range(world_size)) - set(values))
+            raise TimeoutError(
+                f"gloo job of {world_size} ranks exceeded its deadline while {phase}; "
+                f"ranks {missing} never returned (timeout_s={timeout_s}): raise timeout_s "
+                "if the job is legitimately long, else look for a collective some rank skipped"
+            )
+        try:
+            rank, kind, payload = results.get(timeout=_POLL_S)
+        except queue.Empty:
+            _check_alive(procs, values)
+            continue
+        if kind == "ready":
+            ready.add(rank)
+            if len(ready) == world_size:
+                deadline = time.monotonic() + timeout_s + _GRACE_S
+        elif kind == "ok":
+            values[rank] = pickle.loads(payload)
+        else:
+            _raise_rank_error(*payload)
+    return [values[r] for r in range(world_size)]
+
+
+def _check_alive(procs, values: Mapping[int, Any]) -> None:
+    for rank, proc in enumerate(procs):
+        if proc.exitcode not in (None, 0) and rank not in values:
+            raise RankFailedError(
+                f"rank {rank} exited with code {proc.exitcode} before returning a result "
+                "(a negative code is a signal: -6 abort, -9 kill, -11 segfault)"
+            )
+
+
+def _stop(procs, *, graceful: bool) -> None:
+    """After success, let the children finish their exit; after a failure, kill them at once."""
+    if graceful:
+        for proc in procs:
+            proc.join(timeout=10.0)
+    for proc in procs:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
+def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` real gloo processes.
+
+    Returns each rank's (picklable) result in rank order. The first exception
+    raised by any rank is re-raised here with its original type when it pickles
+    (``RankFailedError`` otherwise); its ``__cause__`` carries that rank's
+    traceback text. A rank that dies silently raises ``RankFailedError``; a job
+    past its deadline (module note "deadlines") raises ``TimeoutError``. Every
+    child is joined or killed before this returns.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size={world_size} must be at least 1")
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    procs = []
+    with tempfile.TemporaryDirectory(prefix="autoshard_gloo_") as tmp:
+        init_file = os.path.join(tmp, "rendezvous")
+        ok = False
+        try:
+            with _single_threaded_children():
+                for rank in range(world_size):
+                    proc = ctx.Process(
+                        target=_worker,
+                        args=(rank, world_size, init_file, timeout_s, results, fn, args, kwargs),
+                        daemon=True,
+                    )
+                    proc.start()
+                    procs.append(proc)
+            values = _collect(procs, results, world_size, timeout_s)
+            ok = True
+            return values
+        finally:
+            _stop(procs, graceful=ok)
+            results.close()
+
+
+# --------------------------------------------------------------------------- many cases, one job
+
+
+class CaseFailedError(RuntimeError):
+    """One named case of a ``run_gloo_cases`` job raised; the job stops there."""
+
+
+def _run_cases(rank: int, world_size: int, cases: Mapping[str, Callable[[int, int], Any]]) -> dict[str, Any]:
+    """Child body of ``run_gloo_cases``: every case in order, in lockstep on every rank."""
+    out = {}
+    for name, case in cases.items():
+        try:
+            out[name] = case(rank, world_size)
+        except Exception as exc:
+            # The other ranks may be blocked in this case's collectives: stop the job.
+            raise CaseFailedError(f"case {name!r} failed on rank {rank}: {type(exc).__name__}: {exc}") from exc
+    return out
+
+
+def run_gloo_cases(
+    cases: Mapping[str, Callable[[int, int], Any]], world_size: int, *, timeout_s: float = 120
+) -> dict[str, list[Any]]:
+    """Run many named cases in ONE spawned gloo job; return ``{name: [result per rank]}``.
+
+    Each case is called as ``case(rank, world_size)`` on every rank, in the
+    mapping's order, so their collectives line up. The first failing case stops
+    the job and raises ``CaseFailedError`` naming it. Cases must be picklable by
+    reference (module-level functions or ``functools.partial`` of them).
+    """
+    per_rank = run_gloo(_run_cases, world_size, dict(cases), timeout_s=timeout_s)
+    return {name: [per_rank[r][name] for r in range(world_size)] for name in cases}
+
+
+__all__ = [
+    "HAS_FAKE_PG",
+    "HAS_LOCAL_TENSOR",
+    "CaseFailedError",
+    "LocalRanks",
+    "RankFailedError",
+    "fake_world",
+    "local_ranks",
+    "run_gloo",
+    "run_gloo_cases",
+]

@@ -1,0 +1,463 @@
+"""Cost model: ZeRO Table 1, Korthikanti activations, α-β collectives, monotonicity, pipeline.
+
+Pure unit tests (tier 1): no torch, no processes; the real-capture test runs
+only once ``autoshard.passes.capture.capture_reference`` exists.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+
+from autoshard.cluster import Cluster, DeviceSpec, LinkSpec
+from autoshard.errors import PlanError
+from autoshard.graph import LayerInfo, ModelGraph, ParamInfo
+from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
+from autoshard.search import comm
+from autoshard.search.cost_model import (
+    COST_MODEL_VERSION,
+    LayerCost,
+    MemoryBreakdown,
+    layer_cost,
+    layer_cost_table,
+    lower_bound_step_time,
+    predict,
+    usable_memory_bytes,
+)
+from autoshard.search.memory import StateBytes, activation_bytes, model_state_memory, state_bytes
+from autoshard.search.pipeline import in_flight
+from autoshard.train import TrainSpec
+
+INTRA = LinkSpec(bandwidth=100e9, latency=1e-5)
+INTER = LinkSpec(bandwidth=10e9, latency=1e-4)
+
+
+def make_cluster(nodes: int = 2, devices_per_node: int = 8, **calibration: float) -> Cluster:
+    device = DeviceSpec(
+        name="test-gpu",
+        memory_bytes=80 * 2**30,
+        peak_flops={"bf16": 1e15, "fp32": 1e14},
+        hbm_bandwidth=2e12,
+        matmul_efficiency=0.5,
+    )
+    return Cluster(
+        name="test",
+        nodes=nodes,
+        devices_per_node=devices_per_node,
+        device=device,
+        intra_node=INTRA,
+        inter_node=INTER,
+        host_bandwidth=25e9,
+        cpu_adam_params_per_s=1e9,
+        calibration=dict(calibration),
+    )
+
+
+# ---- a GPT block with Korthikanti's saved-activation breakdown (bytes per token) ------------
+# attention: QKV input 2h (boundary), Q,K 4h + V 2h + proj input 2h (interior 8h), dropout
+# mask h (boundary); per token per s: softmax out 2a, dropout mask a, dropout out 2a (5a).
+# MLP: fc1 input 2h + dropout mask h (boundary), GeLU input 8h + fc2 input 8h (interior).
+# LayerNorms: their input 2h each (boundary). Block: 10h boundary, 24h interior, 5a·s.
+
+
+def gpt_block(block: int, h: int, a: int, start: int = 0) -> list[LayerInfo]:
+    p = f"blocks.{block}."
+
+    def info(name, kind, params, **kw):
+        return LayerInfo(
+            name=p + name, kind=kind, index=start + len(out), block=block, class_id=name, params=params,
+            input_bytes_per_token=2 * h, output_bytes_per_token=2 * h, hidden=h, num_heads=a, **kw,
+        )
+
+    out: list[LayerInfo] = []
+    norm = (ParamInfo(p + "ln.weight", (h,), "bf16"), ParamInfo(p + "ln.bias", (h,), "bf16"))
+    out.append(info("attn_norm", "norm", norm, saved_boundary_per_token=2 * h, bytes_per_token=4 * h,
+                    elementwise_flops_per_token=8 * h))
+    attn = (
+        ParamInfo(p + "attn.qkv.weight", (3 * h, h), "bf16", "column"),
+        ParamInfo(p + "attn.qkv.bias", (3 * h,), "bf16", "column"),
+        ParamInfo(p + "attn.proj.weight", (h, h), "bf16", "row"),
+        ParamInfo(p + "attn.proj.bias", (h,), "bf16", "replicate"),
+    )
+    out.append(info("attn", "attention", attn, matmul_flops_per_token=8 * h * h, attention_flops_per_token_seq=4 * h,
+                    saved_boundary_per_token=3 * h, saved_interior_per_token=8 * h,
+                    saved_interior_per_token_seq=5 * a, bytes_per_token=20 * h))
+    out.append(info("mlp_norm", "norm", norm, saved_boundary_per_token=2 * h, bytes_per_token=4 * h,
+                    elementwise_flops_per_token=8 * h))
+    mlp = (
+        ParamInfo(p + "mlp.fc1.weight", (4 * h, h), "bf16", "column"),
+        ParamInfo(p + "mlp.fc2.weight", (h, 4 * h), "bf16", "row"),
+    )
+    out.append(info("mlp", "mlp", mlp, matmul_flops_per_token=16 * h * h, saved_boundary_per_token=3 * h,
+                    saved_interior_per_token=16 * h, bytes_per_token=24 * h, ffn_hidden=4 * h))
+    return out
+
+
+def gpt_graph(blocks: int = 4, h: int = 1024, a: int = 16) -> ModelGraph:
+    layers: list[LayerInfo] = []
+    for b in range(blocks):
+        layers += gpt_block(b, h, a, start=len(layers))
+    names = [l.name for l in layers]
+    return ModelGraph(
+        model_name="gpt-test", layers=tuple(layers), edges=tuple(zip(names, names[1:])), dtype="bf16",
+        hidden=h, num_blocks=blocks, vocab=0,
+    )
+
+
+def block_activation_bytes(layers, mesh_tp: int, b: int, s: int, **strategy) -> float:
+    """One block's activation bytes via the memory formula, with full-recompute regions."""
+    total = 0.0
+    for i, layer in enumerate(layers):
+        st = LayerStrategy(layer=layer.name, **strategy)
+        total += activation_bytes(layer, st, mesh_tp, b * s, s, region_entry=(i == 0))
+    return total
+
+
+# ---- (1) ZeRO Table 1 ------------------------------------------------------------------------
+
+ZERO_TABLE1 = {  # DP → {Ψ: (os, os+g, os+g+p)} in GB, as printed in the paper
+    1: {7.5e9: ("120", "120", "120"), 128e9: ("2048", "2048", "2048"), 1e12: ("16000", "16000", "16000")},
+    4: {7.5e9: ("52.5", "41.3", "30"), 128e9: ("896", "704", "512"), 1e12: ("7000", "5500", "4000")},
+    16: {7.5e9: ("35.6", "21.6", "7.5"), 128e9: ("608", "368", "128"), 1e12: ("4750", "2875", "1000")},
+    64: {7.5e9: ("31.4", "16.6", "1.88"), 128e9: ("536", "284", "32"), 1e12: ("4187", "2218", "250")},
+    256: {7.5e9: ("30.4", "15.4", "0.47"), 128e9: ("518", "263", "8"), 1e12: ("4046", "2054", "62.5")},
+    1024: {7.5e9: ("30.1", "15.1", "0.12"), 128e9: ("513", "257", "2"), 1e12: ("4011", "2013", "15.6")},
+}
+
+
+def test_zero_table1_reproduced_to_printed_precision():
+    sizes = state_bytes(TrainSpec(global_batch=1, seq_len=1))  # bf16 AdamW: p = g = 2, K = 12
+    assert sizes == StateBytes(param=2, grad=2, optimizer=12)
+    for dp, row in ZERO_TABLE1.items():
+        for psi, printed in row.items():
+            for state, text in zip(("zero1", "zero2", "zero3"), printed):
+                gb = model_state_memory(psi, state, dp, sizes).model_states / 1e9  # GB = 1e9 bytes
+                unit = 10.0 ** -(len(text.split(".")[1]) if "." in text else 0)
+                # the table rounds small values and truncates large ones: within one printed unit
+                assert abs(gb - float(text)) < unit, (dp, psi, state, gb, text)
+
+
+def test_fp32_and_sgd_state_bytes():
+    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, precision="fp32")) == StateBytes(4, 4, 8)
+    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, optimizer="sgd")) == StateBytes(2, 2, 4)
+    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, optimizer="sgd", precision="fp32")) == StateBytes(4, 4, 0)
+
+
+# ---- (2) Korthikanti Table 2 -----------------------------------------------------------------
+
+
+def korthikanti(config: str, s: int, b: int, h: int, a: int, t: int) -> float:
+    return {
+        "none": s * b * h * (34 + 5 * a * s / h),
+        "tp": s * b * h * (10 + 24 / t + 5 * a * s / (h * t)),
+        "tp_sp": s * b * h * (34 / t + 5 * a * s / (h * t)),
+        "tp_selective": s * b * h * (10 + 24 / t),
+        "tp_sp_selective": s * b * h * 34 / t,
+        "full": 2 * s * b * h,
+    }[config]
+
+
+CONFIGS = {
+    "none": dict(tp="none", sp=False, recompute="none"),
+    "tp": dict(tp="megatron", sp=False, recompute="none"),
+    "tp_sp": dict(tp="megatron", sp=True, recompute="none"),
+    "tp_selective": dict(tp="megatron", sp=False, recompute="selective"),
+    "tp_sp_selective": dict(tp="megatron", sp=True, recompute="selective"),
+    "full": dict(tp="none", sp=False, recompute="full"),
+}
+
+
+@pytest.mark.parametrize("config", sorted(CONFIGS))
+def test_korthikanti_table2_hand_built_block(config):
+    h, a, s, b, t = 1024, 16, 2048, 2, 4
+    layers = gpt_block(0, h, a)
+    got = block_activation_bytes(layers, t, b, s, **CONFIGS[config])
+    assert got == pytest.approx(korthikanti(config, s, b, h, a, t), rel=1e-12)
+
+
+def test_korthikanti_through_predict_full_recompute_regions():
+    """predict keeps one input per fully recomputed block: 2sbh per block, p = 1, one micro-batch."""
+    graph, s, b = gpt_graph(blocks=3, h=512, a=8), 256, 2
+    train = TrainSpec(global_batch=b, seq_len=s, micro_batch=b)
+    cluster = make_cluster(nodes=1, **{"reserved_bytes": 0.0})
+    acts = {}
+    for recompute in ("none", "full"):
+        plan = make_plan(graph, Mesh(), Schedule(micro_batch=b, num_micro_batches=1), recompute=recompute)
+        acts[recompute] = predict(graph, plan, cluster, train).memory_breakdown["activations"]
+    h, a = 512, 8
+    assert acts["full"] == pytest.approx(3 * 2 * s * b * h, rel=1e-6)
+    assert acts["none"] == pytest.approx(3 * korthikanti("none", s, b, h, a, 1), rel=1e-6)
+
+
+def test_korthikanti_table2_real_capture():
+    capture = pytest.importorskip("autoshard.passes.capture")
+    if not hasattr(capture, "capture_reference"):
+        pytest.skip("capture_reference not available yet")
+    graph = capture.capture_reference("gpt:125m", dropout=0.1, attn_impl="math")
+    block = [layer for layer in graph if layer.block == 0]
+    attn = next(layer for layer in block if layer.kind == "attention")
+    h, a = graph.hidden, attn.num_heads
+    for s, b, t in ((256, 2, 2), (1024, 1, 4)):
+        for config, strategy in CONFIGS.items():
+            got = block_activation_bytes(block, t, b, s, **strategy)
+            want = korthikanti(config, s, b, h, a, t)
+            assert got == pytest.approx(want, rel=0.05), (config, s, b, t, got / want)
+
+
+# ---- (3) α-β collectives and topology --------------------------------------------------------
+
+
+def test_alpha_beta_formulas_by_hand():
+    n, g = 1e9, 8
+    step = 1e-5 + (n / 8) / 100e9
+    assert comm.all_gather_time(n, g, INTRA) == pytest.approx(7 * step)
+    assert comm.reduce_scatter_time(n, g, INTRA) == pytest.approx(7 * step)
+    assert comm.all_reduce_time(n, g, INTRA) == pytest.approx(14 * step)
+    assert comm.all_to_all_time(n, g, INTRA) == pytest.approx(7 * step)
+    assert comm.send_recv_time(n, INTER) == pytest.approx(1e-4 + n / 10e9)
+    assert comm.all_reduce_time(n, 1, INTRA) == 0.0
+
+
+@pytest.mark.parametrize(
+    "size, stride, devices, spans",
+    [
+        (8, 1, 8, False),  # tp = 8 inside a node
+        (16, 1, 8, True),
+        (4, 2, 8, False),  # dp 4 over tp 2: ranks 0,2,4,6
+        (8, 2, 8, True),
+        (2, 8, 8, True),  # one rank per node
+        (1, 8, 8, False),
+        (4, 1, 6, True),  # 6 devices per node: the group {4..7} straddles nodes
+        (3, 1, 6, False),
+    ],
+)
+def test_group_spans_nodes(size, stride, devices, spans):
+    cluster = make_cluster(nodes=4, devices_per_node=devices)
+    assert comm.group_spans_nodes(cluster, size, stride) is spans
+    assert comm.group_link(cluster, size, stride) == (INTER if spans else INTRA)
+
+
+def test_rank_layout_strides():
+    mesh = Mesh(dp_replicate=2, dp_shard=4, tp=2, pp=3, cp=1)
+    assert [comm.axis_stride(mesh, ax) for ax in comm.MESH_ORDER] == [16, 8, 2, 2, 1]
+    assert comm.dp_group(mesh) == (8, 2)
+    assert comm.dp_shard_group(mesh) == (4, 2)
+    assert comm.dp_replicate_group(mesh) == (2, 8)
+    assert comm.pp_group(mesh) == (3, 16)
+
+
+def test_zero3_gather_pays_inter_node_when_dp_spans_nodes():
+    layer = gpt_block(0, 1024, 16)[3]  # mlp
+    train = TrainSpec(global_batch=16, seq_len=128)
+    schedule = Schedule(micro_batch=1, num_micro_batches=1)
+    st = LayerStrategy(layer=layer.name, state="zero3")
+    n = layer.param_count * 2
+    intra = layer_cost(layer, st, Mesh(dp_shard=8), make_cluster(nodes=1), replace_batch(train, 8), schedule)
+    inter = layer_cost(layer, st, Mesh(dp_shard=16), make_cluster(nodes=2), train, schedule)
+    assert intra.detail["dp_gather_fwd_s"] == pytest.approx(7 * (1e-5 + n / 8 / 100e9))
+    assert inter.detail["dp_gather_fwd_s"] == pytest.approx(15 * (1e-4 + n / 16 / 10e9))
+
+
+def test_hsdp_priced_level_by_level():
+    layer = gpt_block(0, 1024, 16)[3]
+    mesh = Mesh(dp_replicate=2, dp_shard=8)
+    st = LayerStrategy(layer=layer.name, state="zero3")
+    cost = layer_cost(layer, st, mesh, make_cluster(nodes=2), TrainSpec(global_batch=16, seq_len=64),
+                      Schedule(micro_batch=1, num_micro_batches=1))
+    n = layer.param_count * 2
+    assert cost.detail["dp_gather_fwd_s"] == pytest.approx(7 * (1e-5 + n / 8 / 100e9))  # shard group intra
+    assert cost.detail["dp_grad_once_s"] == pytest.approx(2 * (1e-4 + n / 8 / 2 / 10e9))  # replicas inter
+    assert cost.memory.params == pytest.approx(n / 8)
+
+
+def test_tp_comm_on_critical_path():
+    layer = gpt_block(0, 1024, 16)[1]  # attention: 1 all-reduce fwd + 1 bwd of b·s·h·2 bytes
+    mesh, train = Mesh(tp=4), TrainSpec(global_batch=2, seq_len=512)
+    schedule = Schedule(micro_batch=2, num_micro_batches=1)
+    plain = layer_cost(layer, LayerStrategy(layer=layer.name, tp="megatron"), mesh, make_cluster(), train, schedule)
+    seq = layer_cost(layer, LayerStrategy(layer=layer.name, tp="megatron", sp=True), mesh, make_cluster(), train,
+                     schedule)
+    n = 2 * 512 * 1024 * 2
+    ar = 2 * 3 * (1e-5 + n / 4 / 100e9)
+    assert plain.detail["tp_fwd_s"] == pytest.approx(ar)
+    assert plain.detail["tp_bwd_s"] == pytest.approx(ar)
+    assert seq.detail["tp_fwd_s"] == pytest.approx(ar)  # all-gather + reduce-scatter: same bytes
+    assert plain.critical_comm_s == pytest.approx(2 * ar)
+    assert plain.fwd_s + plain.bwd_s == pytest.approx(plain.compute_s + plain.critical_comm_s)
+
+
+# ---- (4) monotonicity and sanity -------------------------------------------------------------
+
+
+def replace_batch(train: TrainSpec, global_batch: int) -> TrainSpec:
+    return replace(train, global_batch=global_batch)
+
+
+def test_zero_stages_order_memory():
+    layer = gpt_block(0, 1024, 16)[3]
+    mesh, train, schedule = Mesh(dp_shard=8), TrainSpec(global_batch=8, seq_len=128), Schedule()
+    static = {}
+    for state in ("replicate", "zero1", "zero2", "zero3"):
+        cost = layer_cost(layer, LayerStrategy(layer=layer.name, state=state), mesh, make_cluster(1), train, schedule)
+        static[state] = cost.memory.model_states
+    assert static["zero3"] < static["zero2"] < static["zero1"] < static["replicate"]
+    off = layer_cost(layer, LayerStrategy(layer=layer.name, state="offload"), mesh, make_cluster(1), train, schedule)
+    assert off.memory.optimizer == 0 and off.memory.host == pytest.approx(12 * layer.param_count / 8)
+
+
+@pytest.mark.parametrize("index", [1, 3])
+def test_more_tp_less_memory_per_rank(index):
+    layer = gpt_block(0, 1024, 16)[index]
+    train, schedule = TrainSpec(global_batch=1, seq_len=512), Schedule()
+    totals = []
+    for tp in (1, 2, 4, 8):
+        cost = layer_cost(layer, LayerStrategy(layer=layer.name, tp="megatron", sp=True), Mesh(tp=tp),
+                          make_cluster(1), train, schedule)
+        totals.append(cost.memory.total_static + cost.memory.activations)
+    assert totals == sorted(totals, reverse=True) and len(set(totals)) == 4
+
+
+def test_quantized_gathers_move_fewer_bytes():
+    layer = gpt_block(0, 4096, 32)[3]
+    mesh, train = Mesh(dp_shard=16), TrainSpec(global_batch=16, seq_len=64)
+    schedule, cluster = Schedule(micro_batch=1, num_micro_batches=1), make_cluster(nodes=2)
+    cost = {
+        wc: layer_cost(layer, LayerStrategy(layer=layer.name, state="zero3", weight_comm=wc), mesh, cluster, train,
+                       schedule)
+        for wc in ("bf16", "int8", "fp8")
+    }
+    assert cost["int8"].detail["dp_gather_fwd_s"] < 0.6 * cost["bf16"].detail["dp_gather_fwd_s"]
+    assert cost["int8"].detail["dp_quant_s"] > 0 == cost["bf16"].detail["dp_quant_s"]
+    assert cost["int8"].comm_total_s < cost["bf16"].comm_total_s  # inter-node: bytes dominate the kernels
+    q4 = layer_cost(layer, LayerStrategy(layer=layer.name, state="zero3", grad_comm="int4"), mesh, cluster, train,
+                    schedule)
+    assert q4.detail["dp_grad_per_mb_s"] < 0.35 * cost["bf16"].detail["dp_grad_per_mb_s"]
+
+
+def test_recompute_trades_time_for_memory():
+    graph = gpt_graph(blocks=1, h=1024, a=16)
+    train, schedule, cluster = TrainSpec(global_batch=1, seq_len=2048), Schedule(), make_cluster(1)
+    attn = graph.layers[1]
+    by = {r: layer_cost(attn, LayerStrategy(layer=attn.name, recompute=r), Mesh(), cluster, train, schedule)
+          for r in ("none", "selective", "full")}
+    assert by["none"].memory.activations > by["selective"].memory.activations > by["full"].memory.activations
+    assert by["none"].bwd_s < by["selective"].bwd_s < by["full"].bwd_s
+    assert by["full"].detail["recompute_s"] == pytest.approx(by["full"].detail["fwd_compute_s"])
+    assert by["none"].fwd_s == by["full"].fwd_s
+
+
+def test_zero3_gathers_scale_with_micro_batches_and_overlap_is_monotone():
+    layer = gpt_block(0, 2048, 16)[3]
+    mesh, cluster = Mesh(dp_shard=16), make_cluster(nodes=2)
+    st = LayerStrategy(layer=layer.name, state="zero3")
+    one = layer_cost(layer, st, mesh, cluster, TrainSpec(global_batch=16, seq_len=256), Schedule(num_micro_batches=1))
+    four = layer_cost(layer, st, mesh, cluster, TrainSpec(global_batch=64, seq_len=256), Schedule(num_micro_batches=4))
+    assert four.detail["dp_gather_fwd_s"] == pytest.approx(4 * one.detail["dp_gather_fwd_s"])
+    ddp = layer_cost(layer, LayerStrategy(layer=layer.name), mesh, cluster, TrainSpec(global_batch=64, seq_len=256),
+                     Schedule(num_micro_batches=4))
+    ddp1 = layer_cost(layer, LayerStrategy(layer=layer.name), mesh, cluster, TrainSpec(global_batch=16, seq_len=256),
+                      Schedule(num_micro_batches=1))
+    assert ddp.detail["dp_grad_once_s"] == pytest.approx(ddp1.detail["dp_grad_once_s"])  # no_sync: once per step
+    hidden = layer_cost(layer, st, mesh, make_cluster(nodes=2, overlap_efficiency=1.0),
+                        TrainSpec(global_batch=16, seq_len=256), Schedule(num_micro_batches=1))
+    never = layer_cost(layer, st, mesh, make_cluster(nodes=2, overlap_efficiency=0.0),
+                       TrainSpec(global_batch=16, seq_len=256), Schedule(num_micro_batches=1))
+    assert hidden.comm_exposed_s <= one.comm_exposed_s <= never.comm_exposed_s == pytest.approx(never.comm_total_s)
+    assert one.comm_exposed_s <= one.comm_total_s
+
+
+def test_offload_optimizer_runs_on_host():
+    layer = gpt_block(0, 1024, 16)[3]
+    mesh, train, schedule = Mesh(dp_shard=8), TrainSpec(global_batch=8, seq_len=64), Schedule()
+    cost = layer_cost(layer, LayerStrategy(layer=layer.name, state="offload"), mesh, make_cluster(1), train, schedule)
+    local = layer.param_count / 8
+    assert cost.detail["optimizer_cpu_s"] == pytest.approx(local / 1e9)
+    assert cost.optimizer_s == pytest.approx(local / 1e9 + 2 * local * 2 / 25e9)
+
+
+def test_precision_selects_peak_and_state_bytes():
+    layer = gpt_block(0, 4096, 32)[3]  # matmul-bound
+    st, args = LayerStrategy(layer=layer.name), (Mesh(), make_cluster(1))
+    bf16 = layer_cost(layer, st, *args, TrainSpec(global_batch=1, seq_len=2048), Schedule())
+    fp32 = layer_cost(layer, st, *args, TrainSpec(global_batch=1, seq_len=2048, precision="fp32"), Schedule())
+    assert fp32.detail["fwd_matmul_s"] == pytest.approx(10 * bf16.detail["fwd_matmul_s"])  # 1e14 vs 1e15 FLOP/s
+    assert fp32.memory.model_states == pytest.approx(bf16.memory.model_states)  # (4+4+8)Ψ = (2+2+12)Ψ
+
+
+def test_layer_cost_table_matches_layer_cost():
+    layer = gpt_block(0, 256, 4)[1]
+    strategies = [LayerStrategy(layer=layer.name, state=s) for s in ("replicate", "zero2", "zero3")]
+    args = (Mesh(dp_shard=4), make_cluster(1), TrainSpec(global_batch=4, seq_len=64), Schedule())
+    table = layer_cost_table(layer, strategies, *args)
+    assert table == [layer_cost(layer, s, *args) for s in strategies]
+    assert all(isinstance(c, LayerCost) and isinstance(c.memory, MemoryBreakdown) for c in table)
+
+
+# ---- (5) pipeline ----------------------------------------------------------------------------
+
+
+def make_plan(graph: ModelGraph, mesh: Mesh, schedule: Schedule, stages_of=None, **strategy) -> Plan:
+    stages_of = stages_of or (lambda layer: 0)
+    layers = tuple(LayerStrategy(layer=l.name, stage=stages_of(l), **strategy) for l in graph)
+    return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=schedule)
+
+
+def test_in_flight_micro_batches():
+    assert [in_flight(Schedule(name="1f1b", num_micro_batches=8), 4, k) for k in range(4)] == [4, 3, 2, 1]
+    assert in_flight(Schedule(name="1f1b", num_micro_batches=2), 4, 0) == 2
+    assert in_flight(Schedule(name="gpipe", num_micro_batches=8), 4, 3) == 8
+    inter = Schedule(name="interleaved_1f1b", num_micro_batches=16, virtual_stages=2)
+    assert in_flight(inter, 4, 0) == pytest.approx((2 * 3 + 4 + 1) / 2)  # ≈ p·(1 + 1/v)
+    assert in_flight(Schedule(num_micro_batches=8), 1, 0) == 1
+
+
+@pytest.mark.parametrize("name, v", [("1f1b", 1), ("gpipe", 1), ("interleaved_1f1b", 2)])
+def test_pipeline_bubble(name, v):
+    graph, p, m = gpt_graph(blocks=8, h=512, a=8), 4, 8
+    mesh, schedule = Mesh(pp=p), Schedule(name=name, micro_batch=1, num_micro_batches=m, virtual_stages=v)
+    blocks_per_stage = 8 // (p * v)
+    plan = make_plan(graph, mesh, schedule, stages_of=lambda l: l.block // blocks_per_stage)
+    cluster, train = make_cluster(nodes=1), TrainSpec(global_batch=m, seq_len=256)
+    pred = predict(graph, plan, cluster, train)
+    per_layer = [layer_cost(l, s, mesh, cluster, train, schedule) for l, s in zip(graph, plan.layers)]
+    p2p = 2 * v * comm.send_recv_time(256 * 2 * 512, INTRA)  # rank 0 sends at each of its v boundaries
+    rank0 = sum(c.fwd_s + c.bwd_s for c, s in zip(per_layer, plan.layers) if s.stage % p == 0) + p2p
+    assert pred.bubble_s == pytest.approx((p - 1) / v * rank0)
+    assert pred.step_time_s == pytest.approx(
+        (m + (p - 1) / v) * rank0 + sum(c.comm_exposed_s + c.optimizer_s for c, s in zip(per_layer, plan.layers)
+                                        if s.stage % p == 0))
+    assert pred.step_time_s == pytest.approx(pred.compute_s + pred.exposed_comm_s + pred.bubble_s + pred.optimizer_s)
+    assert len(pred.memory_by_stage) == p and pred.peak_memory_bytes == max(pred.memory_by_stage)
+    if name == "1f1b":
+        assert pred.memory_by_stage == tuple(sorted(pred.memory_by_stage, reverse=True))
+
+
+def test_predict_sanity_and_lower_bound():
+    graph = gpt_graph(blocks=4, h=1024, a=16)
+    cluster, train = make_cluster(nodes=2), TrainSpec(global_batch=32, seq_len=512)
+    mesh = Mesh(dp_shard=8, tp=2)
+    plans = [
+        make_plan(graph, mesh, Schedule(micro_batch=2, num_micro_batches=2), state=state, tp=tp, sp=tp == "megatron")
+        for state in ("replicate", "zero3") for tp in ("none", "megatron")
+    ]
+    bound = lower_bound_step_time(graph, mesh, cluster, train)
+    for plan in plans:
+        pred = predict(graph, plan, cluster, train)
+        assert 0 < bound <= pred.step_time_s
+        assert 0 < pred.mfu < 0.5  # peak · 0.5 efficiency caps it
+        assert pred.tokens_per_s == pytest.approx(32 * 512 / pred.step_time_s)
+        assert pred.peak_memory_bytes > 2**30  # reserved bytes counted
+    assert usable_memory_bytes(cluster) < cluster.device.memory_bytes
+    assert COST_MODEL_VERSION
+
+
+def test_predict_refuses_inconsistent_batch_and_layers():
+    graph = gpt_graph(blocks=1, h=64, a=4)
+    plan = make_plan(graph, Mesh(dp_shard=2), Schedule(micro_batch=1, num_micro_batches=1))
+    with pytest.raises(PlanError, match="global_batch=3"):
+        predict(graph, plan, make_cluster(1), TrainSpec(global_batch=3, seq_len=8))
+    short = replace(plan, layers=plan.layers[:-1])
+    with pytest.raises(PlanError, match="blocks.0.mlp"):
+        predict(graph, short, make_cluster(1), TrainSpec(global_batch=2, seq_len=8))
