@@ -73,10 +73,14 @@ class Record:
     """Base of the plan dataclasses: checks and normalises fields on construction."""
 
     def __post_init__(self) -> None:
-        hints = _hints(type(self))
-        for f in dataclasses.fields(self):  # type: ignore[arg-type]
-            value = check(getattr(self, f.name), hints[f.name], f.name, f.metadata)
-            object.__setattr__(self, f.name, value)
+        for name, annotation, metadata in _field_specs(type(self)):
+            value = getattr(self, name)
+            # An exact str/int/bool or record type needs no normalising (a float may be inf/nan).
+            if type(value) is not annotation or annotation is float:
+                value = _check_type(value, annotation, name, decoding=False)
+                object.__setattr__(self, name, value)
+            if metadata:
+                _check_metadata(value, metadata, name)
         self._validate()
 
     def _validate(self) -> None:
@@ -88,6 +92,13 @@ def _hints(cls: type) -> dict[str, Any]:
     return typing.get_type_hints(cls)
 
 
+@functools.cache
+def _field_specs(cls: type) -> tuple[tuple[str, Any, Any], ...]:
+    """(name, annotation, metadata) of each field of record ``cls``."""
+    hints = _hints(cls)
+    return tuple((f.name, hints[f.name], f.metadata) for f in dataclasses.fields(cls))
+
+
 def _describe(value: Any) -> str:
     """A short rendering of a bad value for an error message."""
     kind = {dict: "object", list: "array", tuple: "array", bool: "bool", type(None): "null"}.get(type(value))
@@ -95,16 +106,6 @@ def _describe(value: Any) -> str:
     if len(text) > 40:
         text = text[:37] + "..."
     return f"{kind} {text}" if kind else text
-
-
-def check(value: Any, annotation: Any, path: str, metadata: Any = None) -> Any:
-    """Validate ``value`` against ``annotation`` (+ field metadata); return it normalised.
-
-    Nested records must already be instances; use ``decode`` for JSON objects.
-    """
-    out = _check_type(value, annotation, path, decoding=False)
-    _check_metadata(out, metadata or {}, path)
-    return out
 
 
 def decode(cls: type, data: Any, path: str = "") -> Any:

@@ -88,16 +88,20 @@ def _cmd_models(args: argparse.Namespace, console: Any) -> int:
 
 def _args_capture(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model", metavar="MODEL[:SIZE]", help="reference model, e.g. 'llama:tiny' (see 'autoshard models')")
-    parser.add_argument("--seq", type=_positive_int, default=None, metavar="N", help="sequence length to capture with")
-    parser.add_argument("--batch", type=_positive_int, default=None, metavar="B", help="batch size to capture with")
+    parser.add_argument("--seq", type=_capture_seq, default=None, metavar="N", help="sequence length S: capture measures at S/2 and S, and the table reports per token at S")
+    parser.add_argument("--batch", type=_positive_int, default=None, metavar="B", help="batch size of the example tokens (2 or more keeps the batch dim dynamic)")
 
 
 def _cmd_capture(args: argparse.Namespace, console: Any) -> int:
     from autoshard.passes.capture import capture_reference, format_coverage, format_layer_table
 
-    options = {key: value for key, value in (("seq_len", args.seq), ("batch", args.batch)) if value is not None}
+    options: dict[str, Any] = {}
+    if args.seq is not None:  # the two-point fit measures at S/2 and S, as capture does for example tokens
+        options["seq_lens"] = (args.seq // 2, args.seq)
+    if args.batch is not None:
+        options["batch"] = args.batch
     graph = capture_reference(args.model, **options)
-    _print_text(console, format_layer_table(graph))
+    _print_text(console, format_layer_table(graph, seq_len=args.seq))
     _print_text(console, format_coverage(graph))
     return EXIT_OK
 
@@ -148,6 +152,13 @@ def _positive_int(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+def _capture_seq(text: str) -> int:
+    value = _positive_int(text)
+    if value < 4:
+        raise argparse.ArgumentTypeError(f"{value} is too short: capture measures at S/2 and S, both >= 2; give S >= 4")
     return value
 
 

@@ -93,6 +93,10 @@ class LayerInfo:
     hidden: int | None = None
     ffn_hidden: int | None = None
     vocab: int | None = None
+    # Added by capture (defaults keep older constructors valid):
+    bytes_per_token_seq: float = 0.0  # bytes_per_token's part growing with sequence length (scores)
+    elementwise_flops_per_token_seq: float = 0.0  # elementwise FLOPs on scores (mask, softmax, dropout)
+    tied_params: tuple[str, ...] = ()  # FQNs used here but owned (counted) by an earlier layer
 
     @property
     def param_count(self) -> int:
@@ -106,7 +110,7 @@ class LayerInfo:
         return tokens * (
             self.matmul_flops_per_token
             + self.elementwise_flops_per_token
-            + self.attention_flops_per_token_seq * seq_len
+            + (self.attention_flops_per_token_seq + self.elementwise_flops_per_token_seq) * seq_len
         )
 
     def saved_bytes(self, micro_batch: int, seq_len: int) -> float:
@@ -139,6 +143,7 @@ class ModelGraph:
     vocab: int
     coverage: OpCoverage = field(default_factory=OpCoverage)
     capture_seq_lens: tuple[int, ...] = ()
+    dynamic_dims: tuple[str, ...] = ()  # input dims exported dynamic: "batch", "seq"
 
     def __iter__(self) -> Iterator[LayerInfo]:
         return iter(self.layers)

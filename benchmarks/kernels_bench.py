@@ -67,14 +67,14 @@ def _kernel_cases(n: int, block: int, rows: int, device: torch.device):
     x = torch.randn(n, device=device, dtype=torch.bfloat16)
     for qd in QDTYPES:
         lay = QuantLayout(qd, block, n, 1)
-        q = tk.quantize_triton(x, lay, 4096)
+        q = tk.quantize_triton(x, lay)
         row_lay = QuantLayout(qd, block, n, rows)  # rows sources of n/rows each
-        q_rows = tk.quantize_triton(x, row_lay, 4096)
-        yield (f"quantize/{qd}", lambda t, w, lay=lay: tk.quantize_triton(x, lay, t, w), 2 * n + q.numel())
-        yield (f"dequantize/{qd}", lambda t, w, lay=lay, q=q: tk.dequantize_triton(q, lay, torch.bfloat16, t, w),
+        q_rows = tk.quantize_triton(x, row_lay)
+        yield (f"quantize/{qd}", lambda tile, lay=lay: tk.quantize_triton(x, lay, tile), 2 * n + q.numel())
+        yield (f"dequantize/{qd}", lambda tile, lay=lay, q=q: tk.dequantize_triton(q, lay, torch.bfloat16, tile),
                q.numel() + 2 * n)
         yield (f"dequantize_reduce/{qd}",
-               lambda t, w, lay=row_lay, q=q_rows: tk.dequantize_reduce_triton(q, lay, torch.float32, t, w),
+               lambda tile, lay=row_lay, q=q_rows: tk.dequantize_reduce_triton(q, lay, torch.float32, tile),
                q_rows.numel() + 4 * row_lay.shard_numel)
 
 
@@ -88,17 +88,17 @@ def check_bit_exact(device: torch.device, block: int) -> dict[str, bool]:
     for qd in QDTYPES:
         lay = QuantLayout(qd, block, n, rows)
         ref_q = reference.quantize_ref(x, lay)
-        out[f"quantize/{qd}"] = torch.equal(tk.quantize_triton(x, lay, 4096), ref_q)
+        out[f"quantize/{qd}"] = torch.equal(tk.quantize_triton(x, lay), ref_q)
         for od in (torch.bfloat16, torch.float32, torch.float16):
-            d = tk.dequantize_triton(ref_q, lay, od, 4096).nan_to_num(7)
-            r = tk.dequantize_reduce_triton(ref_q, lay, od, 4096).nan_to_num(7)
+            d = tk.dequantize_triton(ref_q, lay, od).nan_to_num(7)
+            r = tk.dequantize_reduce_triton(ref_q, lay, od).nan_to_num(7)
             out[f"dequantize/{qd}/{od}"] = torch.equal(d, reference.dequantize_ref(ref_q, lay, od).nan_to_num(7))
             want = reference.dequantize_reduce_ref(ref_q, lay, od).nan_to_num(7)
             out[f"dequantize_reduce/{qd}/{od}"] = torch.equal(r, want)
     return out
 
 
-def bench_kernels(sizes: list[int], block: int, rows: int, tiles: list[tuple[int, int | None]],
+def bench_kernels(sizes: list[int], block: int, rows: int, tiles: list[tuple[int, int] | None],
                   device: torch.device) -> list[dict]:
     """One record per (size, kernel, tile)."""
     records = []
@@ -110,9 +110,10 @@ def bench_kernels(sizes: list[int], block: int, rows: int, tiles: list[tuple[int
         records.append({"n": n, "kernel": "copy", "seconds": copy_s, "gbps": copy_bw / 1e9, "ratio": 1.0})
         del src, dst
         for name, fn, nbytes in _kernel_cases(n, block, rows, device):
-            for tile, warps in tiles:
-                secs = _bench(lambda: fn(tile, warps), device)
-                records.append({"n": n, "kernel": name, "tile": tile, "num_warps": warps, "seconds": secs,
+            for tile in tiles:
+                secs = _bench(lambda: fn(tile), device)
+                elems, warps = tile if tile else ("default", "default")
+                records.append({"n": n, "kernel": name, "tile": elems, "num_warps": warps, "seconds": secs,
                                 "gbps": nbytes / secs / 1e9, "ratio": nbytes / secs / copy_bw})
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -197,7 +198,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.sizes, args.gather_bytes, args.iters = [1 << 16], 1 << 17, 2
     if triton_kernels() is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         sys.exit("kernels_bench needs a CUDA device, or TRITON_INTERPRET=1 with --smoke on CPU")
-    tiles = [(8192 if device.type == "cuda" else 1 << 16, None)]
+    tiles = [None]  # the launchers' per-kernel defaults
     if args.sweep:
         tiles += [(t, w) for t in (2048, 4096, 8192, 16384) for w in (4, 8, 16)]
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",

@@ -43,10 +43,6 @@ from autoshard.kernels.layout import (
 )
 
 DEFAULT_BLOCK = 512
-# Elements per Triton program: GPU tiles sized for bandwidth (benchmarks/kernels_bench.py
-# sweeps them); interpreter tiles large because its cost is per program.
-_CUDA_TILE_ELEMS = 8192
-_INTERPRETER_TILE_ELEMS = 1 << 16
 
 
 @functools.lru_cache(maxsize=None)
@@ -71,10 +67,6 @@ def uses_triton(device: torch.device) -> bool:
     return wanted and triton_kernels() is not None
 
 
-def _tile_elems(device: torch.device) -> int:
-    return _CUDA_TILE_ELEMS if device.type == "cuda" else _INTERPRETER_TILE_ELEMS
-
-
 # ---- custom ops -------------------------------------------------------------------------
 
 
@@ -85,7 +77,7 @@ def quantize_op(x: torch.Tensor, qdtype: str, block: int, world: int) -> torch.T
     layout = QuantLayout(qdtype, block, x.numel(), world)
     x = x.contiguous()
     if uses_triton(x.device):
-        return triton_kernels().quantize_triton(x, layout, _tile_elems(x.device))
+        return triton_kernels().quantize_triton(x, layout)
     return reference.quantize_ref(x, layout)
 
 
@@ -102,7 +94,7 @@ def dequantize_op(data: torch.Tensor, qdtype: str, block: int, numel: int, out_d
     layout = _checked_layout(data, qdtype, block, numel, out_dtype)
     data = data.contiguous()
     if uses_triton(data.device):
-        return triton_kernels().dequantize_triton(data, layout, out_dtype, _tile_elems(data.device))
+        return triton_kernels().dequantize_triton(data, layout, out_dtype)
     return reference.dequantize_ref(data, layout, out_dtype)
 
 
@@ -124,7 +116,7 @@ def dequantize_reduce_op(
     layout = _checked_layout(data, qdtype, block, data.shape[0] * shard_numel, out_dtype)
     data = data.contiguous()
     if uses_triton(data.device):
-        return triton_kernels().dequantize_reduce_triton(data, layout, out_dtype, _tile_elems(data.device))
+        return triton_kernels().dequantize_reduce_triton(data, layout, out_dtype)
     return reference.dequantize_reduce_ref(data, layout, out_dtype)
 
 

@@ -53,8 +53,9 @@ def _block_scales(xb: torch.Tensor, qmax: float) -> tuple[torch.Tensor, torch.Te
     bad = ~finite.all(dim=-1)
     ok = (absmax >= TINY) & ~bad
     safe = torch.where(ok, absmax, 1.0)
-    inv = torch.where(ok, qmax / safe, 0.0)
-    scale = torch.where(ok, safe / qmax, 0.0)
+    qmax_t = torch.full_like(safe, qmax)  # tensor/tensor: true IEEE division (a python-scalar
+    inv = torch.where(ok, qmax_t / safe, 0.0)  # operand may become a reciprocal multiply)
+    scale = torch.where(ok, safe / qmax_t, 0.0)
     scale = torch.where(bad, float("nan"), scale)
     return xs, inv, scale
 

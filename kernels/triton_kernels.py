@@ -88,31 +88,30 @@ def _cast_out(v, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr):
     The interpreter's fp32->bf16/fp16 cast truncates, so off-GPU the value is first
     rounded exactly to the target grid (then the truncating cast is lossless).
     """
-    if OUT_KIND == 0:
-        return v
     if OUT_KIND == 1:
         if not HW_CAST:
             v = _round_bf16(v)
-        return v.to(tl.bfloat16)
-    if not HW_CAST:
-        v = _round_fp16(v)
-    return v.to(tl.float16)
+        v = v.to(tl.bfloat16)
+    elif OUT_KIND == 2:
+        if not HW_CAST:
+            v = _round_fp16(v)
+        v = v.to(tl.float16)
+    return v
 
 
 @triton.jit
-def _encode(y, QMAX: tl.constexpr, KIND: tl.constexpr, BPP: tl.constexpr, BLOCK: tl.constexpr,
-            HW_CAST: tl.constexpr):
-    """fp32 (BPP, BLOCK) scaled values -> uint8 payload tile (BPP, BLOCK) or (BPP, BLOCK // 2)."""
+def _encode(y, QMAX: tl.constexpr, KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 scaled values -> uint8 codes of the same shape: int8 (KIND 0) or fp8 e4m3 (KIND 1)."""
     if KIND == 1:
         y = tl.minimum(tl.maximum(y, -QMAX), QMAX)
         if HW_CAST:
-            return y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
-        return _fp8e4m3_bits(y)
-    q = tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int32)
-    if KIND == 0:
-        return q.to(tl.int8).to(tl.uint8, bitcast=True)
-    lo, hi = tl.split(tl.reshape(q, (BPP, BLOCK // 2, 2)))  # even / odd elements
-    return ((lo & 0xF) | ((hi & 0xF) << 4)).to(tl.uint8)
+            out = y.to(tl.float8e4nv, fp_downcast_rounding="rtne").to(tl.uint8, bitcast=True)
+        else:
+            out = _fp8e4m3_bits(y)
+    else:
+        q = tl.minimum(tl.maximum(_round_half_even(y), -QMAX), QMAX).to(tl.int32)
+        out = q.to(tl.int8).to(tl.uint8, bitcast=True)
+    return out  # one return: the compiler types every return statement
 
 
 @triton.jit
@@ -120,13 +119,32 @@ def _decode(p_ptrs, mask, KIND: tl.constexpr, BPP: tl.constexpr, BLOCK: tl.const
     """Load a payload tile and return fp32 quantized values (BPP, BLOCK)."""
     b = tl.load(p_ptrs, mask=mask, other=0)
     if KIND == 0:
-        return b.to(tl.int8, bitcast=True).to(tl.float32)
-    if KIND == 1:
-        return b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    b = b.to(tl.int32)
-    lo = ((b & 0xF) ^ 8) - 8  # sign-extend 4-bit two's complement
-    hi = ((b >> 4) ^ 8) - 8
-    return tl.reshape(tl.join(lo, hi), (BPP, BLOCK)).to(tl.float32)
+        q = b.to(tl.int8, bitcast=True).to(tl.float32)
+    elif KIND == 1:
+        q = b.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    else:
+        b = b.to(tl.int32)
+        lo = ((b & 0xF) ^ 8) - 8  # sign-extend 4-bit two's complement
+        hi = ((b >> 4) ^ 8) - 8
+        q = tl.reshape(tl.join(lo, hi), (BPP, BLOCK)).to(tl.float32)
+    return q
+
+
+@triton.jit
+def _zero_nonfinite(x):
+    """(x with NaN/Inf replaced by 0, finite mask) for an fp32 tile."""
+    finite = tl.abs(x) < float("inf")
+    return tl.where(finite, x, 0.0), finite
+
+
+@triton.jit
+def _block_scales(absmax, bad, QMAX: tl.constexpr):
+    """Per-block ``(inv, scale)`` from absmax and the non-finite flag (reference._block_scales)."""
+    ok = (absmax >= _TINY) & (~bad)
+    safe = tl.where(ok, absmax, 1.0)
+    inv = tl.where(ok, tl.div_rn(tl.zeros_like(safe) + QMAX, safe), 0.0)
+    scale = tl.where(ok, tl.div_rn(safe, tl.zeros_like(safe) + QMAX), 0.0)
+    return inv, tl.where(bad, float("nan"), scale)
 
 
 @triton.jit
@@ -138,30 +156,29 @@ def _quantize_kernel(
     pid = tl.program_id(0)
     rank = tl.program_id(1).to(tl.int64)
     blk = pid * BPP + tl.arange(0, BPP)  # (BPP,) block index within the shard
-    col = tl.arange(0, BLOCK)
-    within = blk[:, None] * BLOCK + col[None, :]  # (BPP, BLOCK) element index within the padded shard
-    src_base = rank * shard_numel
-    mask = (within < shard_numel) & (src_base + within < numel)
-    x = tl.load(x_ptr + src_base + within, mask=mask, other=0.0).to(tl.float32)
-
-    finite = tl.abs(x) < float("inf")
-    x = tl.where(finite, x, 0.0)
-    absmax = tl.max(tl.abs(x), axis=1)  # (BPP,)
-    bad = tl.min(finite.to(tl.int32), axis=1) == 0
-    ok = (absmax >= _TINY) & (~bad)
-    safe = tl.where(ok, absmax, 1.0)
-    inv = tl.where(ok, tl.div_rn(tl.zeros_like(safe) + QMAX, safe), 0.0)
-    scale = tl.where(ok, tl.div_rn(safe, tl.zeros_like(safe) + QMAX), 0.0)
-    scale = tl.where(bad, float("nan"), scale)
-
-    payload = _encode(x * inv[:, None], QMAX, KIND, BPP, BLOCK, HW_CAST)
     block_ok = blk < num_blocks
+    src = x_ptr + rank * shard_numel
+    limit = tl.minimum(shard_numel, numel - rank * shard_numel)  # valid elements of this shard
     row = out_ptr + rank * chunk_bytes
     if KIND == 2:
+        # int4: load even and odd elements as two (BPP, BLOCK // 2) tiles, so packing a byte
+        # needs no register shuffle (a reshape + split of one tile ran at ~0.6x copy on H200)
         half = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
-        tl.store(row + half, payload, mask=block_ok[:, None])
+        xe, fe = _zero_nonfinite(tl.load(src + 2 * half, mask=2 * half < limit, other=0.0).to(tl.float32))
+        xo, fo = _zero_nonfinite(tl.load(src + 2 * half + 1, mask=2 * half + 1 < limit, other=0.0).to(tl.float32))
+        absmax = tl.maximum(tl.max(tl.abs(xe), axis=1), tl.max(tl.abs(xo), axis=1))
+        bad = tl.minimum(tl.min(fe.to(tl.int32), axis=1), tl.min(fo.to(tl.int32), axis=1)) == 0
+        inv, scale = _block_scales(absmax, bad, QMAX)
+        qe = _encode(xe * inv[:, None], QMAX, 0, HW_CAST).to(tl.int8, bitcast=True).to(tl.int32)
+        qo = _encode(xo * inv[:, None], QMAX, 0, HW_CAST).to(tl.int8, bitcast=True).to(tl.int32)
+        tl.store(row + half, ((qe & 0xF) | ((qo & 0xF) << 4)).to(tl.uint8), mask=block_ok[:, None])
     else:
-        tl.store(row + within, payload, mask=block_ok[:, None])
+        within = blk[:, None] * BLOCK + tl.arange(0, BLOCK)[None, :]  # (BPP, BLOCK)
+        x, finite = _zero_nonfinite(tl.load(src + within, mask=within < limit, other=0.0).to(tl.float32))
+        absmax = tl.max(tl.abs(x), axis=1)  # (BPP,)
+        bad = tl.min(finite.to(tl.int32), axis=1) == 0
+        inv, scale = _block_scales(absmax, bad, QMAX)
+        tl.store(row + within, _encode(x * inv[:, None], QMAX, KIND, HW_CAST), mask=block_ok[:, None])
     scale_row = scale_ptr + (rank * chunk_bytes + payload_bytes) // 4
     tl.store(scale_row + blk, scale, mask=block_ok)
 
@@ -217,66 +234,68 @@ def _dequantize_reduce_kernel(
     tl.store(out_ptr + within, _cast_out(acc, OUT_KIND, HW_CAST), mask=within < shard_numel)
 
 
-def _tile(layout: QuantLayout, target_elems: int) -> tuple[int, int]:
-    """(blocks per program, programs per rank) for a tile of about ``target_elems`` elements."""
-    bpp = max(1, min(target_elems // layout.block, triton.next_power_of_2(layout.num_blocks)))
-    return bpp, triton.cdiv(layout.num_blocks, bpp)
+# (elements per program, num_warps) per kernel on CUDA: the best of the
+# benchmarks/kernels_bench.py --sweep grid on an H200 (docs/kernels.md). Under the
+# interpreter, whose cost is per program, tiles are as large as possible.
+CUDA_TILES = {"quantize": (8192, 8), "dequantize": (4096, 4), "dequantize_reduce": (2048, 4)}
+INTERPRETER_TILE = (1 << 16, 4)
 
 
-def _launch_opts(device: torch.device, tile_elems: int, num_warps: int | None) -> dict:
-    if device.type != "cuda":
-        return {}
-    if num_warps is None:
-        num_warps = 8 if tile_elems >= 8192 else 4
-    return {"num_warps": num_warps, "enable_fp_fusion": False}
+def _tile(kernel: str, layout: QuantLayout, device: torch.device, tile: tuple[int, int] | None):
+    """(blocks per program, programs per rank, launch options) for ``kernel``."""
+    if tile is None:
+        tile = CUDA_TILES[kernel] if device.type == "cuda" else INTERPRETER_TILE
+    elems, num_warps = tile
+    bpp = max(1, min(elems // layout.block, triton.next_power_of_2(layout.num_blocks)))
+    opts = {"num_warps": num_warps, "enable_fp_fusion": False} if device.type == "cuda" else {}
+    return bpp, triton.cdiv(layout.num_blocks, bpp), opts
 
 
-def quantize_triton(x: torch.Tensor, layout: QuantLayout, target_elems: int,
-                    num_warps: int | None = None) -> torch.Tensor:
-    """Contiguous ``x`` -> ``uint8[world, chunk_bytes]`` (see ``reference.quantize_ref``)."""
+def quantize_triton(x: torch.Tensor, layout: QuantLayout, tile: tuple[int, int] | None = None) -> torch.Tensor:
+    """Contiguous ``x`` -> ``uint8[world, chunk_bytes]`` (see ``reference.quantize_ref``).
+
+    ``tile`` = (elements per program, num_warps) overrides the per-device default.
+    """
     out = torch.empty(layout.world, layout.chunk_bytes, dtype=torch.uint8, device=x.device)
     if layout.num_blocks == 0:
         return out
-    bpp, progs = _tile(layout, target_elems)
+    bpp, progs, opts = _tile("quantize", layout, x.device, tile)
     _quantize_kernel[(progs, layout.world)](
         x, out, out.view(torch.float32), layout.numel, layout.shard_numel, layout.num_blocks,
         layout.chunk_bytes, layout.payload_bytes,
         QMAX=layout.fmt.qmax, KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
-        HW_CAST=x.device.type == "cuda",
-        **_launch_opts(x.device, bpp * layout.block, num_warps),
+        HW_CAST=x.device.type == "cuda", **opts,
     )
     return out
 
 
 def dequantize_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype,
-                      target_elems: int, num_warps: int | None = None) -> torch.Tensor:
+                      tile: tuple[int, int] | None = None) -> torch.Tensor:
     """``uint8[world, chunk_bytes]`` -> flat ``out_dtype[numel]`` (see ``reference.dequantize_ref``)."""
     out = torch.empty(layout.numel, dtype=out_dtype, device=data.device)
     if layout.num_blocks == 0:
         return out
-    bpp, progs = _tile(layout, target_elems)
+    bpp, progs, opts = _tile("dequantize", layout, data.device, tile)
     _dequantize_kernel[(progs, layout.world)](
         data, data.view(torch.float32), out, layout.numel, layout.shard_numel, layout.num_blocks,
         layout.chunk_bytes, layout.payload_bytes,
         KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
-        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda",
-        **_launch_opts(data.device, bpp * layout.block, num_warps),
+        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda", **opts,
     )
     return out
 
 
 def dequantize_reduce_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype,
-                             target_elems: int, num_warps: int | None = None) -> torch.Tensor:
+                             tile: tuple[int, int] | None = None) -> torch.Tensor:
     """Sum over rows of ``uint8[world, chunk_bytes]`` -> ``out_dtype[shard_numel]``."""
     out = torch.empty(layout.shard_numel, dtype=out_dtype, device=data.device)
     if layout.num_blocks == 0:
         return out
-    bpp, progs = _tile(layout, target_elems)
+    bpp, progs, opts = _tile("dequantize_reduce", layout, data.device, tile)
     _dequantize_reduce_kernel[(progs,)](
         data, data.view(torch.float32), out, layout.world, layout.shard_numel, layout.num_blocks,
         layout.chunk_bytes, layout.payload_bytes,
         KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
-        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda",
-        **_launch_opts(data.device, bpp * layout.block, num_warps),
+        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda", **opts,
     )
     return out

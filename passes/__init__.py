@@ -1,1 +1,5 @@
 """autoshard subpackage."""
+
+from autoshard.passes.capture import capture
+
+__all__ = ["capture"]

@@ -112,8 +112,15 @@ def _symbols(graph: fx.Graph, user_inputs) -> tuple[sympy.Symbol | None, sympy.S
     if dims[0] is not None and dims[0] == dims[1]:
         dims = [None, None]  # duck-sized: batch == seq at the example; the caller exports statically
     shape_env = _shape_env(placeholders.values())
-    hints = {sym: int(v) for sym, v in shape_env.var_to_val.items()} if shape_env is not None else {}
+    hints = {sym: int(v) for sym, v in _backed_values(shape_env).items()}
     return dims[0], dims[1], hints
+
+
+def _backed_values(shape_env) -> dict:
+    """Example value of every backed symbol (``backed_var_to_val`` from torch 2.13, ``var_to_val`` before)."""
+    if shape_env is None:
+        return {}
+    return getattr(shape_env, "backed_var_to_val", None) or shape_env.var_to_val
 
 
 def _shape_env(nodes):
@@ -199,14 +206,22 @@ def _boundary_bytes(exported: Exported, size: costs.SizeEval, layers: dict[str, 
     outputs: dict[str, set[fx.Node]] = {}
     owner = exported.owner
     for node, layer in owner.items():
-        for source in node.all_input_nodes:
-            if source not in exported.weight_like and owner.get(source) != layer:
+        for source in _activation_sources(node, exported.weight_like):
+            if owner.get(source) != layer:
                 inputs.setdefault(layer, set()).add(source)
         if any(user.op == "output" or owner.get(user) != layer for user in node.users):
             outputs.setdefault(layer, set()).add(node)
     for layer, acc in layers.items():
         acc.input_bytes = _nodes_bytes(inputs.get(layer, ()), size)
         acc.output_bytes = _nodes_bytes(outputs.get(layer, ()), size)
+
+
+def _activation_sources(node: fx.Node, weight_like: frozenset[fx.Node]) -> list[fx.Node]:
+    """Inputs of ``node`` that carry activation tensors (not sizes, parameters or constants)."""
+    return [
+        source for source in node.all_input_nodes
+        if source not in weight_like and costs.tensors_of(source.meta.get("val"))
+    ]
 
 
 def _nodes_bytes(nodes, size: costs.SizeEval) -> float:
@@ -225,9 +240,9 @@ def edges(exported: Exported, order: list[str]) -> tuple[tuple[str, str], ...]:
     rank = {name: i for i, name in enumerate(order)}
     found: set[tuple[str, str]] = set()
     for node, layer in exported.owner.items():
-        for source in node.all_input_nodes:
+        for source in _activation_sources(node, exported.weight_like):
             producer = exported.owner.get(source)
-            if producer is not None and producer != layer and source not in exported.weight_like:
+            if producer is not None and producer != layer:
                 found.add((producer, layer))
     return tuple(sorted(found, key=lambda e: (rank[e[0]], rank[e[1]])))
 
@@ -235,7 +250,8 @@ def edges(exported: Exported, order: list[str]) -> tuple[tuple[str, str], ...]:
 def export_error(model: nn.Module, model_name: str, exc: BaseException) -> CaptureError:
     """A ``CaptureError`` naming the module and op where ``torch.export`` failed."""
     module, where = _failing_frame(model, exc)
-    ops = re.findall(r"torch\.ops\.([A-Za-z_][\w]*\.[\w.]+?)(?:\(|\s|$)", str(exc))
+    traced = f"{exc}\n{getattr(exc, 'partial_fx_graph', '')}"  # export attaches the graph traced so far
+    ops = re.findall(r"torch\.ops\.([A-Za-z_]\w*\.[\w.]+?)(?:\(|\s|$)", traced)
     op = ops[-1] if ops else (where or "unknown op")
     first_line = next((ln.strip() for ln in str(exc).splitlines() if ln.strip()), type(exc).__name__)
     return CaptureError(

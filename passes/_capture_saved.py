@@ -16,6 +16,14 @@ once, to the first layer that saves it. ``data_ptr`` is useless on meta (always 
 Parameters and buffers are excluded (their storages are known up front): they
 are model state, not activations.
 
+Root-level tensors. A tensor created outside every submodule (RoPE tables and
+position ids computed once per forward at the root, then saved by every block)
+is charged once to the layer that *created* it by the nearest-preceding rule
+(the embedding, for RoPE), not to the first block that saves it: otherwise
+block 0 would differ from its identical siblings. Creation is seen by a
+``TorchDispatchMode`` that records the storages each op outputs while no
+submodule is running.
+
 Kernel profile ([Note: measured kernels]). Meta and CPU pick different kernels
 than a GPU, and those save different tensors: CPU ``dropout`` keeps a mask in the
 input dtype (2 bytes in bf16) where CUDA's ``native_dropout`` keeps a ``bool``
@@ -46,6 +54,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.func import functional_call
 from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from autoshard.passes._capture_layers import ROOT_LAYER, LayerSpec
 
@@ -110,11 +120,22 @@ class _Recorder:
         self.excluded = excluded
         self.stack: list[nn.Module] = []
         self.last_layer: LayerSpec | None = None
+        self.first_layer: LayerSpec | None = None
         self.after_row: set[str] = set()
         self.seen: set[int] = set()
         self.keep: list[torch.Tensor] = []
         self.pending: list[tuple[str, int]] = []  # saved before any layer ran
+        self.root_created: dict[int, LayerSpec | None] = {}  # storage → layer running before it was made
+        self.root_tensors: list[torch.Tensor] = []  # keeps root_created addresses from being reused
         self.totals: dict[str, list[int]] = {spec.name: [0, 0] for spec in layers}
+
+    def created(self, outputs: list[torch.Tensor]) -> None:
+        """Record storages made while no submodule runs (see "Root-level tensors")."""
+        if self.stack:
+            return
+        for t in outputs:
+            self.root_created.setdefault(t.untyped_storage()._cdata, self.last_layer)
+            self.root_tensors.append(t)
 
     def pre(self, module: nn.Module, args) -> None:
         self.stack.append(module)
@@ -122,6 +143,7 @@ class _Recorder:
         if spec is not None:
             self.after_row.discard(spec.name)
             self.last_layer = spec
+            self.first_layer = self.first_layer or spec
             for cls, nbytes in self.pending:
                 self._charge(spec.name, cls, nbytes)
             self.pending.clear()
@@ -140,6 +162,8 @@ class _Recorder:
         self.seen.add(key)
         self.keep.append(tensor)
         spec = self._current_layer()
+        if key in self.root_created:
+            spec = self.root_created[key] or self.first_layer
         cls = self._classify(spec)
         if spec is None:
             self.pending.append((cls, storage.nbytes()))
@@ -184,10 +208,14 @@ def measure_saved(
     excluded = {t.untyped_storage()._cdata for t in state.values()}
     excluded |= {t.untyped_storage()._cdata for t in _model_tensors(model)}
     recorder = _Recorder(layers, weight_roles, excluded)
-    handles = _install_hooks(layers, recorder)
+    handles = _install_hooks(model, recorder)
     args = tuple(_to_meta(a) for a in inputs) if on_meta else inputs
     try:
-        with GpuKernelProfile(), torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t):
+        with (
+            GpuKernelProfile(),
+            _CreationTracker(recorder),
+            torch.autograd.graph.saved_tensors_hooks(recorder.pack, lambda t: t),
+        ):
             output = functional_call(model, state, args) if on_meta else model(*args)
         del output
     finally:
@@ -215,16 +243,25 @@ def _to_meta(value):
     return value
 
 
-def _install_hooks(layers: list[LayerSpec], recorder: _Recorder) -> list[Callable]:
+class _CreationTracker(TorchDispatchMode):
+    """Tells the recorder which storages each op creates (below autograd, so every aten op)."""
+
+    def __init__(self, recorder: _Recorder):
+        super().__init__()
+        self.recorder = recorder
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.recorder.created([t for t in tree_leaves(out) if isinstance(t, torch.Tensor)])
+        return out
+
+
+def _install_hooks(model: nn.Module, recorder: _Recorder) -> list[Callable]:
+    """Pre/post forward hooks on every submodule (the root excluded: "no module running" = root level)."""
     handles = []
-    hooked: set[int] = set()
-    for spec in layers:
-        if spec.name == ROOT_LAYER:
+    for module in model.modules():
+        if module is model:
             continue
-        for module in spec.module.modules():
-            if id(module) in hooked:
-                continue
-            hooked.add(id(module))
-            handles.append(module.register_forward_pre_hook(recorder.pre))
-            handles.append(module.register_forward_hook(recorder.post, always_call=True))
+        handles.append(module.register_forward_pre_hook(recorder.pre))
+        handles.append(module.register_forward_hook(recorder.post, always_call=True))
     return handles

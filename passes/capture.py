@@ -68,23 +68,17 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
-import linecache
 import logging
-import re
-import sys
-import types
-from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, fields, replace
 
-import sympy
 import torch
-from torch import fx, nn
-from torch.export import Dim, ExportedProgram
+from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
-from autoshard.passes import _capture_costs as costs
+from autoshard.passes._capture_costs import SizeEval
+from autoshard.passes._capture_export import Accum, Exported, edges, export, price
 from autoshard.passes._capture_layers import (
     LayerSpec,
     dtype_name,
@@ -143,25 +137,28 @@ def capture(
     with _training_mode(model):
         exported, sizes = _export_points(model, example, layers, dynamic, model_name)
         saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
-    priced = [_price(graph, size) for graph, size in zip(exported, sizes)]
+    priced = [price(graph, size) for graph, size in zip(exported, sizes)]
     primary = exported[-1]
     ordered = _execution_order(layers, primary)
     params = layer_params(ordered, roles)
     infos = []
     for index, spec in enumerate(ordered):
         meta = shape_meta(spec, model, hidden, vocab)
-        points = [p.layers.get(spec.name, _Accum()) for p in priced]
+        points = [p.layers.get(spec.name, Accum()) for p in priced]
         info = _layer_info(spec, index, params[spec.name], points, [s[spec.name] for s in saved], example, meta)
         infos.append(replace(info, class_id=_class_id(info)))
     return ModelGraph(
         model_name=model_name,
         layers=tuple(infos),
-        edges=_edges(primary, [spec.name for spec in ordered]),
+        edges=edges(primary, [spec.name for spec in ordered]),
         dtype=_model_dtype(model),
         hidden=hidden,
         num_blocks=len({spec.block for spec in layers if spec.block is not None}),
         vocab=vocab,
-        coverage=OpCoverage(counted=dict(sorted(priced[-1].counted.items())), unaccounted=dict(sorted(priced[-1].unaccounted.items()))),
+        coverage=OpCoverage(
+            counted=dict(sorted(priced[-1].counted.items())),
+            unaccounted=dict(sorted(priced[-1].unaccounted.items())),
+        ),
         capture_seq_lens=example.seq_lens,
         dynamic_dims=primary.dynamic_dims,
     )
@@ -279,3 +276,137 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
     finally:
         for module, flag in flags:
             module.training = flag
+
+
+# ---------------------------------------------------------------------------------------------
+# export and measurement
+
+
+def _export_points(
+    model: nn.Module, example: _Example, layers: list[LayerSpec], dynamic: bool, model_name: str
+) -> tuple[list[Exported], list[SizeEval]]:
+    """The exported graph(s) and shape evaluators at ``s1`` and ``s2`` (module docstring, step 3)."""
+    names = [spec.name for spec in layers]
+    s1, s2 = example.seq_lens
+    primary = export(model, example.inputs(s2), dynamic, names, model_name)
+    if dynamic and primary.seq_symbol is not None:
+        return [primary, primary], [primary.size_at(s1), primary.size_at(s2)]
+    if dynamic:
+        log.info("capture: export specialised the sequence dim of %s; exporting again at s1=%d", model_name, s1)
+    first = export(model, example.inputs(s1), dynamic, names, model_name)
+    return [first, primary], [first.size_at(None), primary.size_at(None)]
+
+
+def _measure_saved(
+    model: nn.Module, layers: list[LayerSpec], roles: dict[int, str], inputs: tuple, model_name: str
+) -> dict[str, SavedBytes]:
+    weight_roles = module_weight_roles(layers, roles)
+    try:
+        return measure_saved(model, layers, weight_roles, inputs, on_meta=True)
+    except Exception as exc:  # a model that runs for real may still not run on meta
+        if _model_device(model).type == "meta":
+            raise CaptureError(
+                f"cannot measure saved activations of {model_name} on meta: {type(exc).__name__}: {exc}; "
+                "make the forward device-agnostic (create tensors on the input's device)"
+            ) from exc
+        log.warning("capture: meta forward of %s failed (%s); measuring on %s", model_name, exc, _model_device(model))
+        return measure_saved(model, layers, weight_roles, inputs, on_meta=False)
+
+
+def _execution_order(layers: list[LayerSpec], exported: Exported) -> list[LayerSpec]:
+    """Layers by their first graph node; layers without nodes (never called) last, in registration order."""
+    by_name = {spec.name: spec for spec in layers}
+    ran = [by_name[name] for name in exported.layer_order]
+    return ran + [spec for spec in layers if spec.name not in exported.layer_order]
+
+
+# ---------------------------------------------------------------------------------------------
+# per-token coefficients and assembly
+
+
+def _fit(values: tuple[float, float], batch: int, seq_lens: tuple[int, int]) -> tuple[float, float]:
+    """(intercept, slope) of Q/(b·s) = intercept + slope·s through the two points (module docstring, step 5)."""
+    (s1, s2), (v1, v2) = seq_lens, values
+    q1, q2 = v1 / (batch * s1), v2 / (batch * s2)
+    slope = (q2 - q1) / (s2 - s1)
+    if slope < 0:
+        return q2, 0.0
+    return q1 - slope * s1, slope
+
+
+def _layer_info(
+    spec: LayerSpec,
+    index: int,
+    params: tuple,
+    points: list[Accum],
+    saved: list[SavedBytes],
+    example: _Example,
+    meta: dict,
+) -> LayerInfo:
+    b, lens = example.batch, example.seq_lens
+
+    def fit(values) -> tuple[float, float]:
+        return _fit(tuple(values), b, lens)
+
+    matmul, attention = fit(p.matmul_flops for p in points)
+    _check_attention_split(spec.name, points[-1], attention, b, lens[-1])
+    elementwise, elementwise_seq = fit(p.elementwise_flops for p in points)
+    moved, moved_seq = fit(p.bytes for p in points)
+    boundary, boundary_seq = fit(s.boundary for s in saved)
+    interior, interior_seq = fit(s.interior for s in saved)
+    tokens = b * lens[-1]
+    owned, tied = params
+    return LayerInfo(
+        name=spec.name,
+        kind=spec.kind,
+        index=index,
+        block=spec.block,
+        class_id="",
+        params=owned,
+        tied_params=tied,
+        matmul_flops_per_token=matmul,
+        attention_flops_per_token_seq=attention,
+        elementwise_flops_per_token=elementwise,
+        elementwise_flops_per_token_seq=elementwise_seq,
+        bytes_per_token=moved,
+        bytes_per_token_seq=moved_seq,
+        saved_boundary_per_token=boundary,
+        saved_interior_per_token=interior,
+        saved_interior_per_token_seq=interior_seq + boundary_seq,
+        input_bytes_per_token=points[-1].input_bytes / tokens,
+        output_bytes_per_token=points[-1].output_bytes / tokens,
+        **meta,
+    )
+
+
+def _check_attention_split(layer: str, at_s2: Accum, slope: float, batch: int, seq: int) -> None:
+    """Cross-check: the fitted attention FLOPs against the op-level count (SDPA, activation matmuls)."""
+    fitted = slope * batch * seq * seq
+    measured = at_s2.attention_op_flops
+    if abs(fitted - measured) > 0.01 * max(fitted, measured, 1.0):
+        log.warning(
+            "capture: %s: attention FLOPs from the two-point fit (%.4g) and from SDPA/activation matmuls "
+            "(%.4g) differ by more than 1%%", layer, fitted, measured,
+        )
+
+
+def _class_id(info: LayerInfo) -> str:
+    """``"<kind>:<hash>"`` of the layer's structure and costs (module docstring, step 6)."""
+    prefix = len(info.name) + 1
+    numbers = {
+        f.name: float(f"{getattr(info, f.name):.9g}")
+        for f in fields(LayerInfo)
+        if isinstance(getattr(info, f.name), float)
+    }
+    blob = {
+        "kind": info.kind,
+        "params": [(p.name[prefix:], list(p.global_shape), p.dtype, p.tp_role) for p in info.params],
+        "tied": [name[prefix:] for name in info.tied_params],
+        "costs": numbers,
+        "meta": [info.num_heads, info.num_kv_heads, info.num_experts, info.top_k, info.hidden, info.ffn_hidden, info.vocab],
+    }
+    digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:10]
+    return f"{info.kind}:{digest}"
+
+
+__all__ = ["capture", "capture_reference", "format_coverage", "format_layer_table"]

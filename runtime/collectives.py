@@ -205,11 +205,13 @@ def _own_chunk(x: Tensor, dim: int, pg: dist.ProcessGroup) -> Tensor:
 # --------------------------------------------------------------------------- op definitions
 
 
-@torch.library.custom_op("autoshard::all_gather", mutates_args=())
-def _all_gather_op(x: Tensor, dim: int, group_name: str, grad_op: str = "sum") -> Tensor:
+def _all_gather_kernel(x: Tensor, dim: int, group_name: str, grad_op: str = "sum") -> Tensor:
     dim = _normalize_dim(dim, x.dim(), "all_gather")
     _check_reduce_op(grad_op, "all_gather grad_op")
     return _gather(x, dim, _group(group_name))
+
+
+_all_gather_op = torch.library.custom_op("autoshard::all_gather", _all_gather_kernel, mutates_args=())
 
 
 @_all_gather_op.register_fake
@@ -220,11 +222,13 @@ def _(x, dim, group_name, grad_op="sum"):
     return x.new_empty(_with_dim(x.shape, dim, x.shape[dim] * n))
 
 
-@torch.library.custom_op("autoshard::reduce_scatter", mutates_args=())
-def _reduce_scatter_op(x: Tensor, dim: int, group_name: str, op: str = "sum") -> Tensor:
+def _reduce_scatter_kernel(x: Tensor, dim: int, group_name: str, op: str = "sum") -> Tensor:
     dim = _normalize_dim(dim, x.dim(), "reduce_scatter")
     _check_reduce_op(op, "reduce_scatter")
     return _scatter_reduce(x, dim, op, _group(group_name))
+
+
+_reduce_scatter_op = torch.library.custom_op("autoshard::reduce_scatter", _reduce_scatter_kernel, mutates_args=())
 
 
 @_reduce_scatter_op.register_fake
@@ -235,10 +239,12 @@ def _(x, dim, group_name, op="sum"):
     return x.new_empty(_with_dim(x.shape, dim, c))
 
 
-@torch.library.custom_op("autoshard::all_reduce", mutates_args=())
-def _all_reduce_op(x: Tensor, group_name: str, op: str = "sum") -> Tensor:
+def _all_reduce_kernel(x: Tensor, group_name: str, op: str = "sum") -> Tensor:
     _check_reduce_op(op, "all_reduce")
     return _reduce(x, op, _group(group_name))
+
+
+_all_reduce_op = torch.library.custom_op("autoshard::all_reduce", _all_reduce_kernel, mutates_args=())
 
 
 @_all_reduce_op.register_fake
@@ -248,10 +254,12 @@ def _(x, group_name, op="sum"):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("autoshard::copy_to_tp", mutates_args=())
-def _copy_to_tp_op(x: Tensor, group_name: str) -> Tensor:
+def _copy_to_tp_kernel(x: Tensor, group_name: str) -> Tensor:
     _group(group_name)
     return x.clone(memory_format=torch.contiguous_format)
+
+
+_copy_to_tp_op = torch.library.custom_op("autoshard::copy_to_tp", _copy_to_tp_kernel, mutates_args=())
 
 
 @_copy_to_tp_op.register_fake
@@ -260,9 +268,11 @@ def _(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("autoshard::reduce_from_tp", mutates_args=())
-def _reduce_from_tp_op(x: Tensor, group_name: str) -> Tensor:
+def _reduce_from_tp_kernel(x: Tensor, group_name: str) -> Tensor:
     return _reduce(x, "sum", _group(group_name))
+
+
+_reduce_from_tp_op = torch.library.custom_op("autoshard::reduce_from_tp", _reduce_from_tp_kernel, mutates_args=())
 
 
 @_reduce_from_tp_op.register_fake
@@ -271,10 +281,12 @@ def _(x, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("autoshard::scatter_to_sp", mutates_args=())
-def _scatter_to_sp_op(x: Tensor, dim: int, group_name: str) -> Tensor:
+def _scatter_to_sp_kernel(x: Tensor, dim: int, group_name: str) -> Tensor:
     dim = _normalize_dim(dim, x.dim(), "scatter_to_sp")
     return _own_chunk(x, dim, _group(group_name))
+
+
+_scatter_to_sp_op = torch.library.custom_op("autoshard::scatter_to_sp", _scatter_to_sp_kernel, mutates_args=())
 
 
 @_scatter_to_sp_op.register_fake
@@ -284,10 +296,12 @@ def _(x, dim, group_name):
     return x.new_empty(_with_dim(x.shape, dim, c))
 
 
-@torch.library.custom_op("autoshard::gather_from_sp", mutates_args=())
-def _gather_from_sp_op(x: Tensor, dim: int, group_name: str, grad_is_partial: bool = True) -> Tensor:
+def _gather_from_sp_kernel(x: Tensor, dim: int, group_name: str, grad_is_partial: bool = True) -> Tensor:
     dim = _normalize_dim(dim, x.dim(), "gather_from_sp")
     return _gather(x, dim, _group(group_name))
+
+
+_gather_from_sp_op = torch.library.custom_op("autoshard::gather_from_sp", _gather_from_sp_kernel, mutates_args=())
 
 
 @_gather_from_sp_op.register_fake
@@ -297,14 +311,16 @@ def _(x, dim, group_name, grad_is_partial=True):
     return x.new_empty(_with_dim(x.shape, dim, x.shape[dim] * n))
 
 
-@torch.library.custom_op("autoshard::all_to_all", mutates_args=())
-def _all_to_all_op(x: Tensor, split_sizes_out: list[int], split_sizes_in: list[int], group_name: str) -> Tensor:
+def _all_to_all_kernel(x: Tensor, split_sizes_out: list[int], split_sizes_in: list[int], group_name: str) -> Tensor:
     pg = _group(group_name)
     _check_splits(split_sizes_in, pg.size(), x.shape[0], "split_sizes_in")
     _check_splits(split_sizes_out, pg.size(), None, "split_sizes_out")
     out = x.new_empty((sum(split_sizes_out), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), list(split_sizes_out), list(split_sizes_in), group=pg)
     return out
+
+
+_all_to_all_op = torch.library.custom_op("autoshard::all_to_all", _all_to_all_kernel, mutates_args=())
 
 
 @_all_to_all_op.register_fake
@@ -400,6 +416,58 @@ torch.library.register_autograd(
     _all_to_all_bwd,
     setup_context=_save_args(("split_sizes_out", "split_sizes_in", "group_name")),
 )
+
+
+# --------------------------------------------------------------------------- one-process simulation
+
+# [Note: LocalTensorMode]
+# Under ``torch.distributed._local_tensor.LocalTensorMode`` (torch >= 2.13; the
+# test harness's ``local_ranks``) one process holds every rank's tensor. The
+# mode runs an unknown op once per rank with plain tensors, where our blocking
+# collectives would hit the fake process group and return garbage. These rules
+# instead run each kernel on the per-rank tensors under the mode, whose own
+# c10d handlers then combine the ranks. ``scatter_to_sp`` is the one
+# rank-dependent kernel: it picks each rank's chunk explicitly. ``all_to_all``
+# works when every rank uses the same split sizes (Python ints are not per rank).
+# Without LocalTensorMode (torch 2.11) nothing is registered.
+
+
+def _register_local_tensor_rules() -> None:
+    try:
+        from torch.distributed._local_tensor import LocalTensorMode
+    except ImportError:  # pragma: no cover - torch < 2.13
+        return
+
+    def run_kernel_under_mode(kernel):
+        def rule(mode, func, types, args, kwargs):
+            with LocalTensorMode(mode.ranks):
+                return kernel(*args, **kwargs)
+
+        return rule
+
+    def scatter_rule(mode, func, types, args, kwargs):
+        x, dim, group_name = args
+        dim = _normalize_dim(dim, x.dim(), "scatter_to_sp")
+        group_ranks = dist.get_process_group_ranks(_group(group_name))
+        c = _chunk_len(x.shape[dim], len(group_ranks), dim, "scatter_to_sp")
+        take = lambda rank, t: t.narrow(dim, group_ranks.index(rank) * c, c).clone(memory_format=torch.contiguous_format)
+        return mode.tensor_map(x, take)
+
+    kernels = {
+        "all_gather": _all_gather_kernel,
+        "reduce_scatter": _reduce_scatter_kernel,
+        "all_reduce": _all_reduce_kernel,
+        "copy_to_tp": _copy_to_tp_kernel,
+        "reduce_from_tp": _reduce_from_tp_kernel,
+        "gather_from_sp": _gather_from_sp_kernel,
+        "all_to_all": _all_to_all_kernel,
+    }
+    for name, kernel in kernels.items():
+        torch.library.register_torch_dispatch(f"autoshard::{name}", LocalTensorMode, run_kernel_under_mode(kernel))
+    torch.library.register_torch_dispatch("autoshard::scatter_to_sp", LocalTensorMode, scatter_rule)
+
+
+_register_local_tensor_rules()
 
 
 # --------------------------------------------------------------------------- public wrappers

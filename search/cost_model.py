@@ -23,8 +23,8 @@ Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_compute_s``)::
 ``peak`` = ``device.peak_flops[train.precision]``, ``eff`` =
 ``device.matmul_efficiency``, ``hbm·hbm_eff`` = ``device.achieved_hbm_bandwidth``
 (``Cluster.with_calibration`` writes measured values into the device). ``t_mm = t``
-when the layer runs Megatron TP and has column/row/vocab parameters (vocab
-layers too), else 1. The elementwise split follows the saved-activation split:
+when the layer runs Megatron TP and has column/row/vocab parameters, or is
+the LM head (vocab-parallel even with its weight tied to the embedding), else 1. The elementwise split follows the saved-activation split:
 the boundary fraction ``B/(B+I)`` is divided by t only under SP, the interior
 fraction by ``t_int = max(t_mm, t_sp)``. The score tensors of a math attention
 (the ``*_seq`` saved bytes) are written once and read once: the ``2·`` term.
@@ -35,17 +35,19 @@ balanced routing EP leaves per-rank FLOPs unchanged (each rank runs E/ep experts
 on ep× the tokens); expert parameters are not split by tp.
 
 Critical-path communication per micro-batch (``tp_fwd_s`` … ``cp_bwd_s``; not
-overlapped; ``n_in/n_out = T·input/output_bytes_per_token``; the SP forms move
-the same bytes as all-reduce = reduce-scatter + all-gather)::
+overlapped; ``n_in/n_out = T·input/output_bytes_per_token``; a block layer's
+collectives move hidden-sized tensors, sized by ``n_out`` because capture's
+input bytes count the residual stream too; the SP forms move the same bytes
+as all-reduce = reduce-scatter + all-gather)::
 
-    block (attention, mlp, …)  fwd AR(n_out) | SP: AG(n_in) + RS(n_out)
-                               bwd AR(n_in)  | SP: AG(n_out) + RS(n_in)
+    block (attention, mlp, …)  fwd AR(n_out) | SP: AG + RS(n_out)
+                               bwd AR(n_out) | SP: AG + RS(n_out)
     embedding (vocab-parallel) fwd AR(n_out) | SP: RS(n_out);  bwd 0 | SP: AG(n_out)
     head (vocab-parallel)      fwd 3·AR(4T)  (+ SP: AG(n_in)); bwd AR(n_in) | SP: RS(n_in)
-    MoE with EP                fwd 2·A2A(T·top_k·input_bytes_per_token), bwd the same
+    MoE with EP                fwd 2·A2A(T·top_k·output_bytes_per_token), bwd the same
     attention with cp > 1      fwd AG(K,V of b·s tokens), bwd RS(dK,dV)
                                (all-gather context parallelism; K,V bytes
-                               = 2·input_bytes_per_token·kv_heads/heads / t_mm)
+                               = 2·output_bytes_per_token·kv_heads/heads / t_mm)
 
 Full recompute repeats the forward critical-path comm in backward.
 

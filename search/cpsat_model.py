@@ -56,6 +56,12 @@ def _noise(key: str, modulo: int) -> int:
     return zlib.crc32(key.encode()) % modulo
 
 
+def _tie_weight(class_name: str, strategy: LayerStrategy, rank: int) -> int:
+    """Tie-break weight: prefer the simpler strategy (earlier in canonical order: less sharding,
+    less recompute, unquantized comm), then a deterministic hash so the optimum is unique."""
+    return rank * 16 + _noise(f"{class_name}|{strategy_key(strategy)}", 16)
+
+
 class _Builder:
     def __init__(self, inp: ModelInput) -> None:
         self.inp = inp
@@ -192,11 +198,12 @@ class _Builder:
             m.add(v * self.z >= slots_v * self.t_max + v * self._rank_sum(k, 1)).with_name(f"step/stage{k}")
         if inp.cutoff_s is not None:
             m.add(self.z <= max(int(math.floor(inp.cutoff_s / inp.unit_s)) - 1, 0)).with_name("cutoff")
-        noise = [(_noise(f"{c.name}|{strategy_key(o.strategy)}", 64), x)
-                 for c, opts, xs in zip(inp.classes, inp.options, self.x) for o, x in zip(opts, xs)]
+        noise = [(_tie_weight(c.name, o.strategy, rank), x)
+                 for c, opts, xs in zip(inp.classes, inp.options, self.x)
+                 for rank, (o, x) in enumerate(sorted(zip(opts, xs), key=lambda ox: strategy_key(ox[0].strategy)))]
         stage_noise = [(1 + _noise(f"block{b}", 8), st) for b, st in enumerate(getattr(self, "st", []))
                        if not isinstance(st, int)]
-        max_noise = sum(63 for _ in noise) + sum(w * (p - 1) for w, _ in stage_noise)
+        max_noise = sum(max(w for w, _ in noise) for _ in inp.classes) + sum(w * (p - 1) for w, _ in stage_noise)
         self.weight = 1 << max(1, max_noise.bit_length())
         m.minimize(self.weight * self.z + sum(w * x for w, x in noise) + sum(w * st for w, st in stage_noise))
 

@@ -152,6 +152,8 @@ def _tp_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh
     def rs(n: float) -> float:
         return comm.reduce_scatter_time(n, size, link)
 
+    # A block layer's input may hold several tensors (capture counts the residual stream too);
+    # every TP collective of a block moves one hidden-sized activation: the layer's output.
     n_in, n_out = sh.tokens * layer.input_bytes_per_token, sh.tokens * layer.output_bytes_per_token
     sp = strategy.sp
     if layer.kind == "embedding":
@@ -160,8 +162,8 @@ def _tp_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh
         loss = LOSS_REDUCTIONS * ar(LOSS_REDUCTION_BYTES * sh.tokens)
         return (loss + ag(n_in), rs(n_in)) if sp else (loss, ar(n_in))
     if sp:
-        return ag(n_in) + rs(n_out), ag(n_out) + rs(n_in)
-    return ar(n_out), ar(n_in)
+        return ag(n_out) + rs(n_out), ag(n_out) + rs(n_out)
+    return ar(n_out), ar(n_out)
 
 
 def _ep_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh, cluster: Cluster) -> float:
@@ -169,7 +171,7 @@ def _ep_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh
     if not (strategy.ep and mesh.ep > 1 and layer.kind == "moe"):
         return 0.0
     size, stride = comm.ep_group(mesh)
-    routed = sh.tokens / sh.tp_boundary * (layer.top_k or 1) * layer.input_bytes_per_token
+    routed = sh.tokens / sh.tp_boundary * (layer.top_k or 1) * layer.output_bytes_per_token  # hidden-sized
     return 2.0 * comm.all_to_all_time(routed, size, comm.group_link(cluster, size, stride))
 
 
@@ -177,14 +179,15 @@ def _cp_comm(layer: LayerInfo, sh: Sharding, mesh: Mesh, cluster: Cluster) -> fl
     """Seconds of the K,V all-gather (fwd) = dK,dV reduce-scatter (bwd) of context parallelism."""
     if mesh.cp == 1 or layer.kind != "attention":
         return 0.0
-    kv_ratio = (layer.num_kv_heads or 1) / (layer.num_heads or 1) if layer.num_heads else 1.0
-    kv_bytes = sh.tokens * mesh.cp * 2.0 * layer.input_bytes_per_token * kv_ratio / sh.tp_mm
+    kv_ratio = layer.num_kv_heads / layer.num_heads if layer.num_heads and layer.num_kv_heads else 1.0
+    kv_bytes = sh.tokens * mesh.cp * 2.0 * layer.output_bytes_per_token * kv_ratio / sh.tp_mm
     size, stride = comm.cp_group(mesh)
     return comm.all_gather_time(kv_bytes, size, comm.group_link(cluster, size, stride))
 
 
 def critical_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh,
                     cluster: Cluster) -> dict[str, float]:
+    """TP/SP, EP and CP seconds on the critical path of one micro-batch, by direction."""
     tp_fwd, tp_bwd = _tp_comm(layer, strategy, sh, mesh, cluster)
     ep = _ep_comm(layer, strategy, sh, mesh, cluster)
     cp = _cp_comm(layer, sh, mesh, cluster)

@@ -124,8 +124,9 @@ TP_SPLIT_ROLES = ("column", "row", "vocab")
 
 
 def tp_shardable(layer: LayerInfo) -> bool:
-    """Whether Megatron TP splits this layer's work (it has column/row/vocab parameters)."""
-    return any(p.tp_role in TP_SPLIT_ROLES for p in layer.params)
+    """Whether Megatron TP splits this layer's work: it has column/row/vocab parameters, or it
+    is the LM head (vocab-parallel even when its weight is tied to the embedding and listed there)."""
+    return layer.kind == "head" or any(p.tp_role in TP_SPLIT_ROLES for p in layer.params)
 
 
 def activation_bytes(

@@ -43,8 +43,12 @@ Interleaved schedules use p·v equal chunks (virtual stage j on rank j mod p)
 and no y. Strategies are shared by all layers of a class on every stage
 (stages differ only in their boundaries).
 
-Determinism. h and g are small deterministic weights (crc32 of the class and
-strategy names) below W, so ties in Z resolve to one unique optimum; candidate
+Determinism. h and g are small deterministic weights below W: h(c,s) = 16·(rank
+of s in canonical order) + crc32(c, s) mod 16, so among plans of equal step
+time the simpler strategy wins (less sharding, less recompute, unquantized
+comm: DDP before ZeRO when ZeRO buys nothing) and any remaining tie resolves
+to one unique optimum; g(b) = 1 + crc32(b) mod 8 does the same for stage
+boundaries. Candidate
 order is a pure function of the inputs; CP-SAT runs with a fixed seed and
 worker count. Two solves that reach OPTIMAL return identical plans. Only the
 wall time differs: ``SolverStats.wall_s`` is recorded, and callers comparing
@@ -71,7 +75,7 @@ from autoshard.search.evaluate import (
 )
 from autoshard.search.pipeline import in_flight
 from autoshard.search.space import (
-    Constraints, PruneRecord, SolverClass, admissible_strategies, enumerate_meshes, resolve_pins,
+    RECOMPUTE, Constraints, PruneRecord, SolverClass, admissible_strategies, enumerate_meshes, resolve_pins,
     schedule_candidates, solver_classes, strategy_key, validate_constraints,
 )
 from autoshard.train import TrainSpec
@@ -113,6 +117,7 @@ class _Search:
     min_memory_bytes: float = math.inf
     min_memory_where: str = ""
     solved_meshes: set = dataclasses.field(default_factory=set)
+    too_big: dict = dataclasses.field(default_factory=dict)  # (mesh, schedule kind) → smallest failing micro-batch
     statuses: list = dataclasses.field(default_factory=list)
 
 
@@ -282,11 +287,54 @@ def _table_bounds(search: _Search, cand: Candidate, options) -> tuple[float, flo
     return time_lb, mem_lb
 
 
+def _probe_memory(search: _Search, cand: Candidate) -> float:
+    """Per-rank memory lower bound from the most frugal strategies (module docstring, step 3)."""
+    flight = min(in_flight(cand.schedule, cand.mesh.pp, k) for k in range(cand.mesh.pp))
+    per_sp = []
+    for sp in (False, True):
+        total = 0.0
+        for c, strategies in zip(search.classes, cand.admissible):
+            mine = [s for s in strategies if s.sp == sp]
+            if not mine:
+                total = math.inf
+                break
+            deepest = max(RECOMPUTE.index(s.recompute) for s in mine)
+            frugal = [s for s in mine if RECOMPUTE.index(s.recompute) == deepest]
+            sharded = [s for s in frugal if s.state in ("zero3", "offload")] or frugal
+            probes = {s.state: s for s in sorted(sharded, key=strategy_key, reverse=True)}.values()
+            total += len(c.layers) * min(
+                o.static_bytes + flight * o.activation_bytes
+                for o in (search.table.option(c.representative, s, cand.mesh, cand.schedule) for s in probes)
+            )
+        per_sp.append(total)
+    return min(per_sp) / cand.mesh.pp
+
+
+def _note_memory(search: _Search, cand: Candidate, need: float) -> None:
+    if need < search.min_memory_bytes:
+        search.min_memory_bytes = need
+        search.min_memory_where = f"mesh {_mesh_text(cand.mesh)}, {_sched_text(cand.schedule)}"
+
+
+def _memory_hopeless(search: _Search, cand: Candidate) -> bool:
+    """Skip candidates whose memory probe exceeds M; a failing micro-batch fails every larger one too."""
+    kind = (cand.mesh, cand.schedule.name, cand.schedule.virtual_stages)
+    if cand.schedule.micro_batch >= search.too_big.get(kind, math.inf):
+        return True
+    need = _probe_memory(search, cand)
+    _note_memory(search, cand, need)
+    if need <= search.cap_bytes:
+        return False
+    search.too_big[kind] = min(search.too_big.get(kind, math.inf), cand.schedule.micro_batch)
+    return True
+
+
 def _solve_candidate(search: _Search, cand: Candidate, hint: Plan | None, remaining: float, num_workers: int) -> None:
+    if _memory_hopeless(search, cand):
+        return
     options = _class_options(search, cand)
     time_lb, mem_lb = _table_bounds(search, cand, options)
-    if mem_lb < search.min_memory_bytes:
-        search.min_memory_bytes, search.min_memory_where = mem_lb, f"mesh {_mesh_text(cand.mesh)}, {_sched_text(cand.schedule)}"
+    _note_memory(search, cand, mem_lb)
     best_s = search.best[0] if search.best else math.inf
     if time_lb >= best_s or mem_lb > search.cap_bytes:
         return

@@ -40,13 +40,23 @@ Per layer (``admissible_strategies``), for one mesh:
     * ``weight_comm`` other than ``bf16`` only with ``zero3`` (qwZ: only ZeRO-3
       gathers weights); ``grad_comm`` ``int8`` / ``int4`` only with ``zero2`` /
       ``zero3`` (qgZ); with ``dp = 1`` or no parameters both stay ``bf16``.
-    * ``recompute ∈ RECOMPUTE``.
+      Offered only when pinned, because they cost the same or more for the
+      same memory and so a time-minimising search never picks them:
+      ``grad_comm = "fp32"`` (twice the bytes of bf16: a numerics choice) and
+      ``weight_comm = "fp8"`` (the same bytes as int8: a numerics choice).
+    * ``recompute ∈ {none, selective, full}`` for layers with an attention core
+      (``attention_flops_per_token_seq`` or ``saved_interior_per_token_seq``
+      > 0); ``{none, full}`` for the rest, where selective recompute (which
+      drops the attention scores, Korthikanti et al.) equals ``none``.
 
 Schedules (``schedule_candidates``): micro-batch sizes are the divisors of
 ``global_batch / dp`` (or the fixed ``TrainSpec.micro_batch``); ``m`` =
 ``global_batch / (dp · micro_batch)``. With ``pp = 1`` the only schedule is
-``1f1b`` (plain gradient accumulation). With ``pp > 1``: ``gpipe`` (any m),
-``1f1b`` (``m ≥ pp``, torch.distributed.pipelining's requirement) and
+``1f1b`` (plain gradient accumulation). With ``pp > 1``: ``1f1b`` (``m ≥ pp``,
+torch.distributed.pipelining's requirement), ``gpipe`` only where 1F1B is not
+admissible (``m < pp``) or it is asked for — both take ``(m + p − 1)·T``, and
+GPipe keeps all m micro-batches in flight where 1F1B keeps ``p − k``, so
+GPipe is otherwise dominated — and
 ``interleaved_1f1b`` with ``v ∈ {2, 3, 4}`` virtual stages when
 ``num_blocks % (pp·v) == 0`` and ``m % pp == 0`` (Megatron's requirement).
 
@@ -71,6 +81,11 @@ from autoshard.plan import (
 from autoshard.train import TrainSpec
 
 TP_ABLE_ROLES = ("column", "row", "vocab")
+__all__ = [
+    "RECOMPUTE", "Constraints", "MeshEnumeration", "PruneRecord", "SolverClass", "admissible_strategies",
+    "divisors", "enumerate_meshes", "resolve_pins", "schedule_candidates", "solver_classes", "strategy_key",
+    "validate_constraints",
+]
 PIN_FIELDS: dict[str, tuple] = {
     "state": STATES, "tp": TP_MODES, "sp": (False, True), "ep": (False, True), "recompute": RECOMPUTE,
     "weight_comm": WEIGHT_COMM, "grad_comm": GRAD_COMM,
@@ -233,12 +248,20 @@ def _mesh_batch_violation(mesh: Mesh, train: TrainSpec | None) -> PruneRecord | 
 
 
 # ----------------------------------------------------------------------------- strategies
-def _comm_options(state: str, dp: int, has_params: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _comm_options(state: str, dp: int, has_params: bool,
+                  pin: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
     if dp == 1 or not has_params:
         return ("bf16",), ("bf16",)
-    weight = WEIGHT_COMM if state == "zero3" else ("bf16",)
-    grad = GRAD_COMM if state in ("zero2", "zero3") else ("bf16", "fp32")
-    return weight, grad
+    weight = ("bf16", "int8") if state == "zero3" else ("bf16",)
+    grad = ("bf16", "int8", "int4") if state in ("zero2", "zero3") else ("bf16",)
+    if pin.get("weight_comm") == "fp8" and state == "zero3":
+        weight += ("fp8",)
+    return weight, (grad + ("fp32",) if pin.get("grad_comm") == "fp32" else grad)
+
+
+def _recompute_options(layer: LayerInfo) -> tuple[str, ...]:
+    has_core = layer.attention_flops_per_token_seq > 0 or layer.saved_interior_per_token_seq > 0
+    return RECOMPUTE if has_core else ("none", "full")
 
 
 def admissible_strategies(layer: LayerInfo, mesh: Mesh,
@@ -253,16 +276,16 @@ def admissible_strategies(layer: LayerInfo, mesh: Mesh,
     ep = mesh.ep > 1 and layer.kind == "moe"
     states = STATES if mesh.dp > 1 and has_params else (("replicate", "offload") if has_params else ("replicate",))
     sps = (False, True) if mesh.tp > 1 else (False,)
+    pin = dict(pin or {})
     out = []
     for state in states:
-        weights, grads = _comm_options(state, mesh.dp, has_params)
+        weights, grads = _comm_options(state, mesh.dp, has_params, pin)
         for sp in sps:
-            for recompute in RECOMPUTE:
+            for recompute in _recompute_options(layer):
                 for weight_comm in weights:
                     for grad_comm in grads:
                         out.append(LayerStrategy(layer=layer.name, state=state, tp=tp, sp=sp, ep=ep,
                                                  recompute=recompute, weight_comm=weight_comm, grad_comm=grad_comm))
-    pin = dict(pin or {})
     return tuple(s for s in out if all(getattr(s, k) == v for k, v in pin.items()))
 
 
@@ -284,9 +307,10 @@ def schedule_candidates(mesh: Mesh, graph: ModelGraph, train: TrainSpec,
         if mesh.pp == 1:
             out.append(Schedule(name="1f1b", micro_batch=mb, num_micro_batches=m))
             continue
-        out.append(Schedule(name="gpipe", micro_batch=mb, num_micro_batches=m))
         if m >= mesh.pp:
             out.append(Schedule(name="1f1b", micro_batch=mb, num_micro_batches=m))
+        if m < mesh.pp or only == "gpipe":
+            out.append(Schedule(name="gpipe", micro_batch=mb, num_micro_batches=m))
         if m % mesh.pp == 0:
             for v in range(2, MAX_VIRTUAL_STAGES + 1):
                 if graph.num_blocks % (mesh.pp * v) == 0:

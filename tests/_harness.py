@@ -29,8 +29,10 @@ defined in ``tests/test_*.py`` import in the child as they do in the parent.
 raises inside the child, whose traceback then reaches the parent) and the
 wall-clock limit of ``fn`` itself, counted once every rank has joined the
 process group; the parent allows ``_GRACE_S`` more before it kills the job and
-raises ``TimeoutError``. Start-up (interpreter, imports, rendezvous) has its own
-limit of ``_STARTUP_S + timeout_s``. Nothing here can hang CI.
+raises ``TimeoutError``. Start-up (interpreter, imports, the wait for every
+rank in the file store) has its own limit, ``_STARTUP_S``, so a short
+``timeout_s`` cannot fail a slow start on a loaded machine. Nothing here can
+hang CI.
 """
 
 from __future__ import annotations
@@ -164,17 +166,26 @@ class _RemoteTraceback(Exception):
         return self.args[0]
 
 
+def _join_world(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
+    """Wait (up to ``_STARTUP_S``) until every rank has started, then init gloo with ``timeout_s``.
+
+    Ranks start seconds apart on a loaded machine; waiting on the store first
+    keeps a short collective timeout from failing the rendezvous itself.
+    """
+    store = dist.FileStore(init_file, world_size)
+    store.set_timeout(timedelta(seconds=_STARTUP_S))
+    store.set(f"started/{rank}", "1")
+    store.wait([f"started/{r}" for r in range(world_size)])
+    dist.init_process_group(
+        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+    )
+
+
 def _worker(rank, world_size, init_file, timeout_s, results, fn, args, kwargs) -> None:
     """Child body: join the gloo group, run ``fn``, post ``(rank, kind, payload)``."""
     torch.set_num_threads(1)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{init_file}",
-            rank=rank,
-            world_size=world_size,
-            timeout=timedelta(seconds=timeout_s),
-        )
+        _join_world(rank, world_size, init_file, timeout_s)
         results.put((rank, "ready", None))
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", pickle.dumps(value)))

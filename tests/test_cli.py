@@ -118,6 +118,8 @@ def test_usage_errors_are_one_line(capsys):
     _assert_one_line_error(*_run(capsys, "inspect"), "PLAN.json", "autoshard inspect --help")
     _assert_one_line_error(*_run(capsys, "cluster"), "autoshard cluster --help")
     _assert_one_line_error(*_run(capsys, "capture", "x", "--seq", "0"), "--seq", "positive integer")
+    _assert_one_line_error(*_run(capsys, "capture", "x", "--seq", "3"), "--seq", "S >= 4")
+    _assert_one_line_error(*_run(capsys, "capture", "x", "--batch", "two"), "--batch", "'two' is not an integer")
 
 
 # -------------------------------------------- commands backed by other stages
@@ -138,9 +140,10 @@ def test_capture_smallest_model(capsys):
     from autoshard.models import list_models
 
     smallest = min(list_models(), key=lambda entry: entry.params)
-    code, out, err = _run(capsys, "capture", f"{smallest.family}:{smallest.size}", "--seq", "16", "--batch", "2")
+    code, out, err = _run(capsys, "capture", f"{smallest.family}:{smallest.size}", "--seq", "8", "--batch", "2")
     assert code == 0, err
-    assert out.strip()
+    assert "embed" in out and "value_head" in out  # the layer table
+    assert "aten.linear" in out  # the op coverage
 
 
 def test_cluster_show_preset(capsys):

@@ -191,11 +191,16 @@ def test_korthikanti_through_predict_full_recompute_regions():
     assert acts["none"] == pytest.approx(3 * korthikanti("none", s, b, h, a, 1), rel=1e-6)
 
 
-def test_korthikanti_table2_real_capture():
+@pytest.fixture(scope="module")
+def captured_gpt() -> ModelGraph:
     capture = pytest.importorskip("autoshard.passes.capture")
     if not hasattr(capture, "capture_reference"):
         pytest.skip("capture_reference not available yet")
-    graph = capture.capture_reference("gpt:125m", dropout=0.1, attn_impl="math")
+    return capture.capture_reference("gpt:125m", dropout=0.1, attn_impl="math")
+
+
+def test_korthikanti_table2_real_capture(captured_gpt):
+    graph = captured_gpt
     block = [layer for layer in graph if layer.block == 0]
     attn = next(layer for layer in block if layer.kind == "attention")
     h, a = graph.hidden, attn.num_heads
@@ -461,3 +466,19 @@ def test_predict_refuses_inconsistent_batch_and_layers():
     short = replace(plan, layers=plan.layers[:-1])
     with pytest.raises(PlanError, match="blocks.0.mlp"):
         predict(graph, short, make_cluster(1), TrainSpec(global_batch=2, seq_len=8))
+
+
+def test_predict_on_captured_model(captured_gpt):
+    graph = captured_gpt
+    cluster, train = Cluster.preset("h100-sxm", nodes=1), TrainSpec(global_batch=8, seq_len=1024)
+    mesh, schedule = Mesh(dp_shard=4, tp=2), Schedule(micro_batch=2, num_micro_batches=1)
+    bound = lower_bound_step_time(graph, mesh, cluster, train)
+    preds = {}
+    for state in ("replicate", "zero3"):
+        for tp in ("none", "megatron"):
+            plan = make_plan(graph, mesh, schedule, state=state, tp=tp, sp=tp == "megatron")
+            preds[state, tp] = pred = predict(graph, plan, cluster, train)
+            assert bound <= pred.step_time_s and 0 < pred.mfu < cluster.device.matmul_efficiency
+    assert preds["zero3", "none"].memory_breakdown["optimizer"] < preds["replicate", "none"].memory_breakdown["optimizer"]
+    assert preds["replicate", "megatron"].memory_breakdown["activations"] < preds["replicate", "none"].memory_breakdown[
+        "activations"]

@@ -1,0 +1,283 @@
+"""CP-SAT solver: known optima by brute force, determinism, memory binding, pins, infeasibility,
+hints, explain/diff, and textbook rediscovery with the real cost model."""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import json
+import math
+import zlib
+
+import pytest
+
+from autoshard.errors import AutoshardError, InfeasibleError
+from autoshard.graph import ModelGraph
+from autoshard.plan import STATES, Mesh
+from autoshard.search import Constraints, diff_plans, explain_layer, format_diff, format_explanation, solve
+from autoshard.search.cost_model import LayerCost, MemoryBreakdown
+from autoshard.search.evaluate import CostTable, evaluate, interleaved_block_stages, layer_stages
+from autoshard.search.solver import usable_memory, without_wall_time
+from autoshard.search.space import (
+    admissible_strategies, enumerate_meshes, resolve_pins, schedule_candidates, solver_classes,
+)
+from autoshard.search.synthetic import (
+    MIXTRAL_8X7B, SyntheticConfig, synthetic_cluster, synthetic_graph, toy_layer_cost,
+)
+from autoshard.train import TrainSpec
+
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- a fake with a known optimum
+def _h(*parts) -> float:
+    """Deterministic pseudo-random number in [0, 1)."""
+    return zlib.crc32(repr(parts).encode()) / 2**32
+
+
+_STATIC = {"replicate": 4.0, "zero1": 3.0, "zero2": 2.5, "zero3": 1.0, "offload": 1.1}
+_ACT = {"none": 3.0, "selective": 2.0, "full": 1.0}
+
+
+def hashed_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
+    """Arbitrary costs that keep only the monotonicity the bounds rely on (solver docstring):
+    the first-in-order strategy is the fastest, full recompute + zero3/offload the most frugal."""
+    key = (layer.class_id, s.state, s.sp, s.recompute, s.weight_comm, s.grad_comm, mesh, schedule.micro_batch,
+           schedule.name, schedule.virtual_stages)
+    base = 1e-3 * schedule.micro_batch * (1 + _h(layer.class_id, mesh)) / mesh.tp
+    simplest = s.state == "replicate" and s.recompute == "none" and s.weight_comm == s.grad_comm == "bf16"
+    time = base * (1.0 if simplest else 1.0 + 0.5 * _h("t", key))
+    memory = MemoryBreakdown(
+        params=1e6 * _STATIC[s.state] * (1 + 0.05 * _h("s", key)),
+        activations=1e6 * schedule.micro_batch * _ACT[s.recompute] * (1 + 0.05 * _h("a", key)) / (2 if s.sp else 1),
+        buffers=2e5 * _h("g", key) if s.state == "zero3" else 0.0,
+    )
+    return LayerCost(fwd_s=time / 3, bwd_s=2 * time / 3, comm_exposed_s=1e-3 * _h("c", key),
+                     comm_total_s=2e-3, optimizer_s=1e-4 * _h("o", key), memory=memory)
+
+
+def _tiny_graph(num_blocks: int = 4) -> ModelGraph:
+    """Two classes only (attention, MLP), so brute force over every strategy stays small."""
+    full = synthetic_graph(SyntheticConfig(name="tiny", num_blocks=num_blocks, hidden=64, num_heads=4,
+                                           ffn_hidden=128, vocab=256))
+    layers = tuple(dataclasses.replace(l, index=i) for i, l in
+                   enumerate(l for l in full.layers if l.kind in ("attention", "mlp")))
+    names = [l.name for l in layers]
+    return dataclasses.replace(full, layers=layers, edges=tuple(zip(names[:-1], names[1:])))
+
+
+def _partitions(num_blocks: int, pp: int):
+    for cuts in itertools.combinations(range(1, num_blocks), pp - 1):
+        bounds = (0,) + cuts + (num_blocks,)
+        yield [k for k in range(pp) for _ in range(bounds[k + 1] - bounds[k])]
+
+
+def _brute_force(graph, cluster, train, constraints, cost_fn) -> float:
+    """min step over every mesh, schedule, strategy per class and stage partition that fits M."""
+    cap = usable_memory(cluster, constraints)
+    classes = solver_classes(graph, resolve_pins(constraints, graph))
+    of_layer = {l.name: i for i, c in enumerate(classes) for l in c.layers}
+    table, best = CostTable(cost_fn, cluster, train), math.inf
+    for mesh in enumerate_meshes(graph, cluster, train, constraints.mesh).meshes:
+        for sched in schedule_candidates(mesh, graph, train, constraints.schedule):
+            v = sched.virtual_stages if sched.name == "interleaved_1f1b" else 1
+            parts = [interleaved_block_stages(graph.num_blocks, mesh.pp, v)] if v > 1 else list(
+                _partitions(graph.num_blocks, mesh.pp))
+            per_class = [admissible_strategies(c.representative, mesh, dict(c.pin)) for c in classes]
+            for combo in itertools.product(*per_class):
+                if len({s.sp for s in combo}) > 1:
+                    continue
+                opts = [table.option(l, combo[of_layer[l.name]], mesh, sched) for l in graph.layers]
+                for blocks in parts:
+                    ev = evaluate(opts, layer_stages(graph, blocks), mesh, sched)
+                    if ev.peak_memory_bytes <= cap:
+                        best = min(best, ev.step_s)
+    return best
+
+
+@pytest.mark.parametrize(
+    "world, mesh, memory",
+    [(2, {}, 40e6), (2, {}, 13e6), (4, {"tp": 1}, 14e6), (4, {"dp_shard": 1, "dp_replicate": 1}, 30e6),
+     (2, {"pp": 2}, 20e6)],
+)
+def test_cp_sat_matches_brute_force(world, mesh, memory):
+    graph = _tiny_graph()
+    cluster = synthetic_cluster("cpu", world)
+    train = TrainSpec(global_batch=4, seq_len=16)
+    constraints = Constraints(mesh=mesh, max_memory_bytes=int(memory), memory_headroom=0.0)
+    expected = _brute_force(graph, cluster, train, constraints, hashed_cost)
+    plan = solve(graph, cluster, train, constraints=constraints, cost_fn=hashed_cost, time_limit_s=60)
+    assert plan.solver.status == "OPTIMAL"
+    assert plan.solver.objective == pytest.approx(expected, rel=1e-5)
+    assert plan.predictions.step_time_s == pytest.approx(plan.solver.objective, rel=1e-9)
+    assert plan.predictions.peak_memory_bytes <= memory + 1
+
+
+def test_memory_binding_moves_the_optimum():
+    graph, cluster, train = _tiny_graph(), synthetic_cluster("cpu", 2), TrainSpec(global_batch=4, seq_len=16)
+    loose = solve(graph, cluster, train, constraints=Constraints(max_memory_bytes=10**9, memory_headroom=0.0),
+                  cost_fn=hashed_cost)
+    tight_limit = int(loose.predictions.peak_memory_bytes * 0.6)
+    tight = solve(graph, cluster, train, cost_fn=hashed_cost,
+                  constraints=Constraints(max_memory_bytes=tight_limit, memory_headroom=0.0))
+    assert tight.predictions.peak_memory_bytes <= tight_limit < loose.predictions.peak_memory_bytes
+    assert tight.solver.objective >= loose.solver.objective
+
+
+# ----------------------------------------------------------------------------- properties of plans
+@pytest.fixture(scope="module")
+def small():
+    graph = synthetic_graph(SyntheticConfig(name="llama-1b", num_blocks=8, hidden=2048, num_heads=16,
+                                            ffn_hidden=5632))
+    return graph, synthetic_cluster("h100-sxm", 1), TrainSpec(global_batch=64, seq_len=2048)
+
+
+def test_plan_is_complete_and_deterministic(small):
+    graph, cluster, train = small
+    a = solve(graph, cluster, train, cost_fn=toy_layer_cost)
+    b = solve(graph, cluster, train, cost_fn=toy_layer_cost)
+    assert [s.layer for s in a.layers] == [l.name for l in graph.layers]
+    assert a.fingerprints.model == graph.fingerprint() and a.fingerprints.cost_model.startswith("custom:")
+    assert a.solver.meshes_considered == 14 and 1 <= a.solver.meshes_solved <= 14
+    assert a.solver.gap == 0.0 and a.solver.bound == pytest.approx(a.solver.objective)
+    assert without_wall_time(a).to_json() == without_wall_time(b).to_json()
+    stages = [s.stage for s in a.layers]
+    assert stages == sorted(stages) and max(stages) < a.mesh.pp * a.schedule.virtual_stages
+
+
+def test_tight_memory_forces_zero3(small):
+    graph, cluster, train = small
+    base = solve(graph, cluster, train, constraints=Constraints(mesh={"tp": 1, "pp": 1, "dp_replicate": 1}),
+                 cost_fn=toy_layer_cost)
+    assert any(s.state != "zero3" for s in base.layers if s.layer.startswith("blocks."))
+    # Room for the activations of one micro-batch plus ZeRO-3 model states only.
+    limit = 12 * graph.param_count // 8 + 3 * GiB
+    plan = solve(graph, cluster, train, constraints=Constraints(mesh={"tp": 1, "pp": 1, "dp_replicate": 1},
+                                                                max_memory_bytes=limit), cost_fn=toy_layer_cost)
+    big = [s for s in plan.layers if s.layer.endswith((".attn", ".mlp"))]
+    assert {s.state for s in big} == {"zero3"}
+    assert plan.predictions.peak_memory_bytes <= limit
+
+
+def test_pins_respected_and_contradictions_rejected(small):
+    graph, cluster, train = small
+    pins = {"lm_head": {"state": "zero3", "weight_comm": "fp8"}, "blocks.2.attn": {"recompute": "full"},
+            "mlp:2048:5632:3": {"grad_comm": "fp32", "state": "zero1"}}
+    plan = solve(graph, cluster, train, constraints=Constraints(pin=pins, mesh={"pp": 1}), cost_fn=toy_layer_cost)
+    head = plan.strategy("lm_head")
+    assert (head.state, head.weight_comm) == ("zero3", "fp8")
+    assert plan.strategy("blocks.2.attn").recompute == "full"
+    assert all(s.state == "zero1" and s.grad_comm == "fp32" for s in plan.layers if s.layer.endswith(".mlp"))
+    with pytest.raises(AutoshardError, match="contradicts"):
+        solve(graph, cluster, train, constraints=Constraints(pin={"blocks.0.attn": {"tp": "megatron"}},
+                                                             mesh={"tp": 1}), cost_fn=toy_layer_cost)
+    with pytest.raises(InfeasibleError, match="pin/"):  # zero3 needs dp > 1, the mesh leaves dp = 1
+        solve(graph, cluster, train, constraints=Constraints(pin={"lm_head": {"state": "zero3"}},
+                                                             mesh={"tp": 8}), cost_fn=toy_layer_cost)
+
+
+def test_infeasible_message_names_family_need_and_relaxations(small):
+    graph, cluster, train = small
+    with pytest.raises(InfeasibleError) as err:
+        solve(graph, cluster, train, constraints=Constraints(max_memory_bytes=256 * 2**20), cost_fn=toy_layer_cost)
+    text = str(err.value)
+    assert "mem/stage" in text and "GiB" in text and "more devices" in text and "recompute" in text
+    need = float(text.split("at least ")[1].split(" GiB")[0])
+    assert need > 0.25  # the smallest plan needs more than the 256 MiB offered
+    with pytest.raises(InfeasibleError, match="tp_divides/vocab"):
+        odd = synthetic_graph(SyntheticConfig(name="odd", num_blocks=2, hidden=256, num_heads=8, vocab=1001))
+        solve(odd, cluster, train, constraints=Constraints(mesh={"tp": 2}), cost_fn=toy_layer_cost)
+
+
+def test_hint_is_accepted_and_retargets(small):
+    graph, cluster, train = small
+    plan = solve(graph, cluster, train, cost_fn=toy_layer_cost)
+    again = solve(graph, cluster, train, hint=plan, cost_fn=toy_layer_cost)
+    assert again.layers == plan.layers and again.mesh == plan.mesh
+    bigger = synthetic_cluster("h100-sxm", 2)
+    moved = solve(graph, bigger, TrainSpec(global_batch=64, seq_len=2048), hint=plan, cost_fn=toy_layer_cost)
+    assert moved.mesh.world_size == 16
+
+
+def test_explain_and_diff(small):
+    graph, cluster, train = small
+    plan = solve(graph, cluster, train, constraints=Constraints(mesh={"pp": 1}), cost_fn=toy_layer_cost)
+    expl = explain_layer(plan, graph, cluster, train, "blocks.1.mlp", k=50, cost_fn=toy_layer_cost)
+    assert expl.chosen == plan.strategy("blocks.1.mlp") and expl.num_layers_in_class == graph.num_blocks
+    assert expl.step_s == pytest.approx(plan.solver.objective, rel=1e-9)
+    fitting = [a for a in expl.alternatives if a.over_memory_bytes == 0]
+    assert all(a.delta_s >= -1e-12 for a in fitting)  # the plan is optimal: nothing that fits is faster
+    assert [a.step_s for a in fitting] == sorted(a.step_s for a in fitting)
+    assert all(("slower by" in a.reason) or ("ties" in a.reason) for a in fitting)
+    tight = Constraints(mesh={"pp": 1}, max_memory_bytes=int(plan.predictions.peak_memory_bytes * 1.0) + 1,
+                        memory_headroom=0.0)
+    over = explain_layer(plan, graph, cluster, train, "blocks.1.attn", k=100, cost_fn=toy_layer_cost,
+                         constraints=tight).alternatives
+    assert any("exceeds memory on stage 0" in a.reason and a.over_memory_bytes > 0 for a in over)
+    other = solve(graph, cluster, train, constraints=Constraints(mesh={"tp": 2, "pp": 1}), cost_fn=toy_layer_cost)
+    diff = diff_plans(plan, other)
+    assert not diff.identical and ("tp", plan.mesh.tp, 2) in diff.mesh
+    assert any(f[0] == "tp" for change in diff.layers for f in change.fields)
+    assert diff_plans(plan, plan).identical
+    from rich.console import Console
+
+    console = Console(width=120, record=True)
+    console.print(format_explanation(expl))
+    console.print(format_diff(diff))
+    text = console.export_text()
+    assert "why it lost" in text and "tp 1 → 2" in text.replace(f"tp {plan.mesh.tp} → 2", "tp 1 → 2")
+
+
+# ----------------------------------------------------------------------------- textbook rediscovery (real cost model)
+def _blocks(plan, suffix):
+    return [s for s in plan.layers if s.layer.startswith("blocks.") and s.layer.endswith(suffix)]
+
+
+def test_textbook_small_model_big_batch_is_pure_data_parallel():
+    graph = synthetic_graph(SyntheticConfig(name="gpt-125m", num_blocks=12, hidden=768, num_heads=12,
+                                            vocab=50304, gated_mlp=False))
+    plan = solve(graph, synthetic_cluster("h100-sxm", 1), TrainSpec(global_batch=256, seq_len=1024))
+    assert (plan.mesh.tp, plan.mesh.pp, plan.mesh.dp) == (1, 1, 8)
+    assert {s.tp for s in plan.layers} == {"none"}
+
+
+def test_textbook_states_that_do_not_fit_replicated_are_sharded():
+    graph = synthetic_graph(SyntheticConfig(name="llama-13b", num_blocks=40, hidden=5120, num_heads=40,
+                                            ffn_hidden=13824))
+    cluster = synthetic_cluster("h100-sxm", 2)
+    plan = solve(graph, cluster, TrainSpec(global_batch=256, seq_len=2048), constraints=Constraints(mesh={"tp": 1,
+                                                                                                          "pp": 1}))
+    assert 16 * graph.param_count > cluster.device.memory_bytes  # replicated model states cannot fit
+    assert {s.state for s in _blocks(plan, (".attn", ".mlp"))} <= {"zero3", "offload"}
+
+
+def test_textbook_layer_too_large_for_one_gpu_uses_tp_inside_node():
+    graph = synthetic_graph(SyntheticConfig(name="wide", num_blocks=2, hidden=49152, num_heads=64,
+                                            ffn_hidden=4 * 49152, vocab=32768))
+    cluster = synthetic_cluster("h100-sxm", 2)
+    mlp_bytes = 2 * graph.layer("blocks.0.mlp").param_count
+    assert mlp_bytes > cluster.device.memory_bytes / 2
+    plan = solve(graph, cluster, TrainSpec(global_batch=16, seq_len=1024))
+    assert 1 < plan.mesh.tp <= cluster.devices_per_node
+    assert {s.tp for s in _blocks(plan, ".mlp")} == {"megatron"}
+
+
+def test_textbook_moe_uses_expert_parallelism():
+    graph = synthetic_graph(dataclasses.replace(MIXTRAL_8X7B, num_blocks=4))
+    plan = solve(graph, synthetic_cluster("h100-sxm", 2), TrainSpec(global_batch=128, seq_len=4096))
+    assert plan.mesh.ep > 1
+    assert {s.ep for s in _blocks(plan, ".mlp")} == {True}
+
+
+def test_textbook_slow_inter_node_links_avoid_cross_node_traffic():
+    graph = synthetic_graph(SyntheticConfig(name="llama-3b", num_blocks=8, hidden=3072, num_heads=24,
+                                            ffn_hidden=8192))
+    train = TrainSpec(global_batch=64, seq_len=2048)
+    fast = solve(graph, synthetic_cluster("h100-sxm", 2), train, constraints=Constraints(mesh={"tp": 1, "pp": 1}))
+    slow_cluster = synthetic_cluster("h100-sxm", 2, inter_node_bandwidth=0.5e9)
+    slow = solve(graph, slow_cluster, train, constraints=Constraints(mesh={"tp": 1, "pp": 1}))
+    big = _blocks(slow, (".attn", ".mlp"))
+    hsdp = slow.mesh.dp_replicate > 1 and slow.mesh.dp_shard <= slow_cluster.devices_per_node
+    quantized = any(s.weight_comm != "bf16" or s.grad_comm in ("int8", "int4") for s in big)
+    assert hsdp or quantized
+    assert diff_plans(fast, slow).layers or diff_plans(fast, slow).mesh

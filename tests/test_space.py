@@ -1,0 +1,177 @@
+"""Strategy space: mesh enumeration and divisibility pruning, per-layer rules, schedules, constraints."""
+
+from __future__ import annotations
+
+import pytest
+
+from autoshard.errors import AutoshardError
+from autoshard.plan import Mesh, Schedule
+from autoshard.search.cost_model import LayerCost, MemoryBreakdown
+from autoshard.search.evaluate import Option, prune_dominated
+from autoshard.search.space import (
+    Constraints, admissible_strategies, divisors, enumerate_meshes, schedule_candidates, solver_classes,
+    resolve_pins, validate_constraints,
+)
+from autoshard.search.synthetic import SyntheticConfig, synthetic_cluster, synthetic_graph
+from autoshard.train import TrainSpec
+
+
+def _graph(**kw):
+    base = dict(name="tiny", num_blocks=8, hidden=256, num_heads=8, ffn_hidden=512, vocab=1024)
+    base.update(kw)
+    return synthetic_graph(SyntheticConfig(**base))
+
+
+def _ordered_triples(world):
+    return [(tp, pp, world // (tp * pp)) for tp in divisors(world) for pp in divisors(world // tp)]
+
+
+def test_mesh_count_world8():
+    # (tp, pp, dp) ordered factorisations of 8 = 10; dp splits with dp_replicate>1 ⇒ dp_shard>1:
+    # dp=1:1, dp=2:1, dp=4:2, dp=8:3  → 4·1 + 3·1 + 2·2 + 1·3 = 14.
+    out = enumerate_meshes(_graph(), synthetic_cluster("h100-sxm", 1))
+    assert len(out.meshes) == 14
+    assert len(set(out.meshes)) == 14
+    assert all(m.world_size == 8 for m in out.meshes)
+    assert not any(m.dp_replicate > 1 and m.dp_shard == 1 for m in out.meshes)
+
+
+def test_mesh_count_matches_brute_force_two_nodes():
+    cluster = synthetic_cluster("h100-sxm", 2)
+    out = enumerate_meshes(_graph(num_blocks=64), cluster)
+    expected = sum(
+        sum(1 for ds in divisors(dp) if dp // ds == 1 or ds > 1)
+        for tp, pp, dp in _ordered_triples(16) if 8 % tp == 0
+    )
+    assert len(out.meshes) == expected
+    assert max(m.tp for m in out.meshes) == 8
+    assert any(r.constraint == "tp_in_node" for r in out.pruned)
+
+
+@pytest.mark.parametrize(
+    "kw, rule, max_tp",
+    [
+        (dict(num_heads=6, hidden=384), "tp_divides/heads", 2),
+        (dict(num_kv_heads=2), "tp_divides/kv_heads", 2),
+        (dict(ffn_hidden=516), "tp_divides/ffn", 4),
+        (dict(vocab=1001), "tp_divides/vocab", 1),
+    ],
+)
+def test_tp_divisibility_pruning(kw, rule, max_tp):
+    out = enumerate_meshes(_graph(**kw), synthetic_cluster("h100-sxm", 1))
+    assert max(m.tp for m in out.meshes) == max_tp
+    records = [r for r in out.pruned if r.constraint == rule]
+    assert records and "does not divide" in records[0].detail
+
+
+def test_pp_bounded_by_blocks_and_batch_divisibility():
+    out = enumerate_meshes(_graph(num_blocks=2), synthetic_cluster("h100-sxm", 1), TrainSpec(global_batch=6, seq_len=8))
+    assert max(m.pp for m in out.meshes) == 2
+    assert all(6 % m.dp == 0 for m in out.meshes)
+    names = {r.constraint for r in out.pruned}
+    assert {"pp_le/blocks", "batch_divides/dp"} <= names
+
+
+def test_moe_expert_parallel_degrees():
+    graph = _graph(num_experts=4)
+    out = enumerate_meshes(graph, synthetic_cluster("h100-sxm", 1))
+    eps = {m.ep for m in out.meshes}
+    assert eps == {1, 2, 4}
+    assert all(m.dp % m.ep == 0 and 4 % m.ep == 0 for m in out.meshes)
+    assert {m.ep for m in enumerate_meshes(_graph(), synthetic_cluster("h100-sxm", 1)).meshes} == {1}
+
+
+def test_fixed_axes_filter():
+    out = enumerate_meshes(_graph(), synthetic_cluster("h100-sxm", 1), fixed={"tp": 2, "pp": 2})
+    assert out.meshes and all(m.tp == 2 and m.pp == 2 for m in out.meshes)
+
+
+def test_admissible_strategy_rules():
+    graph = _graph()
+    attn, norm, mlp = graph.layer("blocks.0.attn"), graph.layer("blocks.0.attn_norm"), graph.layer("blocks.0.mlp")
+    mesh = Mesh(dp_shard=2, tp=2, pp=2)
+    attn_s = admissible_strategies(attn, mesh)
+    assert {s.tp for s in attn_s} == {"megatron"} and {s.sp for s in attn_s} == {False, True}
+    assert {s.tp for s in admissible_strategies(norm, mesh)} == {"none"}
+    assert all(s.state == "zero3" for s in attn_s if s.weight_comm != "bf16")
+    assert all(s.state in ("zero2", "zero3") for s in attn_s if s.grad_comm in ("int8", "int4"))
+    assert not any(s.grad_comm == "fp32" or s.weight_comm == "fp8" for s in attn_s)
+    assert {s.recompute for s in attn_s} == {"none", "selective", "full"}
+    assert {s.recompute for s in admissible_strategies(mlp, mesh)} == {"none", "full"}
+    single = admissible_strategies(attn, Mesh(tp=2, pp=4))
+    assert {s.state for s in single} == {"replicate", "offload"}
+    assert {(s.weight_comm, s.grad_comm) for s in single} == {("bf16", "bf16")}
+    assert {s.tp for s in admissible_strategies(attn, Mesh(dp_shard=8))} == {"none"}
+    pinned = admissible_strategies(attn, mesh, {"state": "zero3", "grad_comm": "fp32"})
+    assert pinned and all(s.state == "zero3" and s.grad_comm == "fp32" for s in pinned)
+
+
+def test_expert_parallel_only_for_moe_layers():
+    graph = _graph(num_experts=4)
+    mesh = Mesh(dp_shard=4, ep=2, tp=2)
+    assert {s.ep for s in admissible_strategies(graph.layer("blocks.0.mlp"), mesh)} == {True}
+    assert {s.ep for s in admissible_strategies(graph.layer("blocks.0.attn"), mesh)} == {False}
+
+
+def test_schedule_candidates():
+    graph, train = _graph(num_blocks=8), TrainSpec(global_batch=16, seq_len=8)
+    flat = schedule_candidates(Mesh(dp_shard=2), graph, train)
+    assert [(s.name, s.micro_batch, s.num_micro_batches) for s in flat] == [
+        ("1f1b", 1, 8), ("1f1b", 2, 4), ("1f1b", 4, 2), ("1f1b", 8, 1)]
+    piped = schedule_candidates(Mesh(dp_shard=2, pp=2), graph, train)
+    assert {s.name for s in piped if s.num_micro_batches < 2} == {"gpipe"}
+    assert all(s.num_micro_batches >= 2 for s in piped if s.name == "1f1b")
+    inter = [s for s in piped if s.name == "interleaved_1f1b"]
+    assert inter and all(8 % (2 * s.virtual_stages) == 0 and s.num_micro_batches % 2 == 0 for s in inter)
+    assert {s.virtual_stages for s in inter} == {2, 4}
+    fixed = schedule_candidates(Mesh(dp_shard=2), graph, TrainSpec(global_batch=16, seq_len=8, micro_batch=4))
+    assert [(s.micro_batch, s.num_micro_batches) for s in fixed] == [(4, 2)]
+
+
+def _opt(t, tail, static, act, sp=False, buffers=0.0):
+    from autoshard.plan import LayerStrategy
+
+    cost = LayerCost(fwd_s=t, bwd_s=0.0, comm_exposed_s=tail, comm_total_s=tail, optimizer_s=0.0,
+                     memory=MemoryBreakdown(params=static, activations=act, buffers=buffers))
+    return Option(LayerStrategy(layer="x", sp=sp), cost)
+
+
+def test_prune_dominated():
+    a, b, c, d = _opt(1, 1, 1, 1), _opt(2, 1, 1, 1), _opt(1, 1, 0.5, 2), _opt(3, 3, 3, 3, sp=True)
+    tie = _opt(1, 1, 1, 1)
+    kept = prune_dominated([a, b, c, d, tie])
+    ids = [id(o) for o in kept]
+    assert ids == [id(a), id(c), id(d)]  # b is slower, tie comes later, d has the other sp
+
+
+def test_constraint_validation_messages():
+    graph, cluster = _graph(), synthetic_cluster("h100-sxm", 1)
+    bad = [
+        (Constraints(pin={"nope": {"state": "zero3"}}), "nope"),
+        (Constraints(pin={"lm_head": {"color": "red"}}), "color"),
+        (Constraints(pin={"lm_head": {"state": "zero4"}}), "zero4"),
+        (Constraints(mesh={"xp": 2}), "xp"),
+        (Constraints(mesh={"tp": 3}), "divisors"),
+        (Constraints(schedule="zigzag"), "zigzag"),
+        (Constraints(pin={"blocks.0.attn": {"tp": "megatron"}}, mesh={"tp": 1}), "contradicts"),
+        (Constraints(pin={"blocks.0.attn_norm": {"tp": "megatron"}}), "no column/row/vocab"),
+        (Constraints(pin={"lm_head": {"state": "zero1", "weight_comm": "int8"}}), "needs state='zero3'"),
+        (Constraints(pin={"lm_head": {"state": "replicate", "grad_comm": "int4"}}), "zero2"),
+        (Constraints(pin={"blocks.0.attn": {"ep": True}}), "MoE"),
+    ]
+    for constraints, needle in bad:
+        with pytest.raises(AutoshardError, match=needle):
+            validate_constraints(constraints, graph, cluster)
+    validate_constraints(Constraints(pin={"lm_head": {"state": "zero3"}}, mesh={"tp": 2}), graph, cluster)
+
+
+def test_layer_pin_splits_its_class():
+    graph = _graph(num_blocks=3)
+    pins = resolve_pins(Constraints(pin={"blocks.1.attn": {"recompute": "full"},
+                                         "attention:256:8:8": {"state": "zero3"}}), graph)
+    assert pins["blocks.1.attn"] == {"state": "zero3", "recompute": "full"}
+    assert pins["blocks.0.attn"] == {"state": "zero3"}
+    classes = {c.name: c for c in solver_classes(graph, pins)}
+    split = [c for c in classes.values() if c.class_id == "attention:256:8:8"]
+    assert sorted(len(c.layers) for c in split) == [1, 2]
+    assert any(name.endswith("@blocks.1.attn") for name in classes)
