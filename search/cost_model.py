@@ -24,8 +24,9 @@ Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_compute_s``)::
 ``device.matmul_efficiency``, ``hbm·hbm_eff`` = ``device.achieved_hbm_bandwidth``
 (``Cluster.with_calibration`` writes measured values into the device). ``t_mm = t``
 when the layer runs Megatron TP and has column/row/vocab parameters, or is
-the LM head (vocab-parallel even with its weight tied to the embedding), else 1. The elementwise split follows the saved-activation split:
-the boundary fraction ``B/(B+I)`` is divided by t only under SP, the interior
+the LM head (vocab-parallel even with its weight tied to the embedding), else
+1. The elementwise split follows the saved-activation split: the boundary
+fraction ``B/(B+I)`` is divided by t only under SP, the interior
 fraction by ``t_int = max(t_mm, t_sp)``. The score tensors of a math attention
 (the ``*_seq`` saved bytes) are written once and read once: the ``2·`` term.
 The selective-recompute attention core is
@@ -79,8 +80,8 @@ window (a homogeneous-neighbour approximation; ``Schedule.prefetch`` only sizes
 buffers)::
 
     exposed = max(0, gather_fwd − f·m·fwd_compute)
-            + max(0, gather_bwd + grad_per_mb − f·m·bwd_compute)
-            + max(0, grad_once − f·bwd_compute)        (issued in the last micro-batch)
+            + max(0, gather_bwd + grad_per_mb − f·m·(bwd_compute + recompute))
+            + max(0, grad_once − f·(bwd_compute + recompute))   (issued in the last micro-batch)
             + post_step + quant_s
 
 monotone in every comm term and in compute.
@@ -95,7 +96,8 @@ AdamW: 28 B/param; fp32 keeps params as master, ``2K + g + 2p``). Offload:
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
 Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
 
-    peak_k = (Σ static + (1 + prefetch)·max buffers + in_flight_k·Σ activations)
+    peak_k = (Σ (params + grads + optimizer) + (1 + prefetch)·max buffers
+              + in_flight_k·Σ activations)
              · (1 + ALLOCATOR_FRAGMENTATION) + reserved
 
 with ``ALLOCATOR_FRAGMENTATION = 0.05`` and ``reserved`` =

@@ -482,3 +482,15 @@ def test_predict_on_captured_model(captured_gpt):
     assert preds["zero3", "none"].memory_breakdown["optimizer"] < preds["replicate", "none"].memory_breakdown["optimizer"]
     assert preds["replicate", "megatron"].memory_breakdown["activations"] < preds["replicate", "none"].memory_breakdown[
         "activations"]
+
+
+def test_tied_lm_head_is_vocab_parallel():
+    head = LayerInfo(name="head", kind="head", index=0, block=None, class_id="head", params=(),
+                     matmul_flops_per_token=2 * 50304 * 1024, input_bytes_per_token=2048,
+                     output_bytes_per_token=2 * 50304, saved_interior_per_token=2 * 50304)
+    train, schedule, cluster = TrainSpec(global_batch=1, seq_len=1024), Schedule(), make_cluster(1)
+    plain = layer_cost(head, LayerStrategy(layer="head"), Mesh(tp=4), cluster, train, schedule)
+    vocab = layer_cost(head, LayerStrategy(layer="head", tp="megatron"), Mesh(tp=4), cluster, train, schedule)
+    assert vocab.detail["fwd_matmul_s"] == pytest.approx(plain.detail["fwd_matmul_s"] / 4)
+    assert vocab.memory.activations == pytest.approx(plain.memory.activations / 4)
+    assert vocab.detail["tp_bwd_s"] == pytest.approx(2 * 3 * (1e-5 + 1024 * 2048 / 4 / 100e9))
