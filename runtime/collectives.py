@@ -84,7 +84,6 @@ DIFFERENTIABLE_REDUCE_OPS = ("sum", "avg")
 _DIST_OPS = {"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}
 
 
-
 # --------------------------------------------------------------------------- groups and checks
 
 
@@ -113,7 +112,9 @@ def _group(group_name: str) -> dist.ProcessGroup:
 
 
 def _normalize_dim(dim: int, ndim: int, op: str) -> int:
-    if not -ndim <= dim < max(ndim, 1):
+    if ndim == 0:
+        raise CollectiveError(f"{op}: got a 0-d tensor; it has no dim to split or concatenate: reshape it to 1-d")
+    if not -ndim <= dim < ndim:
         raise CollectiveError(
             f"{op}: dim={dim} is out of range for a {ndim}-d tensor; allowed [{-ndim}, {ndim - 1}]"
         )
@@ -153,6 +154,12 @@ def _check_splits(splits: Sequence[int], num_ranks: int, total, what: str) -> No
             f"all_to_all: {what}={list(splits)} sums to {sum(splits)} but the input has "
             f"{total} rows on dim 0; the input splits must cover dim 0 exactly"
         )
+
+
+def _check_all_to_all(x: Tensor, split_sizes_out, split_sizes_in, num_ranks: int) -> None:
+    _normalize_dim(0, x.dim(), "all_to_all")
+    _check_splits(split_sizes_in, num_ranks, x.shape[0], "split_sizes_in")
+    _check_splits(split_sizes_out, num_ranks, None, "split_sizes_out")
 
 
 def _with_dim(shape: Sequence, dim: int, size) -> list:
@@ -313,8 +320,7 @@ def _(x, dim, group_name, grad_is_partial=True):
 
 def _all_to_all_kernel(x: Tensor, split_sizes_out: list[int], split_sizes_in: list[int], group_name: str) -> Tensor:
     pg = _group(group_name)
-    _check_splits(split_sizes_in, pg.size(), x.shape[0], "split_sizes_in")
-    _check_splits(split_sizes_out, pg.size(), None, "split_sizes_out")
+    _check_all_to_all(x, split_sizes_out, split_sizes_in, pg.size())
     out = x.new_empty((sum(split_sizes_out), *x.shape[1:]))
     dist.all_to_all_single(out, x.contiguous(), list(split_sizes_out), list(split_sizes_in), group=pg)
     return out
@@ -325,9 +331,7 @@ _all_to_all_op = torch.library.custom_op("autoshard::all_to_all", _all_to_all_ke
 
 @_all_to_all_op.register_fake
 def _(x, split_sizes_out, split_sizes_in, group_name):
-    n = _group(group_name).size()
-    _check_splits(split_sizes_in, n, x.shape[0], "split_sizes_in")
-    _check_splits(split_sizes_out, n, None, "split_sizes_out")
+    _check_all_to_all(x, split_sizes_out, split_sizes_in, _group(group_name).size())
     return x.new_empty((sum(split_sizes_out), *x.shape[1:]))
 
 
@@ -337,12 +341,11 @@ _ops = torch.ops.autoshard
 
 
 def _save_args(names: Sequence[str]):
-    """A ``setup_context`` that stores the named non-tensor inputs on ``ctx``."""
+    """A ``setup_context`` that stores the non-tensor inputs (all but the first) on ``ctx``."""
 
     def setup_context(ctx, inputs, output):
-        for name, value in zip(("x", *names), inputs):
-            if name != "x":
-                setattr(ctx, name, value)
+        for name, value in zip(names, inputs[1:]):
+            setattr(ctx, name, value)
 
     return setup_context
 
@@ -388,34 +391,19 @@ def _all_to_all_bwd(ctx, grad):
     return reverse, None, None, None
 
 
-torch.library.register_autograd(
-    "autoshard::all_gather", _all_gather_bwd, setup_context=_save_args(("dim", "group_name", "grad_op"))
-)
-torch.library.register_autograd(
-    "autoshard::reduce_scatter", _reduce_scatter_bwd, setup_context=_save_args(("dim", "group_name", "op"))
-)
-torch.library.register_autograd(
-    "autoshard::all_reduce", _all_reduce_bwd, setup_context=_save_args(("group_name", "op"))
-)
-torch.library.register_autograd(
-    "autoshard::copy_to_tp", _copy_to_tp_bwd, setup_context=_save_args(("group_name",))
-)
-torch.library.register_autograd(
-    "autoshard::reduce_from_tp", _reduce_from_tp_bwd, setup_context=_save_args(("group_name",))
-)
-torch.library.register_autograd(
-    "autoshard::scatter_to_sp", _scatter_to_sp_bwd, setup_context=_save_args(("dim", "group_name"))
-)
-torch.library.register_autograd(
-    "autoshard::gather_from_sp",
-    _gather_from_sp_bwd,
-    setup_context=_save_args(("dim", "group_name", "grad_is_partial")),
-)
-torch.library.register_autograd(
-    "autoshard::all_to_all",
-    _all_to_all_bwd,
-    setup_context=_save_args(("split_sizes_out", "split_sizes_in", "group_name")),
-)
+# op name -> (backward, names of the non-tensor inputs it reads from ctx)
+_AUTOGRAD = {
+    "all_gather": (_all_gather_bwd, ("dim", "group_name", "grad_op")),
+    "reduce_scatter": (_reduce_scatter_bwd, ("dim", "group_name", "op")),
+    "all_reduce": (_all_reduce_bwd, ("group_name", "op")),
+    "copy_to_tp": (_copy_to_tp_bwd, ("group_name",)),
+    "reduce_from_tp": (_reduce_from_tp_bwd, ("group_name",)),
+    "scatter_to_sp": (_scatter_to_sp_bwd, ("dim", "group_name")),
+    "gather_from_sp": (_gather_from_sp_bwd, ("dim", "group_name", "grad_is_partial")),
+    "all_to_all": (_all_to_all_bwd, ("split_sizes_out", "split_sizes_in", "group_name")),
+}
+for _name, (_backward, _saved) in _AUTOGRAD.items():
+    torch.library.register_autograd(f"autoshard::{_name}", _backward, setup_context=_save_args(_saved))
 
 
 # --------------------------------------------------------------------------- one-process simulation
@@ -450,7 +438,10 @@ def _register_local_tensor_rules() -> None:
         dim = _normalize_dim(dim, x.dim(), "scatter_to_sp")
         group_ranks = dist.get_process_group_ranks(_group(group_name))
         c = _chunk_len(x.shape[dim], len(group_ranks), dim, "scatter_to_sp")
-        take = lambda rank, t: t.narrow(dim, group_ranks.index(rank) * c, c).clone(memory_format=torch.contiguous_format)
+
+        def take(rank, t):  # rank is a global rank; the chunk index is its rank in the group
+            return t.narrow(dim, group_ranks.index(rank) * c, c).clone(memory_format=torch.contiguous_format)
+
         return mode.tensor_map(x, take)
 
     kernels = {
