@@ -14,14 +14,25 @@ from autoshard.train import TrainSpec
 
 __version__ = "0.1.0"
 
+
+def __getattr__(name: str):
+    """``compile`` and ``Compiled`` load on first use: ``autoshard.api`` imports torch."""
+    if name in ("compile", "Compiled"):
+        from autoshard import api
+
+        return getattr(api, name)
+    raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
+
 __all__ = [
     "AutoshardError",
     "CaptureError",
     "Cluster",
+    "Compiled",
     "ClusterError",
     "InfeasibleError",
     "ModelError",
     "Plan",
     "PlanError",
     "TrainSpec",
+    "compile",
 ]

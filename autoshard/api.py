@@ -15,23 +15,40 @@ What happens, in order:
    its own program from the plan (graph passes, then the runtime). Without a
    process group, ``compile`` stops after step 2 ("plan mode").
 
+Reusing a plan: its fingerprints must match the captured model and the
+cluster (``Plan.check_compatible``), and its training step the ``train``
+argument (``plan_reuse.check_train``); without ``train`` the plan's own step
+is used (``plan_reuse.train_of``), not the example inputs' shape. Any
+mismatch raises ``PlanError`` naming what differs.
+
+Partial: the per-rank runtime (``autoshard.runtime.build_program``) has not
+landed; under a process group ``compile`` logs that and returns the plan with
+``program=None``.
+
 The search is deterministic (fixed seed and worker count), so under torchrun
 every rank computes the same plan without communication.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from autoshard.cluster import Cluster
-from autoshard.errors import AutoshardError
+from autoshard.errors import AutoshardError, PlanError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Plan
+from autoshard.plan_reuse import check_train, train_of
 from autoshard.train import TrainSpec
+
+if TYPE_CHECKING:
+    from autoshard.search import Constraints
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -75,7 +92,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     example_inputs: tuple | None = None,
     train: TrainSpec | None = None,
     plan: Plan | str | Path | None = None,
-    constraints: Any = None,
+    constraints: Constraints | None = None,
     time_limit_s: float = 30.0,
     name: str | None = None,
 ) -> Compiled:
@@ -88,37 +105,74 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         example_inputs: a tuple whose first element is a ``[batch, seq]``
             token tensor; defaults to ``(2, 16)`` random tokens.
         train: batch, sequence length, optimizer and precision of one step;
-            defaults to the example inputs' batch and sequence.
-        plan: a ``Plan`` or the path of a plan JSON to reuse (fingerprints are
-            checked; the search is skipped).
+            defaults to the plan's step when ``plan`` is given, else to the
+            example inputs' batch and sequence.
+        plan: a ``Plan`` or the path of a plan JSON to reuse (fingerprints and
+            training step are checked; the search is skipped).
         constraints: ``autoshard.search.Constraints`` (pins, forced mesh
-            degrees, a memory cap).
-        time_limit_s: CP-SAT time limit per mesh.
-        name: model name recorded in the plan (defaults to the class name).
+            degrees, a memory cap); search only.
+        time_limit_s: wall-clock budget of the search.
+        name: model name recorded in the plan (defaults to the class name);
+            reusing a plan needs the name it was made with.
+
+    Raises:
+        PlanError: ``plan`` is unreadable or made for another model, cluster
+            or training step.
+        InfeasibleError: no plan fits the cluster's memory.
+        AutoshardError: bad ``cluster``, ``train`` or ``constraints``.
     """
     from autoshard.passes.capture import capture
 
     resolved = _resolve_cluster(cluster)
+    given = _load_plan(plan)
     if example_inputs is None:
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
         example_inputs = (torch.randint(0, vocab, (2, 16), device=device),)
-    train = train or _default_train(example_inputs)
     graph = capture(model, example_inputs, name=name)
-    chosen = _plan_for(graph, resolved, train, plan, constraints, time_limit_s)
-    program = None
-    if torch.distributed.is_available() and torch.distributed.is_initialized():
-        from autoshard.runtime import build_program  # lands with the runtime
+    if given is not None:
+        train = train or train_of(given)
+        chosen = _check_reuse(given, plan, graph, resolved, train)
+    else:
+        train = train or _default_train(example_inputs)
+        chosen = _search(graph, resolved, train, constraints, time_limit_s)
+    return Compiled(plan=chosen, graph=graph, cluster=resolved, train=train,
+                    program=_build_program(model, graph, chosen, resolved, train))
 
-        program = build_program(model, graph, chosen, resolved, train)
-    return Compiled(plan=chosen, graph=graph, cluster=resolved, train=train, program=program)
+
+def _load_plan(plan: Plan | str | Path | None) -> Plan | None:
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, Path)):
+        return Plan.load(plan)
+    raise PlanError(f"plan={plan!r}: expected an autoshard.Plan or the path of a plan JSON file")
 
 
-def _plan_for(graph, cluster, train, plan, constraints, time_limit_s) -> Plan:
-    if plan is not None:
-        loaded = plan if isinstance(plan, Plan) else Plan.load(plan)
-        loaded.check_compatible(graph=graph, cluster=cluster)
-        return loaded
+def _check_reuse(given: Plan, source: Any, graph: ModelGraph, cluster: Cluster, train: TrainSpec) -> Plan:
+    """``given`` after checking it belongs to ``graph``, ``cluster`` and ``train`` (module docstring)."""
+    where = str(source) if isinstance(source, (str, Path)) else "plan"
+    try:
+        given.check_compatible(graph=graph, cluster=cluster)
+    except PlanError as err:
+        raise PlanError(f"{where}: {err}") from None
+    check_train(given, train, source=where)
+    return given
+
+
+def _search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Any, time_limit_s: float) -> Plan:
     from autoshard.search import solve
 
     return solve(graph, cluster, train, constraints=constraints, time_limit_s=time_limit_s)
+
+
+def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -> Any:
+    """The per-rank program under an initialised process group; ``None`` in plan mode."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return None
+    from autoshard import runtime
+
+    build_program = getattr(runtime, "build_program", None)
+    if build_program is None:
+        log.warning("autoshard.compile: the per-rank runtime has not landed; returning the plan only (program=None)")
+        return None
+    return build_program(model, graph, plan, cluster, train)

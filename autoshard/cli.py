@@ -5,9 +5,11 @@ a one-line help, a function adding its arguments and a small handler
 ``(args, console) -> exit code``. ``build_parser`` registers every row (and the
 group parsers its path needs, whose help is in ``GROUPS``); nothing else adds
 subcommands, so ``tests/test_cli.py`` can check that every command has help
-and that ``--help`` works for each. Commands still to come (``plan``,
-``explain``, ``diff``, ``run``, ``ppo``, ``plot``, ``cluster calibrate``) are
-added as rows when their stage lands; none is registered before it works.
+and that ``--help`` works for each. Commands still to come (``run``, ``ppo``,
+``plot``, ``cluster calibrate``) are added as rows when their stage lands;
+none is registered before it works. The search commands (``plan``,
+``explain``, ``diff``) keep their bodies in ``autoshard/cli_search.py``; their
+flag grammar (``--pin``, ``--mesh``, ``--max-memory``) is documented there.
 
 Errors: an ``AutoshardError`` (or ``OSError``) raised by a handler, and every
 argument error, prints one line ``autoshard: error: <message>`` on stderr and
@@ -26,6 +28,7 @@ import importlib.metadata
 import sys
 import traceback
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autoshard.errors import AutoshardError
@@ -137,6 +140,69 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
     return EXIT_OK
 
 
+def _args_plan(parser: argparse.ArgumentParser) -> None:
+    from autoshard import cli_search
+    from autoshard.train import OPTIMIZERS, PRECISIONS
+
+    parser.add_argument("model", nargs="?", metavar="MODEL[:SIZE]", help="reference model, e.g. 'llama:7b' (default with --plan/--retarget: the plan's model)")
+    parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES|FILE", help="the cluster to plan for, e.g. 'h100-sxm:2x8', or a YAML/JSON cluster file")
+    parser.add_argument("--batch", type=_positive_int, metavar="B", help="global batch: sequences per optimizer step over all ranks (default with --plan/--retarget: the plan's)")
+    parser.add_argument("--seq", type=_positive_int, metavar="S", help="tokens per sequence (default with --plan/--retarget: the plan's)")
+    parser.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per forward/backward on one rank (default: the search chooses)")
+    parser.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer whose states are sharded (default: adamw, or the plan's)")
+    parser.add_argument("--precision", choices=PRECISIONS, help="compute and communication dtype (default: bf16, or the plan's)")
+    parser.add_argument("--time-limit", type=_positive_float, metavar="SECONDS", help="wall-clock budget of the search; the best plan so far is returned when it runs out (default 60)")
+    parser.add_argument("--pin", action="append", default=[], type=_flag(cli_search.parse_pin), metavar="LAYER_OR_CLASS:field=value,...", help="fix strategy fields of the layers whose name or class id matches the glob, e.g. 'blocks.*.attn:state=zero3,recompute=full' (repeatable)")
+    parser.add_argument("--mesh", type=_flag(cli_search.parse_mesh), default={}, metavar="axis=degree,...", help="fix mesh degrees, e.g. 'tp=2,pp=1'; axes: dp_replicate dp_shard tp pp ep cp")
+    parser.add_argument("--max-memory", type=_flag(cli_search.parse_memory), metavar="BYTES", help="per-rank memory limit with a unit, e.g. 60GiB (default: the device memory)")
+    parser.add_argument("-o", "--output", type=Path, metavar="PLAN.json", help="write the plan to this file")
+    reuse = parser.add_mutually_exclusive_group()
+    reuse.add_argument("--plan", type=Path, metavar="EXISTING.json", help="reuse this plan: check its fingerprints against the model and cluster, skip the search")
+    reuse.add_argument("--retarget", type=Path, metavar="OLD.json", help="re-solve for --cluster starting from this plan as a hint, then print what changed")
+
+
+def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cli_search import PlanRequest, run_plan
+
+    request = PlanRequest(
+        model=args.model, cluster=args.cluster, batch=args.batch, seq=args.seq, micro_batch=args.micro_batch,
+        optimizer=args.optimizer, precision=args.precision, time_limit_s=args.time_limit, pins=tuple(args.pin),
+        mesh=args.mesh, max_memory_bytes=args.max_memory, output=args.output, reuse=args.plan,
+        retarget=args.retarget,
+    )
+    run_plan(request, console, _make_console(stderr=True))
+    return EXIT_OK
+
+
+def _args_explain(parser: argparse.ArgumentParser) -> None:
+    from autoshard import cli_search
+
+    parser.add_argument("plan", type=Path, metavar="PLAN.json", help="a plan file written by 'autoshard plan'")
+    parser.add_argument("--layer", required=True, metavar="NAME", help="the layer to explain, e.g. 'blocks.0.attn' (see 'autoshard inspect --no-fold')")
+    parser.add_argument("--top", type=_positive_int, default=5, metavar="K", help="how many of the best alternatives to show (default 5)")
+    parser.add_argument("--cluster", metavar="PRESET:NODESxDEVICES|FILE", help="cluster to cost on (default: the one recorded in the plan)")
+    parser.add_argument("--max-memory", type=_flag(cli_search.parse_memory), metavar="BYTES", help="per-rank memory limit the plan was searched under, e.g. 60GiB (default: the device memory)")
+
+
+def _cmd_explain(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cli_search import run_explain
+
+    run_explain(args.plan, args.layer, args.top, args.cluster, args.max_memory, console, _make_console(stderr=True))
+    return EXIT_OK
+
+
+def _args_diff(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("a", type=Path, metavar="A.json", help="the plan to compare from")
+    parser.add_argument("b", type=Path, metavar="B.json", help="the plan to compare to")
+
+
+def _cmd_diff(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cli_search import run_diff
+
+    run_diff(args.a, args.b, console)
+    return EXIT_OK
+
+
 def _print_text(console: Any, value: Any) -> None:
     """Print a string verbatim (no markup, no highlighting) or any rich renderable."""
     if isinstance(value, str):
@@ -153,6 +219,30 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
     return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number; give a positive number of seconds") from None
+    if not value > 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"{text} must be a positive, finite number of seconds")
+    return value
+
+
+def _flag(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """An argparse ``type`` from a parser raising ``AutoshardError``, keeping its message
+    (argparse replaces a plain ``ValueError``'s message with its own)."""
+
+    def convert(text: str) -> Any:
+        try:
+            return parse(text)
+        except AutoshardError as err:
+            raise argparse.ArgumentTypeError(str(err)) from None
+
+    convert.__name__ = parse.__name__
+    return convert
 
 
 def _capture_seq(text: str) -> int:
@@ -183,6 +273,19 @@ COMMANDS: tuple[Command, ...] = (
         _cmd_inspect,
         _args_inspect,
     ),
+    Command(
+        ("plan",),
+        "search the fastest sharding plan of a reference model for a cluster (or reuse / retarget a plan)",
+        _cmd_plan,
+        _args_plan,
+    ),
+    Command(
+        ("explain",),
+        "why a plan gave a layer its strategy: its cost terms and the best alternatives",
+        _cmd_explain,
+        _args_explain,
+    ),
+    Command(("diff",), "what changed between two plans: mesh, schedule, layers, predictions", _cmd_diff, _args_diff),
 )
 
 
@@ -230,10 +333,10 @@ def _group_for(subparsers: dict[tuple[str, ...], Any], path: tuple[str, ...]) ->
 
 
 # --------------------------------------------------------------------- main
-def _make_console() -> Any:
+def _make_console(*, stderr: bool = False) -> Any:
     from rich.console import Console
 
-    console = Console(highlight=False)
+    console = Console(highlight=False, stderr=stderr)
     if not console.is_terminal:
         console.width = max(console.width, 160)  # pipes and files get whole table rows
     return console

@@ -101,7 +101,7 @@ def main() -> None:
     parser.add_argument("--only", choices=SPECS, help="capture one model")
     args = parser.parse_args()
     rows = run((args.only,) if args.only else SPECS)
-    Console().print(_table(rows))
+    Console(width=160).print(_table(rows))
     out = ROOT / "benchmarks" / "results" / f"capture_{datetime.date.today().isoformat()}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     record = {

@@ -1,5 +1,20 @@
-"""autoshard subpackage."""
+"""Graph passes: capture, then the per-rank rewrites in the order ``PASSES`` lists them.
 
+Each pass is ``run(gm, plan, ctx) -> gm`` (pure; pre/post-conditions in its
+module docstring). ``quantize_comm`` joins the list with the kernels.
+"""
+
+from autoshard.passes import insert_collectives, recompute, schedule_overlap, shard_parameters, split_pipeline
 from autoshard.passes.capture import capture
 
-__all__ = ["capture"]
+PASSES = (shard_parameters, insert_collectives, split_pipeline, recompute, schedule_overlap)
+
+
+def run_passes(gm, plan, ctx):
+    """Apply every pass of ``PASSES`` in order; returns the per-rank module."""
+    for p in PASSES:
+        gm = p.run(gm, plan, ctx)
+    return gm
+
+
+__all__ = ["PASSES", "capture", "run_passes"]

@@ -67,15 +67,18 @@ class Accum:
     attention_op_flops: float = 0.0  # SDPA + activation×activation matmuls (cross-check)
     input_bytes: float = 0.0
     output_bytes: float = 0.0
+    counted: Counter = field(default_factory=Counter)  # op name → nodes priced
+    unaccounted: Counter = field(default_factory=Counter)  # op name → nodes not priced
 
 
-@dataclass
-class Priced:
-    """Per-layer totals and op coverage of one exported graph at one point."""
+@dataclass(frozen=True)
+class GraphView:
+    """What capture takes from export: layer order, layer edges, per-layer costs at (s1, s2)."""
 
-    layers: dict[str, Accum] = field(default_factory=dict)
-    counted: Counter = field(default_factory=Counter)
-    unaccounted: Counter = field(default_factory=Counter)
+    layer_order: tuple[str, ...]
+    edges: frozenset[tuple[str, str]]
+    costs: tuple[dict[str, Accum], dict[str, Accum]]
+    dynamic_dims: tuple[str, ...]
 
 
 def export(model: nn.Module, inputs: tuple, dynamic: bool, layer_names: list[str], model_name: str) -> Exported:
@@ -171,27 +174,27 @@ def _attribute(graph: fx.Graph, layer_names: set[str]) -> tuple[dict[fx.Node, st
     return owner, tuple(order)
 
 
-def price(exported: Exported, size: costs.SizeEval) -> Priced:
-    """Per-layer FLOPs, bytes and boundary bytes of ``exported`` at the point ``size`` evaluates."""
-    out = Priced()
+def price(exported: Exported, size: costs.SizeEval) -> dict[str, Accum]:
+    """Per-layer FLOPs, bytes, boundary bytes and op counts of ``exported`` at the point ``size`` evaluates."""
+    out: dict[str, Accum] = {}
     for node, layer in exported.owner.items():
-        acc = out.layers.setdefault(layer, Accum())
+        acc = out.setdefault(layer, Accum())
         name = costs.op_name(node)
         if not costs.is_known(name):
-            out.unaccounted[name] += 1
+            acc.unaccounted[name] += 1
             continue
         try:
             cost = costs.node_cost(node, size, exported.weight_like)
         except costs.UnresolvedShape:
-            out.unaccounted[f"{name} (data-dependent shape)"] += 1
+            acc.unaccounted[f"{name} (data-dependent shape)"] += 1
             continue
-        out.counted[name] += 1
+        acc.counted[name] += 1
         acc.matmul_flops += cost.matmul_flops
         acc.elementwise_flops += cost.elementwise_flops
         acc.bytes += cost.bytes
         if name in costs.SDPA_OPS or (name in costs.MATMUL_OPS and _activation_product(node, exported.weight_like)):
             acc.attention_op_flops += cost.matmul_flops
-    _boundary_bytes(exported, size, out.layers)
+    _boundary_bytes(exported, size, out)
     return out
 
 
@@ -235,16 +238,25 @@ def _nodes_bytes(nodes, size: costs.SizeEval) -> float:
     return float(total)
 
 
-def edges(exported: Exported, order: list[str]) -> tuple[tuple[str, str], ...]:
-    """(producer layer, consumer layer) pairs of activation data flow, in layer order."""
-    rank = {name: i for i, name in enumerate(order)}
+def edges(exported: Exported) -> frozenset[tuple[str, str]]:
+    """(producer layer, consumer layer) pairs of activation data flow."""
     found: set[tuple[str, str]] = set()
     for node, layer in exported.owner.items():
         for source in _activation_sources(node, exported.weight_like):
             producer = exported.owner.get(source)
             if producer is not None and producer != layer:
                 found.add((producer, layer))
-    return tuple(sorted(found, key=lambda e: (rank[e[0]], rank[e[1]])))
+    return frozenset(found)
+
+
+def root_nodes_in(exported: Exported, prefix: str) -> bool:
+    """Whether a node from outside every module under ``prefix`` was attributed to a layer under it."""
+    for node, layer in exported.owner.items():
+        if layer.startswith(prefix):
+            stack = node.meta.get("nn_module_stack") or {}
+            if not any(module_path(entry[0]).startswith(prefix) for entry in stack.values()):
+                return True
+    return False
 
 
 def export_error(model: nn.Module, model_name: str, exc: BaseException) -> CaptureError:

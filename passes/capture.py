@@ -18,7 +18,10 @@ Steps:
    that is a layer; a node with no layer in its stack (root-level ``arange``,
    RoPE tables, the residual adds of ``blocks.i``, the final ``squeeze``) goes
    to the layer of the nearest *preceding* node in graph order, or to the
-   first layer when it precedes every layer node.
+   first layer when it precedes every layer node. A deep stack of
+   verified-identical blocks is exported as a three-block proxy and expanded
+   (``_capture_proxy``: the checks, and why this is exact); ``export_all_blocks``
+   turns that off.
 3. Costs (``_capture_costs``): FLOPs and activation bytes per node from the
    symbolic shapes evaluated at ``(b, s1)`` and ``(b, s2)`` (the sequence symbol
    substituted, so one dynamic export serves both points). When the sequence
@@ -69,6 +72,7 @@ import contextlib
 import hashlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, fields, replace
 
@@ -77,8 +81,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
-from autoshard.passes._capture_costs import SizeEval
-from autoshard.passes._capture_export import Accum, Exported, edges, export, price
+from autoshard.passes._capture_export import Accum, Exported, GraphView, edges, export, price
 from autoshard.passes._capture_layers import (
     LayerSpec,
     dtype_name,
@@ -89,6 +92,7 @@ from autoshard.passes._capture_layers import (
     param_roles,
     shape_meta,
 )
+from autoshard.passes._capture_proxy import make_proxy
 from autoshard.passes._capture_report import format_coverage, format_layer_table
 from autoshard.passes._capture_saved import SavedBytes, measure_saved
 
@@ -106,6 +110,7 @@ def capture(
     seq_lens: tuple[int, int] | None = None,
     batch: int = 2,
     dynamic: bool = True,
+    export_all_blocks: bool = False,
 ) -> ModelGraph:
     """Capture ``model`` into a ``ModelGraph`` (steps and formulas in the module docstring).
 
@@ -124,6 +129,8 @@ def capture(
         batch: batch size of the default inputs (ignored with example inputs).
         dynamic: export with dynamic batch and sequence dims (``Dim.AUTO``);
             ``False`` exports twice with static shapes.
+        export_all_blocks: export every block even when the stack qualifies
+            for the three-block proxy (``_capture_proxy``; same result, slower).
 
     Raises:
         CaptureError: the model cannot be exported (the message names the
@@ -135,32 +142,28 @@ def capture(
     roles = param_roles(model, layers, vocab)
     example = _Example.make(model, example_inputs, seq_lens, batch)
     with _training_mode(model):
-        exported, sizes = _export_points(model, example, layers, dynamic, model_name)
+        view = _graph_view(model, example, layers, dynamic, model_name, export_all_blocks)
         saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
-    priced = [price(graph, size) for graph, size in zip(exported, sizes)]
-    primary = exported[-1]
-    ordered = _execution_order(layers, primary)
+    ordered = _execution_order(layers, view.layer_order)
     params = layer_params(ordered, roles)
     infos = []
     for index, spec in enumerate(ordered):
         meta = shape_meta(spec, model, hidden, vocab)
-        points = [p.layers.get(spec.name, Accum()) for p in priced]
+        points = [point.get(spec.name, Accum()) for point in view.costs]
         info = _layer_info(spec, index, params[spec.name], points, [s[spec.name] for s in saved], example, meta)
         infos.append(replace(info, class_id=_class_id(info)))
+    rank = {spec.name: i for i, spec in enumerate(ordered)}
     return ModelGraph(
         model_name=model_name,
         layers=tuple(infos),
-        edges=edges(primary, [spec.name for spec in ordered]),
+        edges=tuple(sorted(view.edges, key=lambda edge: (rank[edge[0]], rank[edge[1]]))),
         dtype=_model_dtype(model),
         hidden=hidden,
         num_blocks=len({spec.block for spec in layers if spec.block is not None}),
         vocab=vocab,
-        coverage=OpCoverage(
-            counted=dict(sorted(priced[-1].counted.items())),
-            unaccounted=dict(sorted(priced[-1].unaccounted.items())),
-        ),
+        coverage=_coverage(view.costs[-1].values()),
         capture_seq_lens=example.seq_lens,
-        dynamic_dims=primary.dynamic_dims,
+        dynamic_dims=view.dynamic_dims,
     )
 
 
@@ -282,19 +285,52 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
 # export and measurement
 
 
-def _export_points(
-    model: nn.Module, example: _Example, layers: list[LayerSpec], dynamic: bool, model_name: str
-) -> tuple[list[Exported], list[SizeEval]]:
-    """The exported graph(s) and shape evaluators at ``s1`` and ``s2`` (module docstring, step 3)."""
+def _graph_view(
+    model: nn.Module, example: _Example, layers: list[LayerSpec], dynamic: bool, model_name: str, export_all_blocks: bool
+) -> GraphView:
+    """Export (a three-block proxy when it qualifies, else the whole model) and price every layer."""
     names = [spec.name for spec in layers]
+    proxy = None if export_all_blocks else make_proxy(model)
+    if proxy is not None:
+        proxy_names = list(dict.fromkeys(proxy.proxy_name(n) for n in names))
+        try:
+            view, exported = _export_view(proxy.module, example, proxy_names, dynamic, model_name)
+        except CaptureError as exc:
+            log.info("capture: proxy export of %s failed (%s); exporting every block", model_name, exc)
+        else:
+            full = proxy.expand(view, exported)
+            if full is not None:
+                log.info("capture: %s: exported blocks 0, 1, %d of %d identical blocks", model_name,
+                         proxy.num_blocks - 1, proxy.num_blocks)
+                return full
+            log.info("capture: %s: proxy graph failed the replication checks; exporting every block", model_name)
+    return _export_view(model, example, names, dynamic, model_name)[0]
+
+
+def _export_view(
+    model: nn.Module, example: _Example, names: list[str], dynamic: bool, model_name: str
+) -> tuple[GraphView, Exported]:
+    """Export at ``s2`` (and at ``s1`` if the seq dim is static), price at both points (module docstring, step 3)."""
     s1, s2 = example.seq_lens
     primary = export(model, example.inputs(s2), dynamic, names, model_name)
     if dynamic and primary.seq_symbol is not None:
-        return [primary, primary], [primary.size_at(s1), primary.size_at(s2)]
-    if dynamic:
-        log.info("capture: export specialised the sequence dim of %s; exporting again at s1=%d", model_name, s1)
-    first = export(model, example.inputs(s1), dynamic, names, model_name)
-    return [first, primary], [first.size_at(None), primary.size_at(None)]
+        points = [(primary, primary.size_at(s1)), (primary, primary.size_at(s2))]
+    else:
+        if dynamic:
+            log.info("capture: export specialised the sequence dim of %s; exporting again at s1=%d", model_name, s1)
+        first = export(model, example.inputs(s1), dynamic, names, model_name)
+        points = [(first, first.size_at(None)), (primary, primary.size_at(None))]
+    costs = tuple(price(graph, size) for graph, size in points)
+    return GraphView(primary.layer_order, edges(primary), costs, primary.dynamic_dims), primary
+
+
+def _coverage(accums) -> OpCoverage:
+    counted: Counter = Counter()
+    unaccounted: Counter = Counter()
+    for acc in accums:
+        counted.update(acc.counted)
+        unaccounted.update(acc.unaccounted)
+    return OpCoverage(counted=dict(sorted(counted.items())), unaccounted=dict(sorted(unaccounted.items())))
 
 
 def _measure_saved(
@@ -313,11 +349,11 @@ def _measure_saved(
         return measure_saved(model, layers, weight_roles, inputs, on_meta=False)
 
 
-def _execution_order(layers: list[LayerSpec], exported: Exported) -> list[LayerSpec]:
+def _execution_order(layers: list[LayerSpec], layer_order: tuple[str, ...]) -> list[LayerSpec]:
     """Layers by their first graph node; layers without nodes (never called) last, in registration order."""
     by_name = {spec.name: spec for spec in layers}
-    ran = [by_name[name] for name in exported.layer_order]
-    return ran + [spec for spec in layers if spec.name not in exported.layer_order]
+    ran = [by_name[name] for name in layer_order]
+    return ran + [spec for spec in layers if spec.name not in layer_order]
 
 
 # ---------------------------------------------------------------------------------------------

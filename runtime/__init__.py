@@ -1,1 +1,18 @@
-"""autoshard subpackage."""
+"""Runtime: mesh and process groups, per-rank program, sharded optimizer (``build_program``).
+
+``build_program``, ``Program`` and ``StepResult`` are imported lazily: the passes
+import ``autoshard.runtime.collectives``, and the program imports the passes.
+"""
+
+_LAZY = {"Program", "StepResult", "build_program"}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from autoshard.runtime import program
+
+        return getattr(program, name)
+    raise AttributeError(f"module 'autoshard.runtime' has no attribute {name!r}")
+
+
+__all__ = ["Program", "StepResult", "build_program"]

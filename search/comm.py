@@ -72,9 +72,25 @@ def group_spans_nodes(cluster: Cluster, size: int, stride: int) -> bool:
     return cluster.group_spans_nodes(size, stride)
 
 
+_LINK_CACHE: dict[tuple[int, int, int], tuple[Cluster, LinkSpec]] = {}
+_LINK_CACHE_SIZE = 4096
+
+
 def group_link(cluster: Cluster, size: int, stride: int) -> LinkSpec:
-    """The link level a group's collectives pay: inter-node if it spans nodes, else intra-node."""
-    return cluster.link_for(size, stride)
+    """The link level a group's collectives pay: inter-node if it spans nodes, else intra-node.
+
+    Memoised per cluster object (the search asks the same few groups thousands of times); the
+    entry keeps the cluster alive, so an id is never reused while its entry exists.
+    """
+    key = (id(cluster), size, stride)
+    hit = _LINK_CACHE.get(key)
+    if hit is not None and hit[0] is cluster:
+        return hit[1]
+    if len(_LINK_CACHE) >= _LINK_CACHE_SIZE:
+        _LINK_CACHE.clear()
+    link = cluster.link_for(size, stride)
+    _LINK_CACHE[key] = (cluster, link)
+    return link
 
 
 def _ring_steps(nbytes: float, size: int, link: LinkSpec) -> float:

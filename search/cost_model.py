@@ -140,6 +140,7 @@ __all__ = [
     "layer_cost",
     "layer_cost_table",
     "lower_bound_step_time",
+    "boundary_send_s",
     "predict",
     "usable_memory_bytes",
 ]
@@ -187,11 +188,24 @@ def layer_cost(
     layer that is not the first of its checkpoint region (it then keeps no
     input; ``search/memory.py``).
     """
+    return _layer_cost(layer, strategy, mesh, cluster, train, schedule, region_entry, {})
+
+
+def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: Cluster, train: TrainSpec,
+                schedule: Schedule, region_entry: bool, memo: dict) -> LayerCost:
+    """``layer_cost`` with ``memo`` sharing the terms that do not depend on every strategy field
+    (compute and critical comm depend on tp/sp/ep/recompute only, parameter groups on state/tp/ep)."""
     sizes = state_bytes(train)
-    sh = layer_terms.sharding(layer, strategy, mesh, schedule, train.seq_len)
-    compute = layer_terms.compute_terms(layer, strategy, sh, cluster, train)
-    critical = layer_terms.critical_terms(layer, strategy, sh, mesh, cluster)
-    groups = layer_terms.param_groups(layer, strategy, mesh)
+    shape_key = ("sh", strategy.tp, strategy.sp, strategy.ep, strategy.recompute)
+    if shape_key not in memo:
+        sh = layer_terms.sharding(layer, strategy, mesh, schedule, train.seq_len)
+        memo[shape_key] = (sh, layer_terms.compute_terms(layer, strategy, sh, cluster, train),
+                           layer_terms.critical_terms(layer, strategy, sh, mesh, cluster))
+    sh, compute, critical = memo[shape_key]
+    group_key = ("groups", strategy.state, strategy.tp, strategy.ep)
+    if group_key not in memo:
+        memo[group_key] = layer_terms.param_groups(layer, strategy, mesh)
+    groups = memo[group_key]
     dp = layer_terms.dp_terms(layer, strategy, groups, mesh, cluster, schedule, sizes, compute)
     optimizer = layer_terms.optimizer_terms(groups, strategy, cluster, train, sizes)
     fwd_comm = critical["tp_fwd_s"] + critical["ep_fwd_s"] + critical["cp_fwd_s"]
@@ -220,8 +234,13 @@ def layer_cost_table(
     *,
     region_entry: bool = True,
 ) -> list[LayerCost]:
-    """``layer_cost`` of ``layer`` under each strategy, in order (one row per solver choice)."""
-    return [layer_cost(layer, s, mesh, cluster, train, schedule, region_entry=region_entry) for s in strategies]
+    """``layer_cost`` of ``layer`` under each strategy, in order (one row per solver choice).
+
+    Equal to calling ``layer_cost`` per strategy; the terms shared by strategies that differ only
+    in ZeRO state or comm dtype are computed once.
+    """
+    memo: dict = {}
+    return [_layer_cost(layer, s, mesh, cluster, train, schedule, region_entry, memo) for s in strategies]
 
 
 def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train: TrainSpec) -> float:
@@ -383,18 +402,25 @@ def _region_entries(graph: ModelGraph, strategies: list[LayerStrategy]) -> list[
     return entries
 
 
-def _boundary_p2p(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,
-                  cluster: Cluster, schedule: Schedule, train: TrainSpec) -> list[float]:
-    """Per pipeline rank, send/recv seconds per micro-batch: activation forward + gradient backward
-    at each stage boundary it sends from (``search/pipeline.py``)."""
-    out = [0.0] * mesh.pp
+def boundary_send_s(layer: LayerInfo, sp: bool, mesh: Mesh, cluster: Cluster, schedule: Schedule,
+                    train: TrainSpec) -> float:
+    """Send/recv seconds per micro-batch when a stage boundary follows ``layer``: its output forward
+    plus the gradient backward, ``2·send_recv(b·s/cp · output_bytes_per_token / (t if SP))``
+    over the pipeline group's link (``search/pipeline.py``)."""
+    if mesh.pp == 1:
+        return 0.0
     size, stride = comm.pp_group(mesh)
     link = comm.group_link(cluster, size, stride)
     tokens = schedule.micro_batch * train.seq_len / mesh.cp
+    sp_shard = mesh.tp if sp and mesh.tp > 1 else 1
+    return 2.0 * comm.send_recv_time(tokens * layer.output_bytes_per_token / sp_shard, link)
+
+
+def _boundary_p2p(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,
+                  cluster: Cluster, schedule: Schedule, train: TrainSpec) -> list[float]:
+    """Per pipeline rank, send/recv seconds per micro-batch at each stage boundary it sends from."""
+    out = [0.0] * mesh.pp
     for i in range(len(strategies) - 1):
-        if strategies[i].stage == strategies[i + 1].stage:
-            continue
-        sp_shard = mesh.tp if strategies[i].sp and mesh.tp > 1 else 1
-        nbytes = tokens * graph.layers[i].output_bytes_per_token / sp_shard
-        out[ranks[i]] += 2.0 * comm.send_recv_time(nbytes, link)
+        if strategies[i].stage != strategies[i + 1].stage:
+            out[ranks[i]] += boundary_send_s(graph.layers[i], strategies[i].sp, mesh, cluster, schedule, train)
     return out

@@ -38,6 +38,7 @@ class ModelInput:
     cutoff_s: float | None = None  # only solutions strictly better than this are wanted
     hint: tuple[LayerStrategy | None, ...] = ()  # per class
     hint_block_stage: tuple[int, ...] = ()
+    block_chain: tuple[tuple[bool, ...], ...] = ()  # per anchor block, per layer: continues its block
 
 
 @dataclass(frozen=True)
@@ -86,12 +87,32 @@ class _Builder:
     def g(self, o: Option) -> int:
         return int(math.ceil(o.buffer_bytes / KIB))
 
-    # -- buffers: G ≥ gather buffer of every class (evaluate.py docstring) ----------------------
+    def a_chain(self, o: Option) -> int:
+        return int(math.ceil(o.chain_bytes / KIB))
+
+    def p2p(self, o: Option) -> int:
+        return int(round(o.p2p_s / self.inp.unit_s))
+
+    # -- buffer_max/<class>/stage<k>: G_k ≥ gather buffer of every class on rank k --------------
     def add_buffer_max(self) -> None:
+        """G_k per rank (evaluate.py: the per-rank maximum). A class on every block bounds every G_k;
+        one riding on some blocks only (embedding, head) bounds G_k where its block sits."""
         hi = max((self.g(o) for opts in self.inp.options for o in opts), default=0)
-        self.g_max = self.model.new_int_var(0, hi, "G_max")
+        self.g_rank = [self.model.new_int_var(0, hi, f"G[{k}]") for k in range(self.pp)]
+        everywhere = set.intersection(*(set(m) for m in self.inp.block_classes)) if self.inp.block_classes else set()
         for c, cls in enumerate(self.inp.classes):
-            self.model.add(self.g_max >= self.class_expr(c, self.g)).with_name(f"buffer_max/{cls.name}")
+            expr = self.class_expr(c, self.g)
+            if c in everywhere or not self.inp.block_classes:
+                for k, g_k in enumerate(self.g_rank):
+                    self.model.add(g_k >= expr).with_name(f"buffer_max/{cls.name}/stage{k}")
+                continue
+            for b, members in enumerate(self.inp.block_classes):
+                if c not in members:
+                    continue
+                for k, lit in self.y[b].items():
+                    row = self.model.add(self.g_rank[k] >= expr).with_name(f"buffer_max/{cls.name}/stage{k}")
+                    if lit is not True:
+                        row.only_enforce_if(lit)
 
     # -- one_strategy/<class>, sp_consistent/<class> ----------------------------------------
     def add_strategy_choice(self) -> None:
@@ -112,12 +133,18 @@ class _Builder:
     def add_block_terms(self) -> None:
         self.block_terms: list[tuple] = []
         self.upper: dict[int, int] = {}
+        self._full: dict[int, cp_model.IntVar] = {}
+        self._chain_z: dict[tuple, cp_model.IntVar] = {}
         cache: dict[tuple, tuple] = {}
-        for members in self.inp.block_classes:
-            key = tuple(sorted(members))
+        chains = self.inp.block_chain or tuple((False,) * len(m) for m in self.inp.block_classes)
+        for members, chain in zip(self.inp.block_classes, chains):
+            key = (tuple(members), tuple(chain))
             if key not in cache:
-                cache[key] = tuple(self._block_var(key, coef, n)
-                                   for n, coef in (("T", self.t), ("tail", self.tail), ("S", self.s), ("A", self.a)))
+                sorted_members = tuple(sorted(members))
+                cache[key] = (self._block_var(sorted_members, self.t, "T"),
+                              self._block_var(sorted_members, self.tail, "tail"),
+                              self._block_var(sorted_members, self.s, "S"),
+                              self._activation_var(tuple(members), tuple(chain)))
             self.block_terms.append(cache[key])
 
     def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
@@ -125,6 +152,40 @@ class _Builder:
         lo = sum(min(coef(o) for o in self.inp.options[c]) for c in members)
         var = self.model.new_int_var(lo, hi, f"{name}{list(members)}")
         self.model.add(var == sum(self.class_expr(c, coef) for c in members))
+        self.upper[var.index] = hi
+        return var
+
+    def _full_recompute(self, c: int) -> cp_model.LinearExpr:
+        """1 iff class c runs full recompute."""
+        return sum(x for o, x in zip(self.inp.options[c], self.x[c]) if o.full_recompute)
+
+    def _activation_var(self, members: tuple[int, ...], chain: tuple[bool, ...]) -> cp_model.IntVar:
+        """A_b with checkpoint regions (evaluate.py): a full-recompute layer whose predecessor in the
+        block is full too holds A' instead of A. ``z ≤ x[c,s]``, ``z ≤ full(c_prev)``; the memory rows
+        are upper bounds, so the optimum sets z to the product (``chain_region/<classes>``)."""
+        expr, lo, hi = [], 0, 0
+        for i, c in enumerate(members):
+            opts = self.inp.options[c]
+            expr.append(self.class_expr(c, self.a))
+            hi += max(self.a(o) for o in opts)
+            lo += min(min(self.a(o), self.a_chain(o)) for o in opts)
+            if not chain[i]:
+                continue
+            prev = members[i - 1]
+            for j, (o, x) in enumerate(zip(opts, self.x[c])):
+                saving = self.a(o) - self.a_chain(o)
+                if not o.full_recompute or saving <= 0 or not any(p.full_recompute for p in self.inp.options[prev]):
+                    continue
+                key = (prev, c, j)
+                if key not in self._chain_z:
+                    z = self.model.new_bool_var(f"z[{prev}>{c}][{j}]")
+                    self.model.add(z <= x).with_name(f"chain_region/{self.inp.classes[c].name}")
+                    self.model.add(z <= self._full_recompute(prev)).with_name(
+                        f"chain_region/{self.inp.classes[c].name}")
+                    self._chain_z[key] = z
+                expr.append(-saving * self._chain_z[key])
+        var = self.model.new_int_var(lo, hi, f"A{list(members)}")
+        self.model.add(var == sum(expr))
         self.upper[var.index] = hi
         return var
 
@@ -184,16 +245,17 @@ class _Builder:
     # -- stage_time/stage<k>, mem/stage<k>, step/stage<k>, objective ---------------------------
     def add_stage_rows_and_objective(self) -> None:
         inp, m, p, v = self.inp, self.model, self.pp, self.v
-        t_hi = sum(self._ub(terms[0]) for terms in self.block_terms)
+        p2p = self.stage_p2p()
+        t_hi = sum(self._ub(terms[0]) for terms in self.block_terms) + max(hi for _, hi in p2p)
         self.t_max = m.new_int_var(0, t_hi, "T_max")
         tail_hi = sum(self._ub(terms[1]) for terms in self.block_terms)
         slots_v = inp.schedule.num_micro_batches * v + p - 1
         self.z = m.new_int_var(0, (slots_v * t_hi + v * tail_hi) // v + 1, "Z")
         cap_kib = inp.cap_bytes // KIB
         for k in range(p):
-            m.add(self.t_max >= self._rank_sum(k, 0)).with_name(f"stage_time/stage{k}")
+            m.add(self.t_max >= self._rank_sum(k, 0) + p2p[k][0]).with_name(f"stage_time/stage{k}")
             flight_v = int(round(in_flight(inp.schedule, p, k) * v))
-            live_buffers = (1 + inp.schedule.prefetch) * v * self.g_max
+            live_buffers = (1 + inp.schedule.prefetch) * v * self.g_rank[k]
             m.add(self._rank_sum(k, 2, scale_a=flight_v) + live_buffers <= cap_kib * v).with_name(f"mem/stage{k}")
             m.add(v * self.z >= slots_v * self.t_max + v * self._rank_sum(k, 1)).with_name(f"step/stage{k}")
         if inp.cutoff_s is not None:
@@ -206,6 +268,37 @@ class _Builder:
         max_noise = sum(max(w for w, _ in noise) for _ in inp.classes) + sum(w * (p - 1) for w, _ in stage_noise)
         self.weight = 1 << max(1, max_noise.bit_length())
         m.minimize(self.weight * self.z + sum(w * x for w, x in noise) + sum(w * st for w, st in stage_noise))
+
+    def stage_p2p(self) -> list[tuple]:
+        """Per rank, (send/recv expression per micro-batch, its upper bound): P of the last layer of
+        each block followed by a stage boundary (``stage_p2p/stage<k>``). Interleaved: the fixed
+        boundaries. Otherwise every rank but the last sends once, after its last block; when the
+        blocks' last classes differ, ``P_k`` bounds all of them (exact for homogeneous blocks)."""
+        p, blocks = self.pp, self.inp.block_classes
+        if p == 1 or not blocks:
+            return [(0, 0)] * p
+        last = [members[-1] for members in blocks]
+
+        def hi(c: int) -> int:
+            return max(self.p2p(o) for o in self.inp.options[c])
+
+        if self.block_stage_fixed is not None:
+            fixed, out = self.block_stage_fixed, [[0, 0] for _ in range(p)]
+            for b in range(len(blocks) - 1):
+                if fixed[b] != fixed[b + 1]:
+                    k = fixed[b] % p
+                    out[k][0] = out[k][0] + self.class_expr(last[b], self.p2p)
+                    out[k][1] += hi(last[b])
+            return [tuple(o) for o in out]
+        senders = sorted(set(last[:-1]))
+        if len(senders) == 1:
+            expr, bound = self.class_expr(senders[0], self.p2p), hi(senders[0])
+        else:
+            bound = max(hi(c) for c in senders)
+            expr = self.model.new_int_var(0, bound, "P")
+            for c in senders:
+                self.model.add(expr >= self.class_expr(c, self.p2p)).with_name("stage_p2p/max")
+        return [(expr, bound)] * (p - 1) + [(0, 0)]
 
     def add_hints(self) -> None:
         for c, strategy in enumerate(self.inp.hint):
@@ -225,8 +318,8 @@ def build(inp: ModelInput) -> _Builder:
     builder = _Builder(inp)
     builder.add_strategy_choice()
     builder.add_block_terms()
-    builder.add_buffer_max()
     builder.add_stage_assignment()
+    builder.add_buffer_max()
     builder.add_stage_rows_and_objective()
     builder.add_hints()
     return builder

@@ -12,18 +12,28 @@ Per layer ``l`` with strategy ``s`` (``LayerCost`` of the cost function):
     tail_l = comm_exposed_s + optimizer_s        per optimizer step, seconds
     S_l    = params + grads + optimizer          bytes, static
     G_l    = buffers                             bytes, gather buffer of the layer
-    A_l    = activations                         bytes, one micro-batch
+    A_l    = activations                         bytes, one micro-batch; A'_l when the layer
+                                                 continues a checkpoint region (below)
+    P_l    = send/recv of the layer's output     seconds per micro-batch, paid when a stage
+                                                 boundary follows l (``cost_model.boundary_send_s``)
 
 Per pipeline rank ``r`` (layers of every virtual stage on ``r``), with ``m``
 micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
-    T_r   = Σ t_l        tail_r = Σ tail_l
-    M_r   = Σ S_l + (1 + prefetch) · max_l G_l + f_r · Σ A_l
+    T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
+    M_r   = Σ S_l + (1 + prefetch) · max_{l on r} G_l + f_r · Σ A_l
     step  = max_r [ (m + (p − 1)/v) · max_r' T_r' + tail_r ]
 
-matching ``cost_model.predict`` (which adds the stage-boundary send/recv and
-takes the buffer maximum per rank; the maximum here runs over all layers, a
-conservative simplification that keeps the CP-SAT row linear).
+exactly ``cost_model.predict`` (stage-boundary send/recv, the per-rank buffer
+maximum, and checkpoint regions included), so the solver's objective and
+``predict`` agree to rounding.
+
+Checkpoint regions: a layer under full recompute whose predecessor is in the
+same block and also under full recompute keeps no input (``A'_l = 0`` for the
+real cost model, ``search/memory.py``); ``Option.chain_activation_bytes``
+holds that value (equal to ``A_l`` for other cost functions, which know
+nothing of regions), and ``chain_flags(graph)`` marks the layers that
+continue their block.
 
 Layers outside any block (embedding, final norm, heads) ride with the nearest
 block before them (the first block for those before every block): that is
@@ -32,6 +42,7 @@ the block whose stage they share.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -41,6 +52,7 @@ import numpy as np
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Predictions, Schedule
+from autoshard.search import cost_model
 from autoshard.search.cost_model import LayerCost
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import strategy_key
@@ -51,10 +63,12 @@ CostFn = Callable[[LayerInfo, LayerStrategy, Mesh, Cluster, TrainSpec, Schedule]
 
 @dataclass(frozen=True)
 class Option:
-    """One admissible strategy of a solver class with the four numbers the objective reads."""
+    """One admissible strategy of a solver class with the numbers the objective reads."""
 
     strategy: LayerStrategy
     cost: LayerCost
+    chain_activation_bytes: float | None = None  # A' (module docstring); None: same as activation_bytes
+    p2p_s: float = 0.0  # per micro-batch: send/recv of the output when a stage boundary follows
 
     @property
     def time_s(self) -> float:
@@ -77,8 +91,18 @@ class Option:
     def activation_bytes(self) -> float:
         return self.cost.memory.activations
 
-    def vector(self) -> tuple[float, float, float, float, float]:
-        return (self.time_s, self.tail_s, self.static_bytes, self.buffer_bytes, self.activation_bytes)
+    @property
+    def chain_bytes(self) -> float:
+        """Activation bytes when this layer continues a checkpoint region (A')."""
+        return self.activation_bytes if self.chain_activation_bytes is None else self.chain_activation_bytes
+
+    @property
+    def full_recompute(self) -> bool:
+        return self.strategy.recompute == "full"
+
+    def vector(self) -> tuple[float, ...]:
+        return (self.time_s, self.tail_s, self.static_bytes, self.buffer_bytes, self.activation_bytes,
+                self.chain_bytes, self.p2p_s, float(self.full_recompute))
 
 
 @dataclass(frozen=True)
@@ -99,21 +123,23 @@ class Evaluation:
 
 
 def prune_dominated(options: Sequence[Option]) -> list[Option]:
-    """Drop options that another option of the same ``sp`` beats or ties on all four numbers.
+    """Drop options that another option of the same ``sp`` beats or ties on every number it reads.
 
-    ``o`` is dropped when some ``o'`` has every number ≤ and either one number
-    < or (all equal) comes first in the canonical order. The objective and the
-    memory rows are monotone in these numbers, so no optimum is lost; ``sp``
-    is kept apart because it is coupled across classes.
+    ``o`` is dropped when some ``o'`` has every number of ``Option.vector`` ≤
+    and either one number < or (all equal) comes first in the canonical
+    order. The objective and the memory rows are monotone in these numbers, so
+    no optimum is lost; ``sp`` is kept apart because it is coupled across
+    classes, and full recompute only dominates full recompute (a successor's
+    checkpoint region depends on it: the last entry of the vector).
     """
     if len(options) <= 1:
         return list(options)
-    values = np.array([o.vector() for o in options])  # (n, 4)
-    sps = np.array([o.strategy.sp for o in options])
+    values = np.array([o.vector() for o in options])  # (n, 8)
+    sps = np.array([(o.strategy.sp, o.full_recompute) for o in options])  # (n, 2)
     le = (values[:, None, :] <= values[None, :, :]).all(axis=2)  # le[j, i]: j ≤ i everywhere
     lt = (values[:, None, :] < values[None, :, :]).any(axis=2)
     earlier = np.arange(len(options))[:, None] < np.arange(len(options))[None, :]
-    same_sp = sps[:, None] == sps[None, :]
+    same_sp = (sps[:, None, :] == sps[None, :, :]).all(axis=2)
     dominated = (same_sp & le & (lt | earlier)).any(axis=0)
     return [o for o, d in zip(options, dominated) if not d]
 
@@ -150,18 +176,42 @@ def rank_of(stage: int, pp: int, schedule: Schedule) -> int:
     return stage % pp if virtual_stages(schedule) > 1 else stage
 
 
-def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh, schedule: Schedule) -> Evaluation:
-    """Aggregate per-layer options placed on ``stages`` (module docstring formulas)."""
+def chain_flags(graph: ModelGraph) -> list[bool]:
+    """Per layer, whether it follows a layer of its own block (it may continue a checkpoint region)."""
+    layers = graph.layers
+    return [i > 0 and layer.block is not None and layer.block == layers[i - 1].block for i, layer in enumerate(layers)]
+
+
+def layer_activation_bytes(layer_options: Sequence[Option], continues: Sequence[bool] | None) -> list[float]:
+    """A_l or A'_l per layer (module docstring: checkpoint regions)."""
+    out = []
+    for i, option in enumerate(layer_options):
+        chained = (continues is not None and continues[i] and option.full_recompute
+                   and layer_options[i - 1].full_recompute)
+        out.append(option.chain_bytes if chained else option.activation_bytes)
+    return out
+
+
+def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh, schedule: Schedule,
+             continues: Sequence[bool] | None = None) -> Evaluation:
+    """Aggregate per-layer options placed on ``stages`` (module docstring formulas).
+
+    ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
+    """
     pp = mesh.pp
-    t, tail, static, act = ([0.0] * pp for _ in range(4))
-    buffers = (1 + schedule.prefetch) * max((o.buffer_bytes for o in layer_options), default=0.0)
-    for option, stage in zip(layer_options, stages):
-        r = rank_of(stage, pp, schedule)
+    t, tail, static, act, buf = ([0.0] * pp for _ in range(5))
+    acts = layer_activation_bytes(layer_options, continues)
+    ranks = [rank_of(stage, pp, schedule) for stage in stages]
+    for i, (option, r) in enumerate(zip(layer_options, ranks)):
         t[r] += option.time_s
+        if i + 1 < len(stages) and stages[i + 1] != stages[i]:
+            t[r] += option.p2p_s
         tail[r] += option.tail_s
         static[r] += option.static_bytes
-        act[r] += option.activation_bytes
-    memory = tuple(static[r] + buffers + in_flight(schedule, pp, r) * act[r] for r in range(pp))
+        act[r] += acts[i]
+        buf[r] = max(buf[r], option.buffer_bytes)
+    memory = tuple(static[r] + (1 + schedule.prefetch) * buf[r] + in_flight(schedule, pp, r) * act[r]
+                   for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
     per_rank = [slots * t_max + tail[r] for r in range(pp)]
@@ -176,16 +226,19 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
 def fallback_predictions(graph: ModelGraph, layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
                          schedule: Schedule, cluster: Cluster, train: TrainSpec) -> Predictions:
     """``Predictions`` from ``evaluate`` (used while ``cost_model.predict`` is unavailable)."""
-    ev = evaluate(layer_options, stages, mesh, schedule)
+    continues = chain_flags(graph)
+    ev = evaluate(layer_options, stages, mesh, schedule, continues)
+    acts = layer_activation_bytes(layer_options, continues)
     r = ev.critical_rank
     breakdown: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "buffers": 0}
     peak_rank = int(np.argmax(ev.rank_memory_bytes))
-    for option, stage in zip(layer_options, stages):
-        if rank_of(stage, mesh.pp, schedule) == peak_rank:
-            mem = option.cost.memory
-            for key in ("params", "grads", "optimizer", "buffers"):
-                breakdown[key] += int(getattr(mem, key))
-            breakdown["activations"] += int(in_flight(schedule, mesh.pp, peak_rank) * mem.activations)
+    mine = [(o, a) for o, a, stage in zip(layer_options, acts, stages) if rank_of(stage, mesh.pp, schedule) == peak_rank]
+    for option, act in mine:
+        mem = option.cost.memory
+        for key in ("params", "grads", "optimizer"):
+            breakdown[key] += int(getattr(mem, key))
+        breakdown["activations"] += int(in_flight(schedule, mesh.pp, peak_rank) * act)
+    breakdown["buffers"] = int((1 + schedule.prefetch) * max((o.buffer_bytes for o, _ in mine), default=0.0))
     exposed = sum(o.cost.comm_exposed_s for o, s in zip(layer_options, stages) if rank_of(s, mesh.pp, schedule) == r)
     optimizer = sum(o.cost.optimizer_s for o, s in zip(layer_options, stages) if rank_of(s, mesh.pp, schedule) == r)
     tokens = train.global_batch * train.seq_len
@@ -201,29 +254,49 @@ def fallback_predictions(graph: ModelGraph, layer_options: Sequence[Option], sta
 
 
 class CostTable:
-    """Memoised cost-function calls for one solve: (layer class, strategy, mesh, schedule) → ``LayerCost``.
+    """Memoised cost-function calls for one solve: (layer class, strategy, mesh, schedule) → ``Option``.
 
     Layers of one class have identical structure, so the class representative
-    is costed once and the result reused for every member.
+    is costed once and the result reused for every member. With the real cost
+    model (``cost_model.layer_cost``) options also carry the checkpoint-region
+    activation ``A'`` (0 under full recompute, ``search/memory.py``) and the
+    stage-boundary send/recv ``P`` (``cost_model.boundary_send_s``); other cost
+    functions price neither.
     """
 
     def __init__(self, cost_fn: CostFn, cluster: Cluster, train: TrainSpec) -> None:
         self.cost_fn = cost_fn
         self.cluster = cluster
         self.train = train
-        self._cache: dict[tuple, LayerCost] = {}
+        self.real = cost_fn is cost_model.layer_cost
+        self._cache: dict[tuple, Option] = {}
         self.calls = 0
 
     def option(self, layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Schedule) -> Option:
-        key = (layer.class_id, strategy_key(strategy), mesh, schedule)
-        cost = self._cache.get(key)
-        if cost is None:
-            self.calls += 1
-            cost = self.cost_fn(layer, strategy, mesh, self.cluster, self.train, schedule)
-            self._cache[key] = cost
-        return Option(strategy, cost)
+        return self.options(layer, (strategy,), mesh, schedule)[0]
 
     def options(self, layer: LayerInfo, strategies: Sequence[LayerStrategy], mesh: Mesh,
                 schedule: Schedule) -> list[Option]:
-        return [self.option(layer, s, mesh, schedule) for s in strategies]
+        keys = [(layer.class_id, strategy_key(s), mesh, schedule) for s in strategies]
+        missing = [s for s, key in zip(strategies, keys) if key not in self._cache]
+        if missing:
+            self._fill(layer, missing, mesh, schedule)
+        out = []
+        for s, key in zip(strategies, keys):
+            option = self._cache[key]
+            out.append(option if option.strategy == s else dataclasses.replace(option, strategy=s))
+        return out
 
+    def _fill(self, layer: LayerInfo, strategies: Sequence[LayerStrategy], mesh: Mesh, schedule: Schedule) -> None:
+        self.calls += len(strategies)
+        if not self.real:
+            for s in strategies:
+                cost = self.cost_fn(layer, s, mesh, self.cluster, self.train, schedule)
+                self._cache[(layer.class_id, strategy_key(s), mesh, schedule)] = Option(s, cost)
+            return
+        costs = cost_model.layer_cost_table(layer, strategies, mesh, self.cluster, self.train, schedule)
+        p2p = {sp: cost_model.boundary_send_s(layer, sp, mesh, self.cluster, schedule, self.train)
+               for sp in {s.sp for s in strategies}}
+        for s, cost in zip(strategies, costs):
+            chain = 0.0 if s.recompute == "full" else None
+            self._cache[(layer.class_id, strategy_key(s), mesh, schedule)] = Option(s, cost, chain, p2p[s.sp])

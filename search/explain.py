@@ -30,7 +30,7 @@ from autoshard.graph import ModelGraph
 from autoshard.plan import MESH_AXES, LayerStrategy, Plan
 from autoshard.search import cost_model
 from autoshard.search.cost_model import LayerCost
-from autoshard.search.evaluate import CostFn, CostTable, Option, evaluate
+from autoshard.search.evaluate import CostFn, CostTable, Option, chain_flags, evaluate
 from autoshard.search.solver import usable_memory
 from autoshard.search.space import Constraints, admissible_strategies, strategy_key
 from autoshard.train import TrainSpec
@@ -90,7 +90,8 @@ def explain_layer(plan: Plan, graph: ModelGraph, cluster: Cluster, train: TrainS
     cap = usable_memory(cluster, constraints or Constraints())
     options = _plan_options(plan, graph, table)
     stages = [plan.strategy(l.name).stage for l in graph.layers]
-    base = evaluate(options, stages, plan.mesh, plan.schedule)
+    continues = chain_flags(graph)
+    base = evaluate(options, stages, plan.mesh, plan.schedule, continues)
     members = [i for i, l in enumerate(graph.layers)
                if l.class_id == layer.class_id and strategy_key(plan.strategy(l.name)) == strategy_key(chosen)]
     alternatives = []
@@ -101,7 +102,7 @@ def explain_layer(plan: Plan, graph: ModelGraph, cluster: Cluster, train: TrainS
         trial = list(options)
         for i in members:
             trial[i] = option
-        ev = evaluate(trial, stages, plan.mesh, plan.schedule)
+        ev = evaluate(trial, stages, plan.mesh, plan.schedule, continues)
         worst = max(range(plan.mesh.pp), key=lambda r: ev.rank_memory_bytes[r])
         over = ev.rank_memory_bytes[worst] - cap
         alternatives.append(Alternative(

@@ -24,6 +24,10 @@ from autoshard.search.memory import (
 from autoshard.train import TrainSpec
 
 OVERLAP_EFFICIENCY = 0.8  # fraction of a compute window a collective can hide behind
+# Hidden communication is not free: NCCL kernels running beside GEMMs take SMs (ring kernels use
+# 8–32 of an H100's 132) and HBM bandwidth (every ring step reads and writes its chunk), slowing the
+# compute they hide behind. Each second of comm hidden under compute costs this many seconds.
+OVERLAP_CONTENTION = 0.1
 QUANT_KERNEL_EFFICIENCY = 0.9  # quantize/dequantize kernels vs raw HBM bandwidth (REFERENCES: ≥ 90% goal)
 QUANT_GROUP_ELEMENTS = 128  # elements per fp32 scale in quantized collectives
 QUANT_SCALE_BYTES = 4
@@ -70,6 +74,18 @@ def hbm_bandwidth(cluster: Cluster) -> float:
 def overlap_efficiency(cluster: Cluster) -> float:
     """Fraction of a compute window a collective hides behind (``OVERLAP_EFFICIENCY`` unless calibrated)."""
     return cluster.calibration.get("overlap_efficiency", OVERLAP_EFFICIENCY)
+
+
+def overlap_contention(cluster: Cluster) -> float:
+    """Seconds of compute slowdown per second of hidden comm (``OVERLAP_CONTENTION`` unless calibrated)."""
+    return cluster.calibration.get("overlap_contention", OVERLAP_CONTENTION)
+
+
+def _overlapped(comm_s: float, window_s: float, contention: float) -> float:
+    """Cost of ``comm_s`` overlapped with a ``window_s`` compute window: the part that does not fit,
+    plus ``contention`` × the part hidden (= comm − (1 − κ)·min(comm, window); monotone in comm)."""
+    hidden = min(comm_s, max(window_s, 0.0))
+    return comm_s - hidden + contention * hidden
 
 
 def reserved_bytes(cluster: Cluster) -> float:
@@ -301,13 +317,13 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup]
         for key, value in _dp_group_terms(group, strategy, cluster, schedule, sizes).items():
             total[key] += value
     total["grad_once"] += _sp_grad_allreduce(layer, strategy, mesh, cluster, sizes)
-    f, m = overlap_efficiency(cluster), schedule.num_micro_batches
+    f, m, kappa = overlap_efficiency(cluster), schedule.num_micro_batches, overlap_contention(cluster)
     bwd_window = compute["bwd_compute_s"] + compute["recompute_s"]
     exposed = (
-        max(0.0, total["gather_fwd"] - f * m * compute["fwd_compute_s"])
-        + max(0.0, total["gather_bwd"] + total["grad_per_mb"] - f * m * bwd_window)
-        + max(0.0, total["grad_once"] - f * bwd_window)
-        + total["post_step"]
+        _overlapped(total["gather_fwd"], f * m * compute["fwd_compute_s"], kappa)
+        + _overlapped(total["gather_bwd"] + total["grad_per_mb"], f * m * bwd_window, kappa)
+        + _overlapped(total["grad_once"], f * bwd_window, kappa)
+        + _overlapped(total["post_step"], f * compute["fwd_compute_s"], kappa)
         + total["quant"]
     )
     out = {f"dp_{key}_s": value for key, value in total.items()}

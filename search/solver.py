@@ -59,9 +59,12 @@ plans byte for byte zero it (``without_wall_time``). A search cut short by
 from __future__ import annotations
 
 import dataclasses
+import heapq
 import math
 import time
 from dataclasses import dataclass
+
+import numpy as np
 
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError, InfeasibleError
@@ -70,8 +73,8 @@ from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions,
 from autoshard.search import cost_model
 from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, solve_model
 from autoshard.search.evaluate import (
-    CostFn, CostTable, Option, anchor_blocks, evaluate, fallback_predictions, layer_stages, num_anchor_blocks,
-    prune_dominated,
+    CostFn, CostTable, Option, anchor_blocks, chain_flags, evaluate, fallback_predictions, layer_stages,
+    num_anchor_blocks, prune_dominated,
 )
 from autoshard.search.pipeline import in_flight
 from autoshard.search.space import (
@@ -247,16 +250,40 @@ def _bare(schedule: Schedule) -> Schedule:
 
 # ----------------------------------------------------------------------------- main loop
 def _run(search: _Search, candidates: list[Candidate], hint: Plan | None, deadline: float, num_workers: int) -> None:
-    for i, cand in enumerate(candidates):
+    """Best-first branch and bound (module docstring, step 3): pop the smallest bound; a probe-level
+    entry is refined into its table bound, a table-level entry goes to CP-SAT."""
+    heap = [(c.lower_bound_s, i, 0, c, None) for i, c in enumerate(candidates)]
+    if hint is not None and candidates and (candidates[0].mesh, candidates[0].schedule) == (hint.mesh, _bare(hint.schedule)):
+        heap[0] = (-math.inf, 0, 0, candidates[0], None)  # the hint's candidate runs first
+    heapq.heapify(heap)
+    while heap:
+        bound, i, level, cand, options = heapq.heappop(heap)
         best_s = search.best[0] if search.best else math.inf
-        if cand.lower_bound_s >= best_s:
-            continue  # sorted by bound: every later one is ≥ too, but keep counting for the bound
+        if bound >= best_s:
+            return  # every remaining entry's bound is ≥ too
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            search.bound_s = min(search.bound_s, min(c.lower_bound_s for c in candidates[i:]))
+            search.bound_s = min(search.bound_s, max(bound, 0.0))
             search.statuses.append("TIME_LIMIT")
             return
-        _solve_candidate(search, cand, hint, remaining, num_workers)
+        if level == 0:
+            refined = _refine(search, cand)
+            if refined is not None:
+                heapq.heappush(heap, (max(cand.lower_bound_s, refined[0]), i, 1, cand, refined[1]))
+            continue
+        _solve_candidate(search, cand, options, hint, remaining, num_workers)
+
+
+def _refine(search: _Search, cand: Candidate) -> tuple[float, tuple] | None:
+    """(table bound, dominance-pruned options) of a candidate, or None when it cannot fit."""
+    if _memory_hopeless(search, cand):
+        return None
+    options = _class_options(search, cand)
+    time_lb, mem_lb = _table_bounds(search, cand, options)
+    _note_memory(search, cand, mem_lb)
+    if mem_lb > search.cap_bytes:
+        return None
+    return time_lb, options
 
 
 def _class_options(search: _Search, cand: Candidate) -> tuple[tuple[Option, ...], ...]:
@@ -266,24 +293,40 @@ def _class_options(search: _Search, cand: Candidate) -> tuple[tuple[Option, ...]
     )
 
 
+LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-4, 4, 49)])  # × (time scale / memory scale)
+
+
 def _table_bounds(search: _Search, cand: Candidate, options) -> tuple[float, float]:
-    """(time lower bound ignoring memory, per-rank memory lower bound ignoring time)."""
-    flight = min(in_flight(cand.schedule, cand.mesh.pp, k) for k in range(cand.mesh.pp))
+    """(step-time lower bound, per-rank memory lower bound) from the full cost table.
+
+    Time: step = slots·T_max + max_r tail_r ≥ Σ_l (slots·t_l + tail_l)/p, minimised per class
+    jointly over (t, tail). Memory couples the classes: summing the per-rank rows gives
+    Σ_l (S_l + f_min·min(A_l, A'_l)) + (1 + prefetch)·max_c min G_c ≤ p·M, and for every λ ≥ 0
+    the Lagrangian Σ_c n_c·min_s(cost_s + λ·mem_s) + λ·(buffers − p·M) is a lower bound of the
+    constrained minimum (weak duality); the bound is its maximum over ``LAMBDA_GRID``. Both are
+    taken per global ``sp`` value, then the smaller.
+    """
+    mesh, schedule = cand.mesh, cand.schedule
+    flight = min(in_flight(schedule, mesh.pp, k) for k in range(mesh.pp))
+    slots, p, cap = _slots(mesh, schedule), mesh.pp, float(search.cap_bytes)
+    buffers = (1 + schedule.prefetch) * max(min(o.buffer_bytes for o in opts) for opts in options)
     time_lb, mem_lb = math.inf, math.inf
     for sp in (False, True):
-        t = tail = mem = 0.0
+        rows = []
         for c, opts in zip(search.classes, options):
             mine = [o for o in opts if o.strategy.sp == sp]
             if not mine:
-                t = math.inf
                 break
-            n = len(c.layers)
-            t += n * min(o.time_s for o in mine)
-            tail += n * min(o.tail_s for o in mine)
-            mem += n * min(o.static_bytes + flight * o.activation_bytes for o in mine)
-        mem += (1 + cand.schedule.prefetch) * max(min(o.buffer_bytes for o in opts) for opts in options) * cand.mesh.pp
-        time_lb = min(time_lb, (_slots(cand.mesh, cand.schedule) * t + tail) / cand.mesh.pp)
-        mem_lb = min(mem_lb, mem / cand.mesh.pp)
+            cost = np.array([(slots * o.time_s + o.tail_s) / p for o in mine])  # (n_s,)
+            mem = np.array([o.static_bytes + flight * min(o.activation_bytes, o.chain_bytes) for o in mine])
+            rows.append((len(c.layers), cost, mem))
+        else:
+            need = sum(n * mem.min() for n, _, mem in rows) + buffers
+            mem_lb = min(mem_lb, need / p)
+            scale = max(sum(n * cost.min() for n, cost, _ in rows), 1e-30) / max(need, 1.0)
+            lam = LAMBDA_GRID * scale  # (L,)
+            dual = sum(n * (cost[None, :] + lam[:, None] * mem[None, :]).min(axis=1) for n, cost, mem in rows)
+            time_lb = min(time_lb, float(np.max(dual + lam * (buffers - p * cap))))
     return time_lb, mem_lb
 
 
@@ -329,19 +372,14 @@ def _memory_hopeless(search: _Search, cand: Candidate) -> bool:
     return True
 
 
-def _solve_candidate(search: _Search, cand: Candidate, hint: Plan | None, remaining: float, num_workers: int) -> None:
-    if _memory_hopeless(search, cand):
-        return
-    options = _class_options(search, cand)
-    time_lb, mem_lb = _table_bounds(search, cand, options)
-    _note_memory(search, cand, mem_lb)
+def _solve_candidate(search: _Search, cand: Candidate, options, hint: Plan | None, remaining: float,
+                     num_workers: int) -> None:
     best_s = search.best[0] if search.best else math.inf
-    if time_lb >= best_s or mem_lb > search.cap_bytes:
-        return
-    anchors = anchor_blocks(search.graph)
+    anchors, num_blocks = anchor_blocks(search.graph), num_anchor_blocks(search.graph)
     inp = ModelInput(
         classes=search.classes, options=options,
-        block_classes=block_members(anchors, search.class_of_layer, num_anchor_blocks(search.graph)),
+        block_classes=block_members(anchors, search.class_of_layer, num_blocks),
+        block_chain=block_members(anchors, chain_flags(search.graph), num_blocks),
         mesh=cand.mesh, schedule=cand.schedule, cap_bytes=search.cap_bytes, unit_s=search.unit_s,
         cutoff_s=None if search.best is None else best_s, hint=_hint_strategies(search, hint),
         hint_block_stage=_hint_block_stages(search, hint, cand),
@@ -364,7 +402,8 @@ def _layer_options(search: _Search, options, result: ModelResult) -> list[Option
 
 def _evaluate_result(search: _Search, cand: Candidate, options, result: ModelResult) -> float:
     stages = layer_stages(search.graph, result.block_stage)
-    return evaluate(_layer_options(search, options, result), stages, cand.mesh, cand.schedule).step_s
+    return evaluate(_layer_options(search, options, result), stages, cand.mesh, cand.schedule,
+                    chain_flags(search.graph)).step_s
 
 
 def _hint_strategies(search: _Search, hint: Plan | None) -> tuple[LayerStrategy | None, ...]:

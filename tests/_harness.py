@@ -7,6 +7,7 @@ Three tiers of distributed tests (DESIGN.md, "Tests"), one entry point each:
 | ``fake_world(n, rank)`` | 1 | 1 real, n pretended | no (collectives return garbage) | building per-rank programs, meshes and shapes at 8-1024 ranks |
 | ``local_ranks(n)`` | 1 | n simulated | yes (``LocalTensorMode``) | sharded numerics of DTensor / functional-collective code |
 | ``run_gloo(fn, n)`` | n | n real | yes (gloo) | anything that needs real processes (FSDP2, custom collectives, hangs) |
+| ``run_nccl(fn, n)`` | n | n real, one GPU each | yes (NCCL) | GPU tests only (marker ``gpu``); skips without n GPUs |
 
 Only this file imports ``torch.testing._internal`` and ``torch.distributed._local_tensor``:
 when they move, only this file changes.
@@ -166,8 +167,8 @@ class _RemoteTraceback(Exception):
         return self.args[0]
 
 
-def _join_world(rank: int, world_size: int, init_file: str, timeout_s: float) -> None:
-    """Wait (up to ``_STARTUP_S``) until every rank has started, then init gloo with ``timeout_s``.
+def _join_world(rank: int, world_size: int, backend: str, init_file: str, timeout_s: float) -> None:
+    """Wait (up to ``_STARTUP_S``) until every rank has started, then init ``backend`` with ``timeout_s``.
 
     Ranks start seconds apart on a loaded machine; waiting on the store first
     keeps a short collective timeout from failing the rendezvous itself.
@@ -176,16 +177,18 @@ def _join_world(rank: int, world_size: int, init_file: str, timeout_s: float) ->
     store.set_timeout(timedelta(seconds=_STARTUP_S))
     store.set(f"started/{rank}", "1")
     store.wait([f"started/{r}" for r in range(world_size)])
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank, as torchrun's LOCAL_RANK would pick
     dist.init_process_group(
-        "gloo", store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
+        backend, store=store, rank=rank, world_size=world_size, timeout=timedelta(seconds=timeout_s)
     )
 
 
-def _worker(rank, world_size, init_file, timeout_s, results, fn, args, kwargs) -> None:
-    """Child body: join the gloo group, run ``fn``, post ``(rank, kind, payload)``."""
+def _worker(rank, world_size, backend, init_file, timeout_s, results, fn, args, kwargs) -> None:
+    """Child body: join the process group, run ``fn``, post ``(rank, kind, payload)``."""
     torch.set_num_threads(1)
     try:
-        _join_world(rank, world_size, init_file, timeout_s)
+        _join_world(rank, world_size, backend, init_file, timeout_s)
         results.put((rank, "ready", None))
         value = fn(rank, world_size, *args, **kwargs)
         results.put((rank, "ok", pickle.dumps(value)))
@@ -234,7 +237,7 @@ def _collect(procs, results, world_size: int, timeout_s: float) -> list[Any]:
             phase = "running fn" if len(ready) == world_size else f"starting ({len(ready)} ready)"
             missing = sorted(set(range(world_size)) - set(values))
             raise TimeoutError(
-                f"gloo job of {world_size} ranks exceeded its deadline while {phase}; "
+                f"{world_size}-rank job exceeded its deadline while {phase}; "
                 f"ranks {missing} never returned (timeout_s={timeout_s}): raise timeout_s "
                 "if the job is legitimately long, else look for a collective some rank skipped"
             )
@@ -274,22 +277,14 @@ def _stop(procs, *, graceful: bool) -> None:
         proc.join()
 
 
-def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60, **kwargs: Any) -> list[Any]:
-    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` real gloo processes.
-
-    Returns each rank's (picklable) result in rank order. The first exception
-    raised by any rank is re-raised here with its original type when it pickles
-    (``RankFailedError`` otherwise); its ``__cause__`` carries that rank's
-    traceback text. A rank that dies silently raises ``RankFailedError``; a job
-    past its deadline (module note "deadlines") raises ``TimeoutError``. Every
-    child is joined or killed before this returns.
-    """
+def _spawn(fn, world_size: int, backend: str, args, kwargs, timeout_s: float) -> list[Any]:
+    """Start ``world_size`` children of ``_worker``, collect their results, always clean up."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     procs = []
-    with tempfile.TemporaryDirectory(prefix="autoshard_gloo_") as tmp:
+    with tempfile.TemporaryDirectory(prefix="autoshard_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
         ok = False
         try:
@@ -297,7 +292,7 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
                 for rank in range(world_size):
                     proc = ctx.Process(
                         target=_worker,
-                        args=(rank, world_size, init_file, timeout_s, results, fn, args, kwargs),
+                        args=(rank, world_size, backend, init_file, timeout_s, results, fn, args, kwargs),
                         daemon=True,
                     )
                     proc.start()
@@ -308,6 +303,35 @@ def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: flo
         finally:
             _stop(procs, graceful=ok)
             results.close()
+
+
+def run_gloo(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 60, **kwargs: Any) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` real gloo processes.
+
+    Returns each rank's (picklable) result in rank order. The first exception
+    raised by any rank is re-raised here with its original type when it pickles
+    (``RankFailedError`` otherwise); its ``__cause__`` carries that rank's
+    traceback text. A rank that dies silently raises ``RankFailedError``; a job
+    past its deadline (module note "deadlines") raises ``TimeoutError``. Every
+    child is joined or killed before this returns.
+    """
+    return _spawn(fn, world_size, "gloo", args, kwargs, timeout_s)
+
+
+def run_nccl(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 120, **kwargs: Any) -> list[Any]:
+    """``run_gloo`` on NCCL, rank r on ``cuda:r`` (the current device); GPU tests only.
+
+    Skips the calling test when fewer than ``world_size`` CUDA devices exist.
+    Return CPU tensors from ``fn``: the parent need not touch the children's GPUs.
+    """
+    _require_gpus(world_size)
+    return _spawn(fn, world_size, "nccl", args, kwargs, timeout_s)
+
+
+def _require_gpus(world_size: int) -> None:
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if available < world_size or not dist.is_nccl_available():
+        pytest.skip(f"needs {world_size} CUDA devices and NCCL; this machine has {available} devices")
 
 
 # --------------------------------------------------------------------------- many cases, one job
@@ -340,7 +364,19 @@ def run_gloo_cases(
     reference (module-level functions or ``functools.partial`` of them).
     """
     per_rank = run_gloo(_run_cases, world_size, dict(cases), timeout_s=timeout_s)
-    return {name: [per_rank[r][name] for r in range(world_size)] for name in cases}
+    return _by_case(cases, per_rank)
+
+
+def run_nccl_cases(
+    cases: Mapping[str, Callable[[int, int], Any]], world_size: int, *, timeout_s: float = 180
+) -> dict[str, list[Any]]:
+    """``run_gloo_cases`` on NCCL (GPU tests only; skips without ``world_size`` GPUs)."""
+    per_rank = run_nccl(_run_cases, world_size, dict(cases), timeout_s=timeout_s)
+    return _by_case(cases, per_rank)
+
+
+def _by_case(cases: Mapping[str, Any], per_rank: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    return {name: [rank_results[name] for rank_results in per_rank] for name in cases}
 
 
 __all__ = [
@@ -353,4 +389,6 @@ __all__ = [
     "local_ranks",
     "run_gloo",
     "run_gloo_cases",
+    "run_nccl",
+    "run_nccl_cases",
 ]

@@ -324,3 +324,23 @@ def test_tables_render(tiny_graphs):
     text = console.file.getvalue()
     assert "blocks.1.mlp" in text and graph.layer("blocks.1.mlp").class_id in text
     assert "aten.linear" in text and "counted" in text
+
+
+def test_three_block_proxy_equals_full_export():
+    model = build("llama:tiny", device="meta", dtype=torch.bfloat16, num_layers=7, dropout=0.1)
+    proxied = capture(model, seq_lens=(16, 32))
+    full = capture(model, seq_lens=(16, 32), export_all_blocks=True)
+    assert proxied == full
+    assert len({layer.class_id for layer in proxied if layer.kind == "attention"}) == 1
+    assert ("blocks.5.mlp", "blocks.6.attn_norm") in proxied.edges
+    assert ("embed", "blocks.4.attn") in proxied.edges  # RoPE tables feed every block
+
+
+def test_proxy_refused_for_non_uniform_blocks():
+    from autoshard.passes._capture_proxy import make_proxy
+
+    model = build("llama:tiny", device="meta", num_layers=7)
+    assert make_proxy(model) is not None
+    model.blocks[3].attn.attn_impl = "math"  # same shapes, different computation
+    assert make_proxy(model) is None
+    assert make_proxy(build("llama:tiny", device="meta", num_layers=5)) is None  # too shallow to pay off

@@ -36,8 +36,16 @@ TOLERANCE = {torch.float64: {"rtol": 1e-10, "atol": 1e-12}, torch.float32: {"rto
 # --------------------------------------------------------------------------- helpers shared by the cases
 
 
+def _device() -> torch.device:
+    """cuda:<rank> inside an NCCL job (tests/test_collectives_gpu.py), else CPU."""
+    if dist.is_initialized() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def _randn(seed: int, *shape: int, dtype=torch.float64) -> torch.Tensor:
-    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype)
+    """Seeded data, identical on every rank and backend (drawn on CPU, then moved)."""
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=dtype).to(_device())
 
 
 def _per_rank_losses(rank, world_size, make_x, dist_fn, ref_fn, loss_scale=1.0):
@@ -283,17 +291,30 @@ NUMERIC_CASES = {
 CHECKED_CASES = sorted(set(NUMERIC_CASES) - {"tp_mlp_with_per_rank_loss_ops"})
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"world{n}")
+@pytest.fixture(scope="module")
+def gloo_world2():
+    return run_gloo_cases({**NUMERIC_CASES, "opcheck": case_opcheck}, 2, timeout_s=180)
+
+
+@pytest.fixture(scope="module")
+def gloo_world4():
+    return run_gloo_cases(NUMERIC_CASES, 4, timeout_s=180)
+
+
+@pytest.fixture(params=[2, 4], ids=lambda n: f"world{n}")
 def gloo_results(request):
-    cases = dict(NUMERIC_CASES)
-    if request.param == 2:
-        cases["opcheck"] = case_opcheck
-    return request.param, run_gloo_cases(cases, request.param, timeout_s=180)
+    """(world size, {case: [per-rank result]}) from the one job of that world size."""
+    return request.param, request.getfixturevalue(f"gloo_world{request.param}")
 
 
 @pytest.mark.parametrize("case", CHECKED_CASES)
 def test_numerics_match_single_process_reference(gloo_results, case):
     world_size, results = gloo_results
+    check_case_results(case, world_size, results)
+
+
+def check_case_results(case: str, world_size: int, results) -> None:
+    """Every (actual, expected) pair of every rank of ``case`` agrees (shared with the GPU tests)."""
     for rank, checks in enumerate(results[case]):
         assert checks, f"case {case} checked nothing"
         for key, (actual, expected) in checks.items():
@@ -303,8 +324,12 @@ def test_numerics_match_single_process_reference(gloo_results, case):
 
 
 def test_per_rank_loss_all_reduce_is_wrong_for_tp(gloo_results):
-    """With DP-flavour ops a replicated loss counts t times: fc2 grads scale by t, fc1 grads are wrong."""
     world_size, results = gloo_results
+    check_per_rank_loss_ops_are_wrong_for_tp(world_size, results)
+
+
+def check_per_rank_loss_ops_are_wrong_for_tp(world_size: int, results) -> None:
+    """With DP-flavour ops a replicated loss counts t times: fc2 grads scale by t, fc1 grads are wrong."""
     for checks in results["tp_mlp_with_per_rank_loss_ops"]:
         torch.testing.assert_close(*checks["loss"], **TOLERANCE[torch.float32])  # forward is identical
         actual_b, expected_b = checks["grad_b"]
@@ -312,12 +337,14 @@ def test_per_rank_loss_all_reduce_is_wrong_for_tp(gloo_results):
         assert not torch.allclose(*checks["grad_x"], rtol=1e-3)
 
 
-def test_opcheck_passes(gloo_results):
-    world_size, results = gloo_results
-    if world_size != 2:
-        pytest.skip("opcheck runs in the world-2 job only")
+def test_opcheck_passes(gloo_world2):
+    """torch.library.opcheck on real gloo data: schema, autograd registration, fake kernel, AOT dispatch."""
+    check_opcheck_reports(gloo_world2["opcheck"])
+
+
+def check_opcheck_reports(per_rank_reports) -> None:
     expected_tests = {"test_schema", "test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic"}
-    for rank_report in results["opcheck"]:
+    for rank_report in per_rank_reports:
         assert set(rank_report) == set(_OPS), "opcheck skipped an op"
         for op_name, report in rank_report.items():
             assert expected_tests <= set(report), f"opcheck autoshard::{op_name} ran only {sorted(report)}"

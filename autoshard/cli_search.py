@@ -1,0 +1,421 @@
+"""The search commands of the CLI: ``autoshard plan``, ``explain`` and ``diff``.
+
+``autoshard/cli.py`` parses the arguments (its ``COMMANDS`` table); this
+module holds what the commands do, so ``cli.py`` stays a table of small
+handlers. Flag grammar (each parser raises ``AutoshardError`` naming the bad
+text and the allowed set; the CLI prints it on one line and exits 2):
+
+``--pin TARGET:field=value[,field=value...]`` (repeatable)
+    ``TARGET`` is a glob (``fnmatch``) over layer names *and* layer-class ids
+    (``blocks.*.attn``, ``lm_head``, ``attention:*``); a layer matches when its
+    name or its class id does. Fields and values are those of
+    ``search.space.Constraints.pin`` (``state tp sp ep recompute weight_comm
+    grad_comm``); ``sp``/``ep`` take ``true/false`` (also ``1/0``, ``yes/no``,
+    ``on/off``). Class ids contain ``:``, so the field list is what follows the
+    *last* ``:``. Globs are expanded against the captured graph into per-layer
+    pins; two pins giving one layer's field different values are refused.
+``--mesh axis=degree[,axis=degree...]``
+    Axes of ``plan.MESH_AXES``; every degree must divide the world size, the
+    product of the fixed degrees (``ep`` excepted: it reuses dp ranks) must
+    divide it too, and ``cp`` must be 1 (context parallelism is not searched).
+``--max-memory QUANTITY``
+    Per-rank bytes with a unit (``60GiB``, ``80GB``; ``cluster_io.parse_quantity``);
+    a plain number is bytes.
+
+``plan`` runs capture → search under a progress display on stderr (a spinner
+and elapsed time per stage on a terminal; nothing when stderr is a file or a
+pipe, so an error stays one line) and prints the plan, a timing line and,
+with ``--retarget``, the diff from the old plan. ``--plan`` reuses a plan:
+fingerprints are checked against the captured model and the cluster and the
+training step against the flags, and the search is skipped.
+
+``explain`` re-captures the plan's model from its name (a reference spec
+such as ``llama:7b``), rebuilds the cluster from the plan's recorded
+``cluster_spec`` (``plan_reuse.cluster_of``) unless ``--cluster`` is given,
+and the ``TrainSpec`` from the plan's fields.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterator, Mapping, Sequence
+
+from autoshard.errors import AutoshardError, ModelError, PlanError
+
+_TRUE = ("true", "1", "yes", "on")
+_FALSE = ("false", "0", "no", "off")
+_MAX_LISTED = 6  # names shown in "did you mean" lists
+
+
+# ----------------------------------------------------------------- flag grammar
+@dataclass(frozen=True)
+class PinSpec:
+    """One ``--pin``: a glob over layer names / class ids and the fields it fixes."""
+
+    pattern: str
+    fields: tuple[tuple[str, Any], ...]
+    text: str  # as the user wrote it, for messages
+
+
+def parse_pin(text: str) -> PinSpec:
+    """``"blocks.*.attn:state=zero3,recompute=full"`` → ``PinSpec`` (module docstring)."""
+    from autoshard.search.space import PIN_FIELDS
+
+    pattern, sep, body = text.rpartition(":")
+    if not sep or not pattern or not body:
+        raise AutoshardError(
+            f"{text!r}: expected TARGET:field=value[,field=value...], e.g. 'blocks.*.attn:state=zero3'"
+        )
+    fields: dict[str, Any] = {}
+    for item in body.split(","):
+        key, eq, raw = (part.strip() for part in item.partition("="))
+        if key not in PIN_FIELDS:
+            raise AutoshardError(f"{text!r}: unknown field {key!r}; allowed: {', '.join(PIN_FIELDS)}")
+        if not eq or not raw:
+            raise AutoshardError(f"{text!r}: field {key!r} has no value; write {key}=VALUE")
+        if key in fields:
+            raise AutoshardError(f"{text!r}: field {key!r} is given twice; give it once")
+        fields[key] = _pin_value(text, key, raw, PIN_FIELDS[key])
+    return PinSpec(pattern=pattern.strip(), fields=tuple(fields.items()), text=text)
+
+
+def _pin_value(text: str, key: str, raw: str, allowed: tuple) -> Any:
+    if all(isinstance(a, bool) for a in allowed):
+        if raw.lower() in _TRUE + _FALSE:
+            return raw.lower() in _TRUE
+        raise AutoshardError(f"{text!r}: {key}={raw!r} is not a boolean; allowed: true, false")
+    if raw not in allowed:
+        raise AutoshardError(f"{text!r}: {key}={raw!r} is not allowed; allowed: {', '.join(allowed)}")
+    return raw
+
+
+def parse_mesh(text: str) -> dict[str, int]:
+    """``"tp=2,pp=1"`` → ``{"tp": 2, "pp": 1}``; axes of ``MESH_AXES``, degrees ≥ 1."""
+    from autoshard.plan import MESH_AXES
+
+    mesh: dict[str, int] = {}
+    for item in text.split(","):
+        axis, eq, raw = (part.strip() for part in item.partition("="))
+        if axis not in MESH_AXES:
+            raise AutoshardError(f"{text!r}: unknown axis {axis!r}; allowed: {', '.join(MESH_AXES)}")
+        if axis in mesh:
+            raise AutoshardError(f"{text!r}: axis {axis!r} is given twice; give it once")
+        try:
+            degree = int(raw)
+        except ValueError:
+            degree = 0
+        if not eq or degree < 1:
+            raise AutoshardError(f"{text!r}: {axis}={raw!r} must be a positive integer degree")
+        mesh[axis] = degree
+    return mesh
+
+
+def parse_memory(text: str) -> int:
+    """``"60GiB"`` → bytes per rank (units: ``cluster_io``'s bytes table); must be > 0."""
+    from autoshard.cluster_io import parse_quantity
+
+    value = int(parse_quantity(text, "bytes", "memory"))
+    if value <= 0:
+        raise AutoshardError(f"{text!r} must be more than 0 bytes; give e.g. 60GiB")
+    return value
+
+
+def check_mesh(mesh: Mapping[str, int], world_size: int) -> None:
+    """Refuse fixed mesh degrees that cannot tile a cluster of ``world_size`` ranks."""
+    from autoshard.search.space import divisors
+
+    allowed = f"divisors of the world size {world_size}: {divisors(world_size)}"
+    for axis, degree in mesh.items():
+        if world_size % degree:
+            raise AutoshardError(f"--mesh {axis}={degree} does not divide the cluster; allowed: {allowed}")
+    if mesh.get("cp", 1) != 1:
+        raise AutoshardError(f"--mesh cp={mesh['cp']}: context parallelism is not searched yet; allowed: cp=1")
+    fixed = {axis: degree for axis, degree in mesh.items() if axis != "ep"}
+    product = 1
+    for degree in fixed.values():
+        product *= degree
+    if world_size % product:
+        terms = "*".join(f"{axis}={degree}" for axis, degree in fixed.items())
+        raise AutoshardError(f"--mesh {terms} = {product} does not divide the world size {world_size}; "
+                             "lower a degree or use a larger cluster")
+
+
+def expand_pins(pins: Sequence[PinSpec], graph: Any) -> dict[str, dict[str, Any]]:
+    """Per-layer pins for ``Constraints.pin``: each glob expanded over the graph's layers."""
+    merged: dict[str, dict[str, Any]] = {}
+    source: dict[tuple[str, str], str] = {}
+    for pin in pins:
+        layers = [l.name for l in graph.layers
+                  if fnmatch.fnmatchcase(l.name, pin.pattern) or fnmatch.fnmatchcase(l.class_id, pin.pattern)]
+        if not layers:
+            raise AutoshardError(
+                f"--pin {pin.text!r}: {pin.pattern!r} matches no layer name or class id of "
+                f"{graph.model_name!r}; e.g. {_examples(graph)}; see `autoshard capture {graph.model_name}`"
+            )
+        for name in layers:
+            for key, value in pin.fields:
+                current = merged.setdefault(name, {})
+                if key in current and current[key] != value:
+                    raise AutoshardError(
+                        f"--pin {pin.text!r} sets {key}={value!r} on layer {name!r}, but --pin "
+                        f"{source[name, key]!r} set {key}={current[key]!r}; make the pins agree"
+                    )
+                current[key] = value
+                source[name, key] = pin.text
+    return merged
+
+
+def _examples(graph: Any) -> str:
+    names = [l.name for l in graph.layers][:_MAX_LISTED]
+    classes = sorted({l.class_id for l in graph.layers})[:3]
+    return ", ".join(names + classes)
+
+
+# ------------------------------------------------------------------- progress
+class Stages:
+    """Progress of a command on stderr: one spinner row per stage with its elapsed time.
+
+    Drawn only when ``console`` is a terminal (``rich.progress`` on a file
+    prints its final frame, which would add lines to a one-line error).
+    ``seconds`` records every stage's wall time either way.
+    """
+
+    def __init__(self, console: Any) -> None:
+        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+
+        self.seconds: dict[str, float] = {}
+        self._progress = Progress(
+            SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"), TimeElapsedColumn(),
+            console=console, disable=not console.is_terminal, redirect_stdout=False, redirect_stderr=False,
+        )
+
+    def __enter__(self) -> Stages:
+        self._progress.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._progress.stop()
+
+    @contextmanager
+    def stage(self, key: str, description: str) -> Iterator[None]:
+        """Show ``description`` while the block runs; record its time under ``key``."""
+        task = self._progress.add_task(description, total=1)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[key] = time.perf_counter() - start
+            self._progress.update(task, completed=1)
+
+    def done(self) -> None:
+        """A last row, ``done``, with the total time."""
+        self._progress.add_task(f"done in {sum(self.seconds.values()):.1f} s", total=1, completed=1)
+
+
+# --------------------------------------------------------------------- models
+def reference_spec(spec: str, *, source: str | None = None) -> str:
+    """The canonical ``family:size`` of a reference model (``"LLAMA"`` → ``"llama:tiny"``).
+
+    ``source`` names the plan the spec came from, for a clearer error.
+    """
+    from autoshard.models import parse_spec
+
+    try:
+        family, size = parse_spec(spec)
+    except ModelError as err:
+        if source is None:
+            raise
+        raise ModelError(f"{source} was made for model {spec!r}, which is not a reference model the CLI can "
+                         f"rebuild ({err}); use autoshard.compile(model, ..., plan=...) in Python") from None
+    return f"{family}:{size}"
+
+
+def check_seq_len(spec: str, seq_len: int) -> None:
+    """Refuse a sequence longer than the reference model's ``max_seq_len``."""
+    from autoshard.models import config_for
+
+    limit = config_for(spec).max_seq_len
+    if seq_len > limit:
+        raise AutoshardError(f"--seq {seq_len} exceeds {spec}'s max_seq_len={limit}; give --seq <= {limit}")
+
+
+def capture_model(spec: str, stages: Stages) -> Any:
+    """Capture reference model ``spec`` on meta under a progress row."""
+    from autoshard.passes.capture import capture_reference
+
+    with stages.stage("capture", f"capture {spec} (torch.export on meta)"):
+        return capture_reference(spec)
+
+
+# ----------------------------------------------------------------------- plan
+@dataclass(frozen=True, kw_only=True)
+class PlanRequest:
+    """What ``autoshard plan`` was asked (``None``: not given on the command line)."""
+
+    model: str | None
+    cluster: str
+    batch: int | None = None
+    seq: int | None = None
+    micro_batch: int | None = None
+    optimizer: str | None = None
+    precision: str | None = None
+    time_limit_s: float | None = None
+    pins: tuple[PinSpec, ...] = ()
+    mesh: Mapping[str, int] = field(default_factory=dict)
+    max_memory_bytes: int | None = None
+    output: Path | None = None
+    reuse: Path | None = None
+    retarget: Path | None = None
+
+    def search_flags(self) -> list[str]:
+        """The search-only flags that were given (refused with ``--plan``)."""
+        given = {"--pin": self.pins, "--mesh": self.mesh, "--max-memory": self.max_memory_bytes,
+                 "--time-limit": self.time_limit_s, "--retarget": self.retarget}
+        return [flag for flag, value in given.items() if value]
+
+
+def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
+    """``autoshard plan``: capture, then search (or reuse / retarget), print and save the plan."""
+    from autoshard.cluster import Cluster
+    from autoshard.plan import Plan
+
+    if request.reuse and request.search_flags():
+        raise AutoshardError(f"--plan reuses a plan and skips the search, so {', '.join(request.search_flags())} "
+                             "cannot apply; drop them or drop --plan")
+    cluster = Cluster.load(request.cluster)
+    check_mesh(request.mesh, cluster.world_size)
+    old_path = request.reuse or request.retarget
+    old = Plan.load(old_path) if old_path else None
+    spec = _plan_model(request, old, old_path)
+    train = _train_spec(request, old)
+    check_seq_len(spec, train.seq_len)
+    with Stages(progress_console) as stages:
+        graph = capture_model(spec, stages)
+        if request.reuse:
+            plan = _reuse(old, request.reuse, graph, cluster, train)
+        else:
+            plan = _search(request, graph, cluster, train, old, stages)
+        stages.done()
+    _report(console, request, plan, old, stages.seconds)
+
+
+def _plan_model(request: PlanRequest, old: Any, old_path: Path | None) -> str:
+    if request.model is not None:
+        return reference_spec(request.model)
+    if old is None:
+        raise AutoshardError("no MODEL given; name a reference model (e.g. 'llama:7b', see `autoshard models`), "
+                             "or pass --plan/--retarget to take the plan's model")
+    return reference_spec(old.model_name, source=str(old_path))
+
+
+def _train_spec(request: PlanRequest, old: Any) -> Any:
+    """The ``TrainSpec`` from the flags; unset fields come from the reused / retargeted plan."""
+    from autoshard.train import TrainSpec
+
+    base = {"global_batch": request.batch, "seq_len": request.seq, "micro_batch": request.micro_batch,
+            "optimizer": request.optimizer, "precision": request.precision}
+    if old is not None:
+        stored = {"global_batch": old.global_batch, "seq_len": old.seq_len,
+                  "optimizer": old.optimizer, "precision": old.precision}
+        base = {k: stored[k] if v is None and k in stored else v for k, v in base.items()}
+    missing = [flag for flag, key in (("--batch", "global_batch"), ("--seq", "seq_len")) if base[key] is None]
+    if missing:
+        raise AutoshardError(f"missing {' and '.join(missing)}: give the global batch (sequences per step) and "
+                             "the sequence length, e.g. --batch 64 --seq 4096")
+    if base["micro_batch"] is not None and base["global_batch"] % base["micro_batch"]:
+        raise AutoshardError(f"--micro-batch {base['micro_batch']} does not divide --batch {base['global_batch']}; "
+                             "give a divisor of the global batch, or leave it to the search")
+    return TrainSpec(**{k: v for k, v in base.items() if v is not None})
+
+
+def _reuse(plan: Any, path: Path, graph: Any, cluster: Any, train: Any) -> Any:
+    from autoshard.plan_reuse import check_train
+
+    try:
+        plan.check_compatible(graph=graph, cluster=cluster)
+    except PlanError as err:
+        raise PlanError(f"{path}: {err}") from None
+    check_train(plan, train, source=str(path))
+    return plan
+
+
+def _search(request: PlanRequest, graph: Any, cluster: Any, train: Any, old: Any, stages: Stages) -> Any:
+    from autoshard.search import Constraints, solve
+    from autoshard.search.solver import DEFAULT_TIME_LIMIT_S
+
+    if old is not None:  # --retarget: the model must be the same, the cluster is meant to differ
+        try:
+            old.check_compatible(graph=graph)
+        except PlanError as err:
+            raise PlanError(f"{request.retarget}: {err}") from None
+    constraints = Constraints(pin=expand_pins(request.pins, graph), mesh=dict(request.mesh),
+                              max_memory_bytes=request.max_memory_bytes)
+    limit = request.time_limit_s or DEFAULT_TIME_LIMIT_S
+    with stages.stage("search", f"search {cluster.name} (CP-SAT, time limit {limit:g} s)"):
+        return solve(graph, cluster, train, constraints=constraints, time_limit_s=limit, hint=old)
+
+
+def _report(console: Any, request: PlanRequest, plan: Any, old: Any, seconds: Mapping[str, float]) -> None:
+    console.print(plan.to_rich())
+    if request.retarget:
+        from autoshard.search import diff_plans, format_diff
+
+        console.print(f"\nchanges from {request.retarget} (retargeted to {request.cluster}):", markup=False)
+        console.print(format_diff(diff_plans(old, plan)))
+    timing = f"capture {seconds.get('capture', 0.0):.1f} s"
+    if "search" in seconds:
+        s = plan.solver
+        timing += (f", search {seconds['search']:.1f} s ({s.status}, gap {s.gap:.1%}, "
+                   f"{s.meshes_solved} of {s.meshes_considered} meshes solved)")
+    else:
+        timing += f", search skipped: {request.reuse} matches the model, cluster and training step"
+    console.print(timing, markup=False)
+    if request.output is not None:
+        console.print(f"plan written to {plan.save(request.output)}", markup=False)
+
+
+# -------------------------------------------------------------------- explain
+def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_memory_bytes: int | None,
+                console: Any, progress_console: Any) -> None:
+    """``autoshard explain``: why ``layer`` got its strategy in the plan at ``path``."""
+    from autoshard.cluster import Cluster
+    from autoshard.plan import Plan
+    from autoshard.plan_reuse import cluster_of, train_of
+    from autoshard.search import Constraints, explain_layer, format_explanation
+
+    plan = Plan.load(path)
+    names = [s.layer for s in plan.layers]
+    if layer not in names:
+        close = [n for n in names if layer in n or n in layer][:_MAX_LISTED] or names[:_MAX_LISTED]
+        raise AutoshardError(f"layer {layer!r} is not in {path}; layers include {', '.join(close)}; "
+                             f"see `autoshard inspect --no-fold {path}`")
+    cluster = Cluster.load(cluster_spec) if cluster_spec else cluster_of(plan)
+    spec = reference_spec(plan.model_name, source=str(path))
+    with Stages(progress_console) as stages:
+        graph = capture_model(spec, stages)
+        stages.done()
+    _reuse(plan, path, graph, cluster, train_of(plan))
+    explanation = explain_layer(plan, graph, cluster, train_of(plan), layer, k=top,
+                                constraints=Constraints(max_memory_bytes=max_memory_bytes))
+    console.print(format_explanation(explanation))
+
+
+# ----------------------------------------------------------------------- diff
+def run_diff(a: Path, b: Path, console: Any) -> None:
+    """``autoshard diff``: what changed from plan ``a`` to plan ``b``."""
+    from autoshard.plan import Plan
+    from autoshard.search import diff_plans, format_diff
+
+    diff = diff_plans(Plan.load(a), Plan.load(b))
+    console.print(f"{a} → {b}", markup=False)
+    console.print(format_diff(diff))
+
+
+__all__ = [
+    "PinSpec", "PlanRequest", "Stages", "check_mesh", "check_seq_len", "expand_pins", "parse_memory", "parse_mesh",
+    "parse_pin", "reference_spec", "run_diff", "run_explain", "run_plan",
+]

@@ -1,0 +1,68 @@
+"""Small FX helpers shared by the passes: layer lookup, rebuilding a module purely, tagging nodes."""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx
+
+from autoshard.plan import Plan
+
+META_KEY = "autoshard"  # the one node.meta / gm.meta key the passes write (STYLE.md)
+
+
+def layer_of_path(path: str, layer_names: list[str]) -> str | None:
+    """The longest plan layer name equal to ``path`` or a dotted prefix of it."""
+    best = None
+    for name in layer_names:
+        if (path == name or path.startswith(name + ".")) and (best is None or len(name) > len(best)):
+            best = name
+    return best
+
+
+def node_layer(node: fx.Node, plan: Plan) -> str | None:
+    """The plan layer a call node belongs to, from its innermost ``nn_module_stack`` entry."""
+    stack = node.meta.get("nn_module_stack") or {}
+    names = [s.layer for s in plan.layers]
+    for path, _type in reversed(list(stack.values())):
+        found = layer_of_path(path, names)
+        if found:
+            return found
+    return None
+
+
+def copy_module(gm: fx.GraphModule, replace: dict[str, torch.nn.Module | torch.Tensor] | None = None) -> fx.GraphModule:
+    """A new GraphModule over a copy of ``gm.graph``; attributes in ``replace`` (by target) are swapped.
+
+    Modules and parameters not replaced are shared with ``gm`` (a pass that
+    changes one passes a replacement); ``gm`` itself is left unchanged.
+    """
+    graph = copy.deepcopy(gm.graph)
+    return rebuild(gm, graph, replace)
+
+
+def rebuild(gm: fx.GraphModule, graph: fx.Graph, replace: dict | None = None) -> fx.GraphModule:
+    """GraphModule of ``graph`` whose attribute targets come from ``replace`` or else ``gm``."""
+    replace = dict(replace or {})
+    root: dict = {}
+    for node in graph.nodes:
+        if node.op in ("get_attr", "call_module") and node.target not in root:
+            root[node.target] = replace[node.target] if node.target in replace else _fetch(gm, node.target)
+    out = fx.GraphModule(root, graph, class_name=type(gm).__name__)
+    out.meta = copy.copy(getattr(gm, "meta", {}))
+    out.meta[META_KEY] = dict(out.meta.get(META_KEY, {}))
+    return out
+
+
+def _fetch(gm: fx.GraphModule, target: str):
+    obj = gm
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def tag(node: fx.Node, pass_name: str, why: str, **extra) -> fx.Node:
+    """Record in ``node.meta["autoshard"]`` which pass inserted/moved ``node`` and why."""
+    node.meta[META_KEY] = {"pass": pass_name, "why": why, **extra}
+    return node

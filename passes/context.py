@@ -1,0 +1,213 @@
+"""The per-rank contract shared by every pass and the runtime: ``RankContext`` and ``ParamPlacement``.
+
+A ``Plan`` is data for all ranks; a pass needs to know *which* rank it builds
+for. ``RankContext`` is that rank's view of the plan's mesh: its coordinate
+on every mesh axis and the name of the process group of every axis (group
+names are strings, as PyTorch's functional collectives use them, so a context
+holds no live objects and pickles). ``runtime/mesh.py`` builds it from a live
+``torch.distributed.DeviceMesh``; tests may build one by hand.
+
+Rank layout (decision, as torchtitan): the device mesh has the axes, outermost
+to innermost, ``pp, dp_replicate, dp_shard, cp, tp``; tp is innermost so a tp
+group is a run of contiguous ranks (one node). ``rank = ((((pp·R + r)·S + s)·C
++ c)·T + t)`` for degrees ``R, S, C, T`` of dp_replicate, dp_shard, cp, tp.
+The combined data-parallel group ``"dp"`` is dp_replicate × dp_shard (ranks
+that differ only in those two coordinates). Expert parallelism reuses dp ranks
+(``plan.Mesh``): an ep group is a run of ``ep`` consecutive dp ranks inside one
+dp group (not built yet: EP is not implemented by the runtime).
+
+``ParamPlacement`` says how one parameter is laid out on this rank, in
+DTensor's vocabulary over the device mesh above: one placement per mesh axis
+(``Shard(tensor_dim)``, ``_StridedShard`` or ``Replicate()``), the global and
+local shapes, and the ZeRO ``state`` of its layer. Local shards follow
+DTensor's ``torch.chunk`` rule (chunk ``i`` of ``torch.chunk(t, n, dim)``,
+empty when ``torch.chunk`` returns fewer than ``n`` chunks), so
+``DTensor.from_local(local, device_mesh, placements, shape=global_shape,
+stride=global_stride)`` rebuilds the global tensor; checkpoints rely on this.
+
+Sharding order when both apply: tp first (Megatron: column → tensor dim 0,
+row → tensor dim 1, vocab → tensor dim 0), then ZeRO-3 on tensor dim 0 of the
+tp-local piece over dp_shard. When both split tensor dim 0 the dp_shard
+placement is ``_StridedShard(0, split_factor=tp)``, FSDP2's form for "tp then
+fsdp on the same dim".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch.distributed.tensor import Replicate, Shard
+
+try:
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - older torch
+    _StridedShard = None
+
+from autoshard.errors import PlanError
+from autoshard.plan import LayerStrategy, Mesh
+
+# Device-mesh axes, outermost → innermost (module docstring: rank layout).
+MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+# Tensor dim split by Megatron tp, per tp role (autoshard.graph.TP_ROLES).
+TP_ROLE_DIM = {"column": 0, "row": 1, "vocab": 0}
+
+
+@dataclass(frozen=True)
+class RankContext:
+    """One rank's view of the plan's mesh (module docstring: layout).
+
+    rank / world_size: global rank and world size.
+    mesh: the plan's mesh degrees.
+    coords: this rank's coordinate on every axis of ``MESH_ORDER``.
+    group_names: process-group name per axis of ``MESH_ORDER`` plus ``"dp"``
+        (dp_replicate × dp_shard) and ``"world"``.
+    device: where compute runs ("cpu", "cuda:0").
+    compute_dtype: dtype of the compute copies of parameters and activations.
+    """
+
+    rank: int
+    world_size: int
+    mesh: Mesh
+    coords: dict[str, int]
+    group_names: dict[str, str] = field(default_factory=dict)
+    device: str = "cpu"
+    compute_dtype: torch.dtype = torch.float32
+
+    def size(self, axis: str) -> int:
+        """Degree of mesh axis ``axis`` (``"dp"`` = dp_replicate × dp_shard)."""
+        return self.mesh.dp if axis == "dp" else getattr(self.mesh, axis)
+
+    def coord(self, axis: str) -> int:
+        """This rank's coordinate on ``axis`` (``"dp"``: index inside the combined dp group)."""
+        if axis == "dp":
+            return self.coords["dp_replicate"] * self.mesh.dp_shard + self.coords["dp_shard"]
+        return self.coords[axis]
+
+    def group(self, axis: str) -> str:
+        """Process-group name of ``axis`` (``"dp"``, ``"world"`` or one of ``MESH_ORDER``)."""
+        return self.group_names[axis]
+
+
+def coords_of(rank: int, mesh: Mesh) -> dict[str, int]:
+    """Coordinates of global ``rank`` on every axis of ``MESH_ORDER`` (row-major, tp innermost)."""
+    coords = {}
+    for axis in reversed(MESH_ORDER):
+        degree = getattr(mesh, axis)
+        coords[axis] = rank % degree
+        rank //= degree
+    return {axis: coords[axis] for axis in MESH_ORDER}
+
+
+@dataclass(frozen=True)
+class ParamPlacement:
+    """How one parameter is laid out on one rank (module docstring).
+
+    fqn / layer: parameter name and the plan layer that owns it.
+    state: the owner layer's ZeRO state.
+    global_shape / local_shape: logical shape and this rank's shard shape.
+    placements: one DTensor placement per axis of ``MESH_ORDER``.
+    tp_dim: tensor dim split over tp (``None``: replicated over tp).
+    dp_dim: tensor dim split over dp_shard by ZeRO-3 (``None``: not split).
+    """
+
+    fqn: str
+    layer: str
+    state: str
+    global_shape: tuple[int, ...]
+    local_shape: tuple[int, ...]
+    placements: tuple
+    tp_dim: int | None = None
+    dp_dim: int | None = None
+
+    @property
+    def global_stride(self) -> tuple[int, ...]:
+        """Contiguous strides of the global shape (for ``DTensor.from_local``)."""
+        return tuple(torch.empty(self.global_shape, device="meta").stride())
+
+    def shard(self, full: torch.Tensor, ctx: RankContext) -> torch.Tensor:
+        """This rank's local shard of the global tensor ``full`` (a new contiguous tensor)."""
+        assert tuple(full.shape) == self.global_shape, (full.shape, self.global_shape)
+        local = full
+        if self.tp_dim is not None:
+            local = local.chunk(ctx.size("tp"), self.tp_dim)[ctx.coord("tp")]
+        if self.dp_dim is not None:
+            local = chunk_or_empty(local, ctx.size("dp_shard"), ctx.coord("dp_shard"), self.dp_dim)
+        assert tuple(local.shape) == self.local_shape, (local.shape, self.local_shape)
+        return local.contiguous().clone()
+
+
+def chunk_or_empty(t: torch.Tensor, num_chunks: int, index: int, tensor_dim: int) -> torch.Tensor:
+    """Chunk ``index`` of ``torch.chunk(t, num_chunks, tensor_dim)``, or an empty slice past the last chunk."""
+    chunks = t.chunk(num_chunks, tensor_dim)
+    if index < len(chunks):
+        return chunks[index]
+    return t.narrow(tensor_dim, t.shape[tensor_dim], 0)
+
+
+def chunk_size(size: int, num_chunks: int) -> int:
+    """Size of the first (largest) ``torch.chunk`` piece: ceil(size / num_chunks)."""
+    return -(-size // num_chunks)
+
+
+def _chunk_len(size: int, num_chunks: int, index: int) -> int:
+    """Length of chunk ``index`` under the ``torch.chunk`` rule."""
+    c = chunk_size(size, num_chunks)
+    return max(0, min(c, size - index * c))
+
+
+def placement_for(
+    fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext
+) -> ParamPlacement:
+    """The placement of parameter ``fqn`` under its layer's ``strategy`` on ``ctx``'s rank.
+
+    Raises ``PlanError`` when tp does not divide the split dimension (uneven
+    Megatron shards would change the model's head/vocab arithmetic).
+    """
+    tp = ctx.size("tp")
+    tp_dim = TP_ROLE_DIM.get(tp_role) if strategy.tp == "megatron" and tp > 1 else None
+    local = list(global_shape)
+    if tp_dim is not None:
+        if global_shape[tp_dim] % tp:
+            raise PlanError(
+                f"layer {strategy.layer!r}: parameter {fqn!r} dim {tp_dim} has size {global_shape[tp_dim]}, "
+                f"not divisible by tp={tp}; choose a tp degree that divides it or tp='none' for this layer"
+            )
+        local[tp_dim] //= tp
+    dp_dim = 0 if strategy.state == "zero3" and ctx.size("dp_shard") > 1 and global_shape else None
+    if dp_dim is not None:
+        local[0] = _chunk_len(local[0], ctx.size("dp_shard"), ctx.coord("dp_shard"))
+    placements = {axis: Replicate() for axis in MESH_ORDER}
+    if tp_dim is not None:
+        placements["tp"] = Shard(tp_dim)
+    if dp_dim is not None:
+        strided = tp_dim == 0 and _StridedShard is not None
+        placements["dp_shard"] = _StridedShard(0, split_factor=tp) if strided else Shard(0)
+    return ParamPlacement(
+        fqn=fqn,
+        layer=strategy.layer,
+        state=strategy.state,
+        global_shape=tuple(global_shape),
+        local_shape=tuple(local),
+        placements=tuple(placements[axis] for axis in MESH_ORDER),
+        tp_dim=tp_dim,
+        dp_dim=dp_dim,
+    )
+
+
+def autoshard_meta(pass_name: str, why: str, **extra) -> dict:
+    """The ``node.meta["autoshard"]`` record of a node a pass inserted or moved."""
+    return {"pass": pass_name, "why": why, **extra}
+
+
+__all__ = [
+    "MESH_ORDER",
+    "TP_ROLE_DIM",
+    "ParamPlacement",
+    "RankContext",
+    "autoshard_meta",
+    "chunk_or_empty",
+    "chunk_size",
+    "coords_of",
+    "placement_for",
+]

@@ -1,0 +1,83 @@
+"""Pass ``shard_parameters``: every parameter becomes this rank's local shard, per its layer's strategy.
+
+Pre-conditions: ``gm`` is an exported module (``ep.module()``) whose
+parameters are reached by ``get_attr`` nodes; ``gm.meta["autoshard"]["params"]``
+maps every parameter FQN to ``(owner_layer, tp_role)`` (``build_program`` puts
+it there from the ``ModelGraph``); the plan names every owner layer.
+
+Post-conditions: a new module whose parameters are fresh ``nn.Parameter``
+shards in ``ctx.compute_dtype`` with the shapes of
+``gm.meta["autoshard"]["placements"][fqn].local_shape`` (a ``ParamPlacement``,
+``autoshard.passes.context``). The graph is unchanged: nodes that used a full
+parameter now see a shard, and ``insert_collectives`` makes the graph valid
+again (gathers for ZeRO-3, Megatron f/g around tp shards). The input module is
+not modified.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import torch
+from torch import fx, nn
+
+from autoshard.errors import PlanError
+from autoshard.passes._graph_utils import META_KEY, rebuild
+from autoshard.passes.context import ParamPlacement, RankContext, placement_for
+from autoshard.plan import Plan
+
+NAME = "shard_parameters"
+
+
+def param_placements(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> dict[str, ParamPlacement]:
+    """``ParamPlacement`` of every parameter of ``gm`` under ``plan`` on ``ctx``'s rank."""
+    info = gm.meta[META_KEY]["params"]
+    out = {}
+    for fqn, param in gm.named_parameters():
+        if fqn not in info:
+            raise PlanError(
+                f"parameter {fqn!r} of the exported model has no owner layer in the captured graph; "
+                "capture the same model the program is built from"
+            )
+        layer, role = info[fqn]
+        try:
+            strategy = plan.strategy(layer)
+        except KeyError:
+            raise PlanError(
+                f"plan for model {plan.model_name!r} has no layer {layer!r} (owner of {fqn!r}); "
+                "search a plan for this model"
+            ) from None
+        out[fqn] = placement_for(fqn, tuple(param.shape), role, strategy, ctx)
+    return out
+
+
+def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
+    """Replace every parameter by its local shard (module docstring: pre/post-conditions)."""
+    placements = param_placements(gm, plan, ctx)
+    replace = {}
+    with torch.no_grad():
+        for fqn, param in gm.named_parameters():
+            local = placements[fqn].shard(param.detach(), ctx)
+            replace[fqn] = nn.Parameter(local.to(device=ctx.device, dtype=ctx.compute_dtype))
+    graph = copy.deepcopy(gm.graph)
+    _canonical_targets(graph, {id(p): fqn for fqn, p in gm.named_parameters()}, gm)
+    out = rebuild(gm, graph, replace)
+    out.meta[META_KEY]["placements"] = placements
+    return out
+
+
+def _canonical_targets(graph: fx.Graph, fqn_of: dict[int, str], gm: fx.GraphModule) -> None:
+    """Point every ``get_attr`` of a tied parameter (``head.weight`` = ``embed.weight``) at its one FQN."""
+    for node in graph.nodes:
+        if node.op == "get_attr":
+            obj = gm.get_parameter(node.target) if _is_param(gm, node.target) else None
+            if obj is not None and fqn_of.get(id(obj), node.target) != node.target:
+                node.target = fqn_of[id(obj)]
+
+
+def _is_param(gm: fx.GraphModule, target: str) -> bool:
+    try:
+        gm.get_parameter(target)
+    except AttributeError:
+        return False
+    return True

@@ -1,0 +1,354 @@
+"""Files of a checkpoint: the JSON sidecar, the weights-only DCP reader, atomic commit.
+
+Kept apart from ``runtime/checkpoint.py`` (state, save, load) because none of it
+runs a collective: everything here is local file work that every rank may do
+on its own, which is what lets ``load`` refuse a bad checkpoint before any
+collective starts.
+
+Directory layout of one committed checkpoint ``PATH/``::
+
+    PATH/.metadata          DCP metadata (pickle; read only through ``SafeFileSystemReader``)
+    PATH/__<r>_0.distcp     DCP data, one file per rank (``torch.save`` tensor records)
+    PATH/autoshard.json     sidecar, JSON: format, version, model fingerprint, plan, mesh,
+                            step, extras, saved world size, every tensor's global shape/dtype
+
+[Note: atomic commit]
+Ranks write into ``PATH.tmp-<uuid>/`` (one uuid chosen by rank 0 and broadcast).
+After DCP's own finish step (which only runs once every rank's writes
+returned) rank 0 writes the sidecar, fsyncs it, and commits with renames:
+``PATH`` (if it exists) → ``PATH.old-<uuid>``, then ``PATH.tmp-<uuid>`` →
+``PATH``, then removes ``PATH.old-<uuid>``. So at every instant either ``PATH``
+or ``PATH.old-<uuid>`` is a complete checkpoint: a save killed before the
+first rename leaves the previous ``PATH`` untouched; one killed between the two
+renames leaves ``PATH`` missing and ``PATH.old-<uuid>`` complete, which
+``resolve_checkpoint`` picks up. A directory is committed iff it holds the
+sidecar (written last, inside the temporary directory). Stale ``PATH.tmp-*``
+and ``PATH.old-*`` siblings are removed by the next successful save of
+``PATH``; one writer per ``PATH`` at a time is assumed. The directory must be
+on a file system every rank sees (as DCP's ``FileSystemWriter`` requires).
+
+[Note: what is unpickled on load]
+DCP's ``FileSystemReader`` reads ``.metadata`` with a plain ``pickle.load``
+(arbitrary code on a crafted file), reads tensor records with
+``torch.load(weights_only=True)``, and its ``DefaultLoadPlanner`` reads
+non-tensor ("bytes") entries with ``torch.load(weights_only=False)``.
+autoshard therefore (1) never saves bytes entries (step, extras and the plan
+go to the JSON sidecar; RNG states are uint8 tensors), (2) reads ``.metadata``
+with ``_MetadataUnpickler``, which constructs only DCP's metadata dataclasses,
+``torch.Size``, dtypes, layouts and paths and refuses any other global, and
+(3) loads with ``WeightsOnlyLoadPlanner``, which refuses bytes entries. The
+sidecar is JSON. Nothing read from a checkpoint is executed.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+import shutil
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import StorageMeta
+
+from autoshard.errors import AutoshardError
+
+SIDECAR = "autoshard.json"
+CHECKPOINT_FORMAT = "autoshard.checkpoint"
+CHECKPOINT_VERSION = 1
+SUPPORTED_VERSIONS = (1,)
+TMP_MARK = ".tmp-"
+OLD_MARK = ".old-"
+
+
+class CheckpointError(AutoshardError):
+    """A checkpoint is missing, incomplete, foreign, or does not fit the state it is loaded into."""
+
+
+# --------------------------------------------------------------------------- sidecar
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """Global shape and dtype of one saved tensor, as the sidecar lists it."""
+
+    shape: tuple[int, ...]
+    dtype: str
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"shape": list(self.shape), "dtype": self.dtype}
+
+
+@dataclass(frozen=True)
+class CheckpointInfo:
+    """The JSON sidecar of a committed checkpoint (everything but the tensor data).
+
+    ``plan`` is the plan's JSON dict (``Plan.to_dict``) or ``None``; ``mesh`` maps
+    mesh axis name to size of the DeviceMesh the tensors were saved from.
+    """
+
+    model_fingerprint: str
+    step: int
+    world_size: int
+    tensors: dict[str, TensorRecord]
+    extras: dict[str, Any] = field(default_factory=dict)
+    mesh: dict[str, int] = field(default_factory=dict)
+    plan: dict[str, Any] | None = None
+    torch_version: str = ""
+    created_unix: float = 0.0
+    version: int = CHECKPOINT_VERSION
+
+    def to_json(self) -> str:
+        """Canonical JSON text (sorted keys, no NaN)."""
+        data = {
+            "format": CHECKPOINT_FORMAT,
+            "version": self.version,
+            "model_fingerprint": self.model_fingerprint,
+            "step": self.step,
+            "world_size": self.world_size,
+            "tensors": {k: v.to_dict() for k, v in sorted(self.tensors.items())},
+            "extras": self.extras,
+            "mesh": self.mesh,
+            "plan": self.plan,
+            "torch_version": self.torch_version,
+            "created_unix": self.created_unix,
+        }
+        return json.dumps(data, sort_keys=True, indent=1, allow_nan=False) + "\n"
+
+    @classmethod
+    def from_json(cls, text: str | bytes, *, source: str) -> CheckpointInfo:
+        """Parse a sidecar; a malformed one raises ``CheckpointError`` naming ``source``."""
+        try:
+            data = json.loads(text)
+            if data.get("format") != CHECKPOINT_FORMAT:
+                raise ValueError(f"format {data.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
+            if data.get("version") not in SUPPORTED_VERSIONS:
+                raise ValueError(f"version {data.get('version')!r} not in {SUPPORTED_VERSIONS}")
+            tensors = {k: TensorRecord(tuple(v["shape"]), str(v["dtype"])) for k, v in data["tensors"].items()}
+            return cls(
+                model_fingerprint=str(data["model_fingerprint"]),
+                step=int(data["step"]),
+                world_size=int(data["world_size"]),
+                tensors=tensors,
+                extras=dict(data.get("extras") or {}),
+                mesh={str(k): int(v) for k, v in (data.get("mesh") or {}).items()},
+                plan=data.get("plan"),
+                torch_version=str(data.get("torch_version", "")),
+                created_unix=float(data.get("created_unix", 0.0)),
+                version=int(data["version"]),
+            )
+        except (ValueError, KeyError, TypeError, AttributeError) as err:
+            raise CheckpointError(
+                f"{source}: not a valid autoshard checkpoint sidecar ({type(err).__name__}: {err}); "
+                "the checkpoint is damaged or was not written by autoshard.runtime.checkpoint.save"
+            ) from None
+
+
+def write_sidecar(directory: Path, info: CheckpointInfo) -> None:
+    """Write ``directory/autoshard.json`` durably (written last: it marks the directory committed)."""
+    target = directory / SIDECAR
+    with open(target, "w", encoding="utf-8") as f:
+        f.write(info.to_json())
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def read_info(path: str | os.PathLike) -> CheckpointInfo:
+    """The sidecar of the committed checkpoint at ``path`` (see ``resolve_checkpoint``)."""
+    directory = resolve_checkpoint(path)
+    sidecar = directory / SIDECAR
+    return CheckpointInfo.from_json(sidecar.read_bytes(), source=str(sidecar))
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.float32`` → ``"float32"``."""
+    return str(dtype).removeprefix("torch.")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    """Inverse of ``dtype_name``; an unknown name raises ``CheckpointError``."""
+    value = getattr(torch, name, None)
+    if not isinstance(value, torch.dtype):
+        raise CheckpointError(f"unknown tensor dtype {name!r} in checkpoint sidecar; it was written by another torch")
+    return value
+
+
+# --------------------------------------------------------------------------- directories
+
+
+def _committed(directory: Path) -> bool:
+    return (directory / SIDECAR).is_file()
+
+
+def resolve_checkpoint(path: str | os.PathLike) -> Path:
+    """The committed checkpoint directory for ``path``.
+
+    ``path`` itself when it holds a sidecar; else, when ``path`` is missing, the
+    newest committed ``path.old-*`` sibling (a save killed between its two
+    renames, module note "atomic commit"); else ``CheckpointError``.
+    """
+    path = Path(path)
+    if _committed(path):
+        return path
+    if not path.exists():
+        survivors = [p for p in _siblings(path, OLD_MARK) if _committed(p)]
+        if survivors:
+            return max(survivors, key=lambda p: p.stat().st_mtime)
+        partial = [p.name for p in _siblings(path, TMP_MARK)]
+        hint = f"; incomplete saves found: {partial} (a save was interrupted)" if partial else ""
+        raise CheckpointError(f"no checkpoint at {str(path)!r}{hint}; pass a directory written by checkpoint.save")
+    raise CheckpointError(
+        f"{str(path)!r} is not a committed autoshard checkpoint (no {SIDECAR}); "
+        "pass a directory written by checkpoint.save, not a DCP directory from elsewhere or a partial save"
+    )
+
+
+def _siblings(path: Path, mark: str) -> list[Path]:
+    parent = path.parent
+    if not parent.is_dir():
+        return []
+    prefix = path.name + mark
+    return [p for p in parent.iterdir() if p.name.startswith(prefix) and p.is_dir()]
+
+
+def check_replaceable(path: Path) -> None:
+    """Refuse to save over something at ``path`` that is not a committed checkpoint."""
+    if path.exists() and not _committed(path):
+        raise CheckpointError(
+            f"{str(path)!r} exists and is not an autoshard checkpoint; save refuses to replace it: "
+            "pick a new path or remove it"
+        )
+
+
+def temporary_dir(path: Path, token: str) -> Path:
+    """The temporary directory every rank writes into before the commit."""
+    return path.with_name(f"{path.name}{TMP_MARK}{token}")
+
+
+def commit(tmp: Path, path: Path, token: str) -> None:
+    """Rank 0: make ``tmp`` visible as ``path`` (module note "atomic commit"), then sweep stale siblings."""
+    old = path.with_name(f"{path.name}{OLD_MARK}{token}")
+    if path.exists():
+        os.rename(path, old)
+    os.rename(tmp, path)
+    _fsync_dir(path.parent)
+    for stale in _siblings(path, OLD_MARK) + _siblings(path, TMP_MARK):
+        shutil.rmtree(stale, ignore_errors=True)
+
+
+def _fsync_dir(directory: Path) -> None:
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def now_unix() -> float:
+    return round(time.time(), 3)
+
+
+# --------------------------------------------------------------------------- weights-only reading
+
+_METADATA_MODULE = "torch.distributed.checkpoint.metadata"
+_ALLOWED_GLOBALS = frozenset(
+    {(_METADATA_MODULE, name) for name in (
+        "Metadata",
+        "TensorStorageMetadata",
+        "BytesStorageMetadata",
+        "TensorProperties",
+        "ChunkStorageMetadata",
+        "MetadataIndex",
+        "StorageMeta",
+        "_MEM_FORMAT_ENCODING",
+    )}
+    | {
+        ("torch.distributed.checkpoint.filesystem", "_StorageInfo"),
+        ("torch", "Size"),
+        ("torch.serialization", "_get_layout"),
+        ("collections", "OrderedDict"),
+        ("pathlib", "Path"),
+        ("pathlib", "PosixPath"),
+        ("pathlib", "PurePosixPath"),
+        ("pathlib", "WindowsPath"),
+        ("pathlib", "PureWindowsPath"),
+    }
+)
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Unpickles DCP ``.metadata``, constructing only the classes DCP itself writes there."""
+
+    def __init__(self, stream: Any, source: str) -> None:
+        super().__init__(stream)
+        self.source = source
+
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) in _ALLOWED_GLOBALS:
+            return super().find_class(module, name)
+        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
+            return getattr(torch, name)
+        raise CheckpointError(
+            f"{self.source}: refers to {module}.{name}, which a weights-only load does not construct "
+            "(allowed: DCP metadata classes, torch.Size, dtypes, layouts, paths); "
+            "the file was not written by torch.distributed.checkpoint or was altered: do not load it"
+        )
+
+
+def read_metadata_safely(path: Path) -> Any:
+    """DCP ``Metadata`` of the checkpoint directory ``path`` through ``_MetadataUnpickler``."""
+    source = str(path / ".metadata")
+    with open(source, "rb") as f:
+        return _MetadataUnpickler(io.BytesIO(f.read()), source).load()
+
+
+class SafeFileSystemReader(FileSystemReader):
+    """DCP ``FileSystemReader`` whose ``.metadata`` is read by a restricted unpickler.
+
+    Tensor records are already read with ``torch.load(weights_only=True)`` by
+    the base class (module note "what is unpickled on load").
+    """
+
+    def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("rank") is not None:  # per-rank metadata files: autoshard never writes them
+            raise CheckpointError(f"{self.path}: per-rank DCP metadata is not supported; re-save with autoshard")
+        metadata = read_metadata_safely(Path(self.path))
+        # The bookkeeping of the base method, which cannot be called: it would unpickle unrestricted.
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = getattr(self, "load_id", None)
+        return metadata
+
+
+class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
+    """``DefaultLoadPlanner`` that refuses non-tensor (pickled) checkpoint entries."""
+
+    def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
+        raise CheckpointError(
+            f"checkpoint entry {read_item.dest_index.fqn!r} is a pickled object, which a weights-only load "
+            "refuses; autoshard checkpoints hold tensors only: re-save with autoshard.runtime.checkpoint.save"
+        )
+
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "CHECKPOINT_VERSION",
+    "SIDECAR",
+    "CheckpointError",
+    "CheckpointInfo",
+    "SafeFileSystemReader",
+    "TensorRecord",
+    "WeightsOnlyLoadPlanner",
+    "check_replaceable",
+    "commit",
+    "read_info",
+    "read_metadata_safely",
+    "resolve_checkpoint",
+    "temporary_dir",
+    "write_sidecar",
+]

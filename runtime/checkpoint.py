@@ -1,0 +1,483 @@
+"""Checkpoints: layout-independent, atomic, weights-only (``torch.distributed.checkpoint``).
+
+What is saved (``CheckpointState``): model parameters, optimizer states (fp32
+master and moments, sharded like their parameters), the step, per-rank RNG
+states and JSON extras (e.g. PPO counters), plus the model fingerprint and the
+plan. Tensors go through DCP; everything else goes to a JSON sidecar
+(``runtime/_checkpoint_files.py`` has the directory layout, the commit
+protocol and what is unpickled on load).
+
+Layout independence
+    Each rank holds local shards (``LocalShard``: local tensor, DTensor
+    placements per mesh axis, global shape). ``save`` wraps each one as
+    ``DTensor.from_local(local, mesh, placements, shape=global_shape,
+    stride=contiguous(global_shape), run_check=False)``, so DCP records every
+    tensor by its global shape and each rank's chunk by its global offset
+    (DTensor's uneven chunk rule: along a sharded tensor dim of size ``n`` over
+    ``k`` ranks, rank ``c`` holds ``[c*ceil(n/k), min(n, (c+1)*ceil(n/k)))``).
+    ``load`` builds the same wrapping around the *new* plan's local shards and
+    DCP reads the overlapping byte ranges: any plan, any world size, as long as
+    the global shapes agree. Keys: ``model.<fqn>``, ``optim.<fqn>.<state>``,
+    ``rng.cpu.<rank>``, ``rng.cuda.<rank>``.
+
+Checks before any collective
+    ``load`` reads the sidecar on every rank and refuses, with
+    ``CheckpointError`` and before DCP runs a single collective: a model
+    fingerprint that differs from the template's (both named), a template
+    tensor the checkpoint lacks, a global shape that differs, a local shard
+    whose shape breaks the chunk rule. Every rank reaches the same verdict
+    from the same files, so no rank is left waiting in a collective.
+
+RNG states
+    Saved per rank under ``rng.<device>.<rank>``. On load, rank ``r`` restores
+    the state saved by rank ``r`` when the saved world had one; ranks beyond
+    the saved world size keep their current generators (a resharded resume
+    cannot reproduce the old random streams anyway).
+
+Non-tensor values
+    ``step``, ``extras`` and the plan come from the sidecar; ``extras`` must
+    be JSON-serialisable and are taken from rank 0 on save.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemWriter
+from torch.distributed.tensor import DeviceMesh, DTensor, Placement
+
+from autoshard.runtime._checkpoint_files import (
+    SIDECAR,
+    CheckpointError,
+    CheckpointInfo,
+    SafeFileSystemReader,
+    TensorRecord,
+    WeightsOnlyLoadPlanner,
+    check_replaceable,
+    commit,
+    dtype_from_name,
+    dtype_name,
+    now_unix,
+    read_info,
+    resolve_checkpoint,
+    temporary_dir,
+    write_sidecar,
+)
+
+try:  # private, present in torch 2.11-2.13: DTensor's own local-shape rule
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+except ImportError:  # pragma: no cover - depends on the installed torch
+    compute_local_shape_and_global_offset = None
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optim."
+
+
+# --------------------------------------------------------------------------- state
+
+
+@dataclass(frozen=True)
+class LocalShard:
+    """One rank's piece of a global tensor and how it was cut (DTensor semantics).
+
+    ``placements`` has one entry per axis of the state's mesh (``Shard(d)`` or
+    ``Replicate()``); ``local`` follows DTensor's chunk rule for them. ``load``
+    writes into ``local`` in place.
+    """
+
+    local: torch.Tensor  # local_shape
+    placements: tuple[Placement, ...]
+    global_shape: tuple[int, ...]
+
+
+Entry = LocalShard | torch.Tensor  # a plain tensor is the same (replicated) on every rank
+
+
+@dataclass(frozen=True)
+class RngState:
+    """Generator states of one rank: torch's CPU generator and, when CUDA is in use, the current device's."""
+
+    cpu: torch.Tensor  # uint8 (state bytes,)
+    cuda: torch.Tensor | None = None  # uint8 (state bytes,)
+
+    @classmethod
+    def capture(cls) -> RngState:
+        """The generator states of this process now."""
+        cuda = torch.cuda.get_rng_state() if torch.cuda.is_available() and torch.cuda.is_initialized() else None
+        return cls(cpu=torch.get_rng_state(), cuda=cuda)
+
+    def restore(self) -> None:
+        """Make this process's generators continue from these states."""
+        torch.set_rng_state(self.cpu)
+        if self.cuda is not None and torch.cuda.is_available():
+            torch.cuda.set_rng_state(self.cuda)
+
+
+@dataclass(frozen=True)
+class CheckpointState:
+    """Everything a training run needs to resume, as this rank holds it.
+
+    ``model`` maps parameter FQN to its entry; ``optimizer`` maps parameter FQN
+    to its named states (``{"master": ..., "exp_avg": ..., "exp_avg_sq": ...,
+    "step": ...}``), sharded like the parameter. ``mesh`` is the DeviceMesh
+    every ``LocalShard``'s placements refer to (``None`` when there is none).
+    ``rng=None`` on save captures the current generators. ``model_fingerprint``
+    is ``ModelGraph.fingerprint()``; empty means "not recorded" (not checked).
+    As a ``load`` template, the tensors name what to load and receive it; the
+    returned state carries the saved step, extras and RNG.
+    """
+
+    model: Mapping[str, Entry]
+    optimizer: Mapping[str, Mapping[str, Entry]] = field(default_factory=dict)
+    step: int = 0
+    extras: Mapping[str, Any] = field(default_factory=dict)
+    rng: RngState | None = None
+    mesh: DeviceMesh | None = None
+    model_fingerprint: str = ""
+    plan: Any = None  # autoshard.plan.Plan or None; recorded in the sidecar
+
+    def tensor_entries(self) -> dict[str, Entry]:
+        """Every tensor under its checkpoint key (``model.<fqn>``, ``optim.<fqn>.<state>``)."""
+        out: dict[str, Entry] = {MODEL_PREFIX + fqn: entry for fqn, entry in self.model.items()}
+        for fqn, states in self.optimizer.items():
+            for name, entry in states.items():
+                out[f"{OPTIM_PREFIX}{fqn}.{name}"] = entry
+        return out
+
+
+# --------------------------------------------------------------------------- DTensor wrapping
+
+
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of ``shape``: ``(2, 3, 4)`` → ``(12, 4, 1)``."""
+    stride, acc = [], 1
+    for size in reversed(shape):
+        stride.append(acc)
+        acc *= max(size, 1)
+    return tuple(reversed(stride))
+
+
+def _check_shard(key: str, shard: LocalShard, mesh: DeviceMesh | None) -> None:
+    """Refuse a ``LocalShard`` that does not fit the mesh or DTensor's chunk rule (no collective)."""
+    if mesh is None:
+        raise CheckpointError(f"{key!r} is a LocalShard but the state has mesh=None; pass the DeviceMesh it lives on")
+    if len(shard.placements) != mesh.ndim:
+        raise CheckpointError(
+            f"{key!r} has {len(shard.placements)} placements {list(shard.placements)} for a {mesh.ndim}-axis mesh "
+            f"{_mesh_dict(mesh)}; give one placement per mesh axis"
+        )
+    if compute_local_shape_and_global_offset is None or mesh.get_coordinate() is None:
+        return
+    expected, _ = compute_local_shape_and_global_offset(shard.global_shape, mesh, list(shard.placements))
+    if tuple(expected) != tuple(shard.local.shape):
+        raise CheckpointError(
+            f"{key!r}: local shape {list(shard.local.shape)} is not the shard of global {list(shard.global_shape)} "
+            f"under {list(shard.placements)} on this rank (expected {list(expected)}); the placements or the "
+            "global shape passed to the checkpoint are wrong"
+        )
+
+
+def to_dtensor(shard: LocalShard, mesh: DeviceMesh) -> DTensor:
+    """``shard`` as a DTensor sharing its local storage (no communication)."""
+    return DTensor.from_local(
+        shard.local,
+        mesh,
+        list(shard.placements),
+        run_check=False,
+        shape=torch.Size(shard.global_shape),
+        stride=contiguous_stride(tuple(shard.global_shape)),
+    )
+
+
+def _dcp_tensors(state: CheckpointState) -> dict[str, torch.Tensor]:
+    """The state's tensors as DCP wants them: DTensors for shards, plain tensors for replicas."""
+    out: dict[str, torch.Tensor] = {}
+    for key, entry in state.tensor_entries().items():
+        if isinstance(entry, LocalShard):
+            _check_shard(key, entry, state.mesh)
+            out[key] = to_dtensor(entry, state.mesh)
+        else:
+            out[key] = entry
+    return out
+
+
+def _mesh_dict(mesh: DeviceMesh | None) -> dict[str, int]:
+    if mesh is None:
+        return {}
+    names = mesh.mesh_dim_names or tuple(f"axis{i}" for i in range(mesh.ndim))
+    return {str(name): int(size) for name, size in zip(names, mesh.shape)}
+
+
+# --------------------------------------------------------------------------- process group
+
+
+def _world(process_group: Any) -> tuple[int, int, bool]:
+    """(rank in the group, group size, whether a process group is in use)."""
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank(process_group), dist.get_world_size(process_group), True
+    return 0, 1, False
+
+
+def _broadcast_from_first(value: Any, process_group: Any) -> Any:
+    """``value`` of the group's first rank, on every rank (a small Python object)."""
+    src = 0 if process_group is None else dist.get_global_rank(process_group, 0)
+    box = [value]
+    dist.broadcast_object_list(box, src=src, group=process_group)
+    return box[0]
+
+
+# --------------------------------------------------------------------------- save
+
+
+def _rng_tensors(rng: RngState, rank: int) -> dict[str, torch.Tensor]:
+    out = {f"rng.cpu.{rank}": rng.cpu}
+    if rng.cuda is not None:
+        out[f"rng.cuda.{rank}"] = rng.cuda.cpu()
+    return out
+
+
+def _check_extras(extras: Mapping[str, Any]) -> dict[str, Any]:
+    import json
+
+    try:
+        return json.loads(json.dumps(dict(extras), allow_nan=False))
+    except (TypeError, ValueError) as err:
+        raise CheckpointError(
+            f"checkpoint extras {sorted(extras)} are not JSON data ({err}); keep extras to numbers, strings, "
+            "lists and dicts (tensors belong in model/optimizer)"
+        ) from None
+
+
+def _sidecar(state: CheckpointState, metadata: Any, world_size: int, extras: dict[str, Any]) -> CheckpointInfo:
+    tensors = {
+        key: TensorRecord(tuple(md.size), dtype_name(md.properties.dtype))
+        for key, md in metadata.state_dict_metadata.items()
+        if hasattr(md, "size")
+    }
+    return CheckpointInfo(
+        model_fingerprint=state.model_fingerprint,
+        step=int(state.step),
+        world_size=world_size,
+        tensors=tensors,
+        extras=extras,
+        mesh=_mesh_dict(state.mesh),
+        plan=state.plan.to_dict() if state.plan is not None else None,
+        torch_version=torch.__version__,
+        created_unix=now_unix(),
+    )
+
+
+def save(path: str | os.PathLike, state: CheckpointState, *, process_group: Any = None) -> Path:
+    """Save ``state`` (collective over ``process_group``; every rank calls it) to the directory ``path``.
+
+    Atomic (``_checkpoint_files`` note "atomic commit"): ranks write into
+    ``path.tmp-<uuid>/``; rank 0 commits with renames once every rank's writes
+    have returned; a previous checkpoint at ``path`` is replaced only then.
+    A failure on any rank raises on every rank and leaves ``path`` as it was.
+    Without a process group, saves from this one process. Returns ``path``.
+    """
+    path = Path(path).absolute()
+    rank, world_size, distributed = _world(process_group)
+    check_replaceable(path)
+    extras = _check_extras(state.extras)
+    tensors = _dcp_tensors(state)
+    tensors.update(_rng_tensors(state.rng or RngState.capture(), rank))
+    token = uuid.uuid4().hex[:12]
+    if distributed:
+        token = _broadcast_from_first(token, process_group)
+    tmp = temporary_dir(path, token)
+    try:
+        metadata = dcp.save(
+            tensors,
+            storage_writer=FileSystemWriter(tmp, sync_files=True),
+            process_group=process_group,
+            no_dist=not distributed,
+        )
+        failure = _commit_on_first(rank, tmp, path, token, _sidecar(state, metadata, world_size, extras))
+        if distributed:
+            failure = _broadcast_from_first(failure, process_group)
+        if failure:
+            raise CheckpointError(f"saving checkpoint {str(path)!r} failed at commit on rank 0: {failure}")
+    except BaseException:
+        if rank == 0:
+            shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return path
+
+
+def _commit_on_first(rank: int, tmp: Path, path: Path, token: str, info: CheckpointInfo) -> str | None:
+    """Rank 0 writes the sidecar and commits; returns the error text instead of raising (others must hear it)."""
+    if rank != 0:
+        return None
+    try:
+        write_sidecar(tmp, info)
+        commit(tmp, path, token)
+    except OSError as err:
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+# --------------------------------------------------------------------------- load
+
+
+def _check_fingerprint(info: CheckpointInfo, expected: str, directory: Path) -> None:
+    if expected and info.model_fingerprint and expected != info.model_fingerprint:
+        raise CheckpointError(
+            f"checkpoint {str(directory)!r} was saved from model {info.model_fingerprint}, "
+            f"but the model being loaded has fingerprint {expected}; load a checkpoint of this model "
+            "(or read its tensors with load_weights, which does not check)"
+        )
+
+
+def _check_template(entries: Mapping[str, Entry], info: CheckpointInfo, directory: Path) -> None:
+    """Every template tensor exists in the checkpoint with the same global shape."""
+    for key, entry in entries.items():
+        record = info.tensors.get(key)
+        if record is None:
+            near = sorted(k for k in info.tensors if k.split(".", 1)[0] == key.split(".", 1)[0])[:5]
+            raise CheckpointError(
+                f"{key!r} is not in checkpoint {str(directory)!r} (saved {key.split('.', 1)[0]} keys include {near}); "
+                "load into a state with the saved parameter names, or drop the entry from the template"
+            )
+        shape = tuple(entry.global_shape) if isinstance(entry, LocalShard) else tuple(entry.shape)
+        if shape != tuple(record.shape):
+            raise CheckpointError(
+                f"{key!r}: the checkpoint holds global shape {list(record.shape)}, the template "
+                f"{list(shape)}; resharding changes placements, not global shapes: use the same model"
+            )
+
+
+def _rng_template(info: CheckpointInfo, rank: int) -> dict[str, torch.Tensor]:
+    """Empty tensors for the RNG states saved by this rank (nothing when the saved world was smaller)."""
+    out = {}
+    for device in ("cpu", "cuda"):
+        record = info.tensors.get(f"rng.{device}.{rank}")
+        if record is not None:
+            out[f"rng.{device}.{rank}"] = torch.empty(record.shape, dtype=dtype_from_name(record.dtype))
+    return out
+
+
+def _copy_back(loaded: Mapping[str, torch.Tensor], entries: Mapping[str, Entry]) -> None:
+    """Make sure each template tensor holds what DCP loaded (DCP writes into DTensor locals in place)."""
+    for key, entry in entries.items():
+        target = entry.local if isinstance(entry, LocalShard) else entry
+        value = loaded[key]
+        value = value.to_local() if isinstance(value, DTensor) else value
+        if value.data_ptr() != target.data_ptr():
+            with torch.no_grad():
+                target.copy_(value)
+
+
+def load(
+    path: str | os.PathLike,
+    template: CheckpointState,
+    *,
+    process_group: Any = None,
+    restore_rng: bool = True,
+) -> CheckpointState:
+    """Load the checkpoint at ``path`` into ``template``'s tensors, for this rank's plan (collective).
+
+    The template's entries (model and, when given, optimizer) say what to load
+    and receive it in place, under whatever placements and world size the
+    current plan uses. Checks run first, with no collective (module docstring).
+    Returns ``template`` with the saved step, extras and this rank's RNG state
+    (restored into the generators when ``restore_rng``).
+    """
+    directory = resolve_checkpoint(path)
+    info = read_info(directory)
+    _check_fingerprint(info, template.model_fingerprint, directory)
+    entries = template.tensor_entries()
+    _check_template(entries, info, directory)
+    rank, _, distributed = _world(process_group)
+    tensors = _dcp_tensors(template)
+    rng_tensors = _rng_template(info, rank)
+    dcp.load(
+        {**tensors, **rng_tensors},
+        storage_reader=SafeFileSystemReader(directory),
+        planner=WeightsOnlyLoadPlanner(),
+        process_group=process_group,
+        no_dist=not distributed,
+    )
+    _copy_back(tensors, entries)
+    rng = None
+    if f"rng.cpu.{rank}" in rng_tensors:
+        rng = RngState(cpu=rng_tensors[f"rng.cpu.{rank}"], cuda=rng_tensors.get(f"rng.cuda.{rank}"))
+        if restore_rng:
+            rng.restore()
+    return replace(template, step=info.step, extras=dict(info.extras), rng=rng)
+
+
+# --------------------------------------------------------------------------- inference exports
+
+
+def load_weights(path: str | os.PathLike, *, model_fingerprint: str = "") -> dict[str, torch.Tensor]:
+    """The full (unsharded) model state dict ``{fqn: tensor}`` of a checkpoint, in this process.
+
+    No process group is used (safe to call on one rank of a job, or offline).
+    Optimizer states and RNG are not read. With ``model_fingerprint``, refuses
+    a checkpoint of another model.
+    """
+    directory = resolve_checkpoint(path)
+    info = read_info(directory)
+    _check_fingerprint(info, model_fingerprint, directory)
+    full = {
+        key: torch.empty(record.shape, dtype=dtype_from_name(record.dtype))
+        for key, record in info.tensors.items()
+        if key.startswith(MODEL_PREFIX)
+    }
+    dcp.load(full, storage_reader=SafeFileSystemReader(directory), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in full.items()}
+
+
+def export_safetensors(path: str | os.PathLike, out_file: str | os.PathLike) -> Path:
+    """Write the checkpoint's full model state dict to ``out_file`` as safetensors (atomic replace).
+
+    The file's metadata records the model fingerprint and the step. Needs the
+    ``safetensors`` package.
+    """
+    try:
+        from safetensors.torch import save_file
+    except ImportError:
+        raise CheckpointError(
+            "export_safetensors needs the 'safetensors' package, which is not installed; "
+            "install it (pip install safetensors) or use load_weights and torch.save"
+        ) from None
+    info = read_info(path)
+    weights = {k: v.contiguous() for k, v in load_weights(path).items()}
+    out_file = Path(out_file)
+    tmp = out_file.with_name(f".{out_file.name}.{uuid.uuid4().hex[:8]}.tmp")
+    metadata = {"format": "pt", "autoshard.model_fingerprint": info.model_fingerprint, "autoshard.step": str(info.step)}
+    try:
+        save_file(weights, str(tmp), metadata=metadata)
+        os.replace(tmp, out_file)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    return out_file
+
+
+__all__ = [
+    "SIDECAR",
+    "CheckpointError",
+    "CheckpointInfo",
+    "CheckpointState",
+    "Entry",
+    "LocalShard",
+    "RngState",
+    "contiguous_stride",
+    "export_safetensors",
+    "load",
+    "load_weights",
+    "read_info",
+    "save",
+    "to_dtensor",
+]

@@ -1,0 +1,139 @@
+"""Per-step PPO metrics: phase timers, throughput, MFU, peak memory, JSON lines, a live one-line summary.
+
+Keys written per step (all floats; ``/`` groups them):
+
+| key | meaning |
+| --- | --- |
+| ``step`` | 1-based step index |
+| ``reward/mean``, ``reward/std`` | total reward per sequence (seq_reward + Σ token rewards), over all dp ranks |
+| ``response/length``, ``response/empty_frac`` | mean response tokens (``<eos>`` included); fraction whose first token was ``<eos>`` |
+| ``kl/k1``, ``kl/k3`` | mean per-token KL estimates of the rollout policy to the reference |
+| ``policy/loss``, ``policy/clip_frac``, ``policy/entropy``, ``policy/approx_kl`` | per-token means over the last PPO epoch |
+| ``value/loss``, ``value/clip_frac``, ``value/explained_var`` | critic metrics |
+| ``grad/norm`` | mean pre-clip global gradient norm over optimizer steps |
+| ``mismatch/logp_abs``, ``mismatch/logp_max`` | mean and max abs(rollout log-prob − recomputed log-prob) |
+| ``time/<phase>`` | seconds per phase: generate, logprobs, reference, values, advantages, train; ``time/step`` total |
+| ``perf/tokens_per_s`` | rollout tokens (prompt + response, all dp ranks) per step second, divided by dp ranks (per device) |
+| ``perf/mfu`` | training FLOPs / train seconds / peak FLOPs (only when both FLOPs inputs are given) |
+| ``memory/peak_gb`` | ``torch.cuda.max_memory_allocated`` on GPU; the process's max RSS on CPU |
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import IO, Iterator
+
+import torch
+
+PHASES = ("generate", "logprobs", "reference", "values", "advantages", "train")
+
+
+class PhaseTimer:
+    """Accumulates wall seconds per named phase (``with timer.phase("generate"): ...``)."""
+
+    def __init__(self, synchronize: bool = False) -> None:
+        self.seconds: dict[str, float] = {}
+        self._sync = synchronize and torch.cuda.is_available()
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        """Time the body; on GPU, synchronise first and last so kernels are counted in their phase."""
+        if self._sync:
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if self._sync:
+                torch.cuda.synchronize()
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+
+    def as_metrics(self) -> dict[str, float]:
+        """``time/<phase>`` for every phase seen."""
+        return {f"time/{name}": secs for name, secs in self.seconds.items()}
+
+
+def peak_memory_gb(device: torch.device | str = "cpu") -> float:
+    """Peak memory in GB: CUDA max allocated on a GPU device, the process's max RSS otherwise."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux, bytes on macOS
+    return rss / 1e9 if sys.platform == "darwin" else rss * 1024 / 1e9
+
+
+def mfu(flops_per_token: float | None, tokens: float, seconds: float, peak_flops: float | None) -> float:
+    """Model FLOPs utilisation: flops_per_token · tokens / seconds / peak_flops (nan when unknown)."""
+    if not flops_per_token or not peak_flops or seconds <= 0:
+        return float("nan")
+    return flops_per_token * tokens / seconds / peak_flops
+
+
+class MetricsWriter:
+    """Appends one JSON object per step to ``path`` (created with its parents); non-finite floats become null."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+
+    def write(self, metrics: dict[str, float]) -> None:
+        row = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else None) for k, v in metrics.items()}
+        self._file.write(json.dumps(row, sort_keys=True) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def __enter__(self) -> "MetricsWriter":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict[str, float]]:
+    """Rows of a JSON-lines metrics file (null → nan)."""
+    rows = []
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if line.strip():
+            rows.append({k: float("nan") if v is None else v for k, v in json.loads(line).items()})
+    return rows
+
+
+_SUMMARY = (
+    ("step", "step {:.0f}"),
+    ("reward/mean", "reward {:.3f}"),
+    ("response/length", "len {:.1f}"),
+    ("kl/k1", "kl {:+.4f}"),
+    ("policy/entropy", "ent {:.2f}"),
+    ("policy/clip_frac", "clip {:.2f}"),
+    ("value/loss", "vloss {:.4f}"),
+    ("value/explained_var", "ev {:+.2f}"),
+    ("grad/norm", "gnorm {:.2f}"),
+    ("perf/tokens_per_s", "{:.0f} tok/s"),
+    ("time/step", "{:.2f} s"),
+)
+
+
+def format_summary(metrics: dict[str, float]) -> str:
+    """One line of the headline metrics present in ``metrics``."""
+    return " | ".join(fmt.format(metrics[key]) for key, fmt in _SUMMARY if key in metrics)
+
+
+class LiveSummary:
+    """Prints ``format_summary`` per step through rich (one line each; rank 0 only by the caller)."""
+
+    def __init__(self, console: object | None = None) -> None:
+        from rich.console import Console
+
+        self.console = console if console is not None else Console()
+
+    def __call__(self, metrics: dict[str, float]) -> None:
+        self.console.print(format_summary(metrics), highlight=False)

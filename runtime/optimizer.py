@@ -1,0 +1,194 @@
+"""Sharded optimizer: fp32 master shards, AdamW/SGD over local shards with ZeRO semantics, global-norm clipping.
+
+Per parameter one ``_Slot`` holds the fp32 master, the moments and the
+gradient reduction of its layer's ZeRO ``state`` (D = dp_replicate·dp_shard,
+"dp" the combined group; ``avg`` = sum then ÷ group size, the mean of the
+per-rank losses):
+
+| state | master / moments layout | gradient sync after backward | after the update |
+| --- | --- | --- | --- |
+| replicate (DDP) | full local param | all-reduce(avg) over dp | copy master → compute param |
+| zero1 | flat chunk 1/D | all-reduce(avg) over dp, keep own chunk | all-gather chunks over dp → param |
+| zero2 | flat chunk 1/D | reduce-scatter(avg) over dp | all-gather chunks over dp → param |
+| zero3 | = the Shard(0) param shard | reduce-scatter(avg) over dp_shard in backward (graph); all-reduce(avg) over dp_replicate (HSDP) | copy master → shard |
+| offload | flat chunk 1/D on the host | reduce-scatter(avg), copy the chunk to the host | update on host, copy up, all-gather |
+
+"Flat chunk": the parameter flattened, zero-padded to a multiple of D,
+chunk ``coord("dp")``. (Checkpoint layouts use ``Program.local_state_dict``,
+which re-assembles params at their ``ParamPlacement``; the flat layout is
+internal.) On a CPU run the "host" is the same device; the code path is the
+real one: separate host tensors, gradients copied down, params copied up.
+
+Clipping (global norm, correct across shards): after sync each rank holds a
+piece of each gradient that is replicated over some ranks; with ``rep(p)`` =
+number of ranks holding the same piece (dp for DDP, dp_replicate for sharded
+zero3, 1 for flat chunks; × tp when the param is not tp-split),
+
+    ‖g‖² = all_reduce_sum_world( Σ_p ‖g_p,local‖² / rep(p) )
+
+so every piece counts exactly once. Scale = min(1, max_norm / (‖g‖ + 1e-6)).
+
+AdamW as ``torch.optim.AdamW`` (decoupled decay, bias-corrected, eps outside
+the square root); SGD = plain ``p -= lr·g`` (+ decoupled decay).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard.errors import AutoshardError
+from autoshard.passes.context import ParamPlacement, RankContext
+from autoshard.runtime import collectives
+
+FLAT_STATES = ("zero1", "zero2", "offload")
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig:
+    """Hyper-parameters. name: "adamw" | "sgd"; max_grad_norm None disables clipping."""
+
+    name: str = "adamw"
+    lr: float = 1e-3
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    max_grad_norm: float | None = 1.0
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adamw", "sgd"):
+            raise AutoshardError(f"OptimizerConfig.name={self.name!r}: allowed ('adamw', 'sgd')")
+        if not self.lr > 0:
+            raise AutoshardError(f"OptimizerConfig.lr={self.lr!r}: must be > 0")
+
+
+class _Slot:
+    """One parameter's optimizer state and gradient reduction (module docstring table)."""
+
+    def __init__(self, param: nn.Parameter, placement: ParamPlacement, master_local: torch.Tensor, ctx: RankContext):
+        self.param, self.placement, self.ctx = param, placement, ctx
+        self.flat = placement.state in FLAT_STATES and ctx.size("dp") > 1
+        self.host = "cpu" if placement.state == "offload" else param.device
+        self.numel = param.numel()
+        if self.flat:
+            self.chunk = -(-self.numel // ctx.size("dp"))
+            master_local = self._own_chunk(master_local.reshape(-1))
+        self.master = master_local.detach().to(self.host, torch.float32).clone()
+        self.exp_avg = torch.zeros_like(self.master)
+        self.exp_avg_sq = torch.zeros_like(self.master)
+        self.grad: torch.Tensor | None = None
+
+    def _own_chunk(self, flat: torch.Tensor) -> torch.Tensor:
+        padded = F.pad(flat, (0, self.chunk * self.ctx.size("dp") - flat.numel()))
+        return padded.view(self.ctx.size("dp"), self.chunk)[self.ctx.coord("dp")]
+
+    @property
+    def replication(self) -> int:
+        """How many ranks hold the same piece of the synced gradient (clipping formula)."""
+        ctx, p = self.ctx, self.placement
+        rep = 1 if self.flat else (ctx.size("dp_replicate") if p.dp_dim is not None else ctx.size("dp"))
+        return rep * (ctx.size("tp") if p.tp_dim is None else 1)
+
+    def sync_grad(self) -> None:
+        """Reduce ``param.grad`` over the data-parallel ranks into ``self.grad`` (fp32, on the host)."""
+        ctx, grad = self.ctx, self.param.grad
+        if grad is None:
+            grad = torch.zeros_like(self.param)
+        if self.flat:
+            flat = F.pad(grad.reshape(-1), (0, self.chunk * ctx.size("dp") - self.numel))
+            if self.placement.state == "zero1":
+                grad = self._own_chunk(collectives.all_reduce(flat, ctx.group("dp"), "avg"))
+            else:
+                grad = collectives.reduce_scatter(flat, 0, ctx.group("dp"), "avg")
+        elif self.placement.dp_dim is not None:
+            if ctx.size("dp_replicate") > 1:
+                grad = collectives.all_reduce(grad, ctx.group("dp_replicate"), "avg")
+        elif ctx.size("dp") > 1:
+            grad = collectives.all_reduce(grad, ctx.group("dp"), "avg")
+        self.grad = grad.to(self.host, torch.float32)
+
+    def write_back(self) -> None:
+        """Copy the updated master into the compute parameter (all-gathering flat chunks)."""
+        with torch.no_grad():
+            if self.flat:
+                chunk = self.master.to(self.param.device, self.param.dtype)
+                full = collectives.all_gather(chunk, 0, self.ctx.group("dp"))
+                self.param.copy_(full[: self.numel].view_as(self.param))
+            else:
+                self.param.copy_(self.master.to(self.param.device, self.param.dtype))
+        self.param.grad = None
+        self.grad = None
+
+    def full_master(self) -> torch.Tensor:
+        """The fp32 master at the parameter's local shape (all-gathers flat chunks over dp)."""
+        if not self.flat:
+            return self.master.clone()
+        full = collectives.all_gather(self.master.to(self.param.device), 0, self.ctx.group("dp"))
+        return full[: self.numel].view(self.param.shape).clone()
+
+    def load_master(self, local: torch.Tensor) -> None:
+        """Set the master (and the compute param) from a tensor at the local shape."""
+        local = local.detach().to(self.param.device, torch.float32)
+        self.master = (self._own_chunk(local.reshape(-1)) if self.flat else local).to(self.host).clone()
+        with torch.no_grad():
+            self.param.copy_(local.to(self.param.dtype))
+
+
+class ShardedOptimizer:
+    """AdamW / SGD over this rank's shards (module docstring: layouts, sync, clipping)."""
+
+    def __init__(
+        self,
+        params: dict[str, nn.Parameter],
+        placements: dict[str, ParamPlacement],
+        masters: dict[str, torch.Tensor],
+        ctx: RankContext,
+        config: OptimizerConfig,
+    ) -> None:
+        self.ctx, self.config = ctx, config
+        self.slots = {fqn: _Slot(p, placements[fqn], masters[fqn], ctx) for fqn, p in params.items()}
+        self.steps = 0
+
+    def clip_scale(self) -> tuple[float, float]:
+        """(global gradient norm, scale factor) from the synced gradients."""
+        local = sum((s.grad.double().pow(2).sum() / s.replication for s in self.slots.values()), torch.zeros((), dtype=torch.float64))
+        total = local.to(torch.float32).to(self.ctx.device)
+        if self.ctx.world_size > 1:
+            total = collectives.all_reduce(total.reshape(1), self.ctx.group("world"), "sum")[0]
+        norm = float(total.sqrt())
+        limit = self.config.max_grad_norm
+        return norm, (min(1.0, limit / (norm + 1e-6)) if limit is not None else 1.0)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Sync gradients, clip, update masters, write back compute params; returns the global grad norm."""
+        for slot in self.slots.values():
+            slot.sync_grad()
+        norm, scale = self.clip_scale()
+        self.steps += 1
+        for slot in self.slots.values():
+            self._update(slot, slot.grad * scale if scale != 1.0 else slot.grad)
+            slot.write_back()
+        return norm
+
+    def _update(self, slot: _Slot, grad: torch.Tensor) -> None:
+        cfg, p = self.config, slot.master
+        if cfg.weight_decay:
+            p.mul_(1 - cfg.lr * cfg.weight_decay)
+        if cfg.name == "sgd":
+            p.add_(grad, alpha=-cfg.lr)
+            return
+        beta1, beta2 = cfg.betas
+        slot.exp_avg.lerp_(grad, 1 - beta1)
+        slot.exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        bias1 = 1 - beta1**self.steps
+        bias2 = 1 - beta2**self.steps
+        denom = (slot.exp_avg_sq.sqrt() / math.sqrt(bias2)).add_(cfg.eps)
+        p.addcdiv_(slot.exp_avg, denom, value=-cfg.lr / bias1)
+
+
+__all__ = ["FLAT_STATES", "OptimizerConfig", "ShardedOptimizer"]

@@ -1,0 +1,169 @@
+"""Per-rank program: export → passes → a module that trains its shards.
+
+``build_program(model, graph, plan, cluster, train, ctx=None)``:
+
+1. checks, before any collective: the plan matches the model
+   (``plan.check_compatible(graph=...)``), the live world size equals the
+   mesh's, and the plan asks only for what the runtime implements (pp = cp = 1,
+   no EP; ``PlanError`` otherwise);
+2. builds the device mesh and ``RankContext`` (``runtime/mesh.py``);
+3. exports a *copy* of the model (``ep.module()`` shares Parameter objects
+   with its input) with dynamic batch and sequence dims;
+4. runs ``autoshard.passes.PASSES`` (shard_parameters, insert_collectives,
+   split_pipeline, recompute, schedule_overlap);
+5. builds the ``ShardedOptimizer`` from fp32 master shards cut from the
+   original fp32 parameters (the compute copies are ``train.precision``).
+
+``Program.step(tokens, loss_fn)``: ``tokens`` is this rank's data-parallel
+slice ``[B_local, S]`` (``Program.local_batch`` cuts it from a global batch);
+it is split into ``plan.schedule.num_micro_batches`` micro-batches along dim 0;
+each micro-batch's ``loss_fn(outputs, micro_tokens)`` (a mean over the
+micro-batch) is divided by the number of micro-batches and backpropagated; the
+optimizer then averages gradients over dp (the mean of per-rank losses equals
+the single-device loss on the global batch when slices are equal), clips and
+updates. The graph runs inside the ZeRO-3 re-gather hooks when present
+(``passes/recompute.py``).
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+from torch import nn
+from torch.export import Dim
+
+from autoshard.errors import PlanError
+from autoshard.graph import ModelGraph
+from autoshard.passes import run_passes
+from autoshard.passes._graph_utils import META_KEY
+from autoshard.passes.context import ParamPlacement, RankContext
+from autoshard.plan import Plan
+from autoshard.runtime import collectives
+from autoshard.runtime.mesh import build_rank_context, check_world
+from autoshard.runtime.optimizer import OptimizerConfig, ShardedOptimizer
+from autoshard.train import TrainSpec
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """One optimizer step: loss averaged over micro-batches and dp ranks, global gradient norm (before clipping)."""
+
+    loss: float
+    grad_norm: float
+
+
+class Program:
+    """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
+
+    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer):
+        self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
+        self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
+        name = gm.meta[META_KEY].get("regather")
+        self.regather = gm.get_submodule(name) if name else None
+
+    def forward(self, tokens: torch.Tensor) -> Any:
+        """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them)."""
+        tokens = tokens.to(self.ctx.device)
+        if self.regather is None:
+            return self.gm(tokens)
+        with self.regather.hooks():
+            return self.gm(tokens)
+
+    __call__ = forward
+
+    def local_batch(self, global_tokens: torch.Tensor) -> torch.Tensor:
+        """This rank's dp slice of a global batch [B, S] (rows chunked by the combined dp coordinate)."""
+        dp = self.ctx.size("dp")
+        if global_tokens.shape[0] % dp:
+            raise PlanError(f"global batch {global_tokens.shape[0]} is not divisible by dp={dp}; use a multiple of {dp}")
+        return global_tokens.chunk(dp, 0)[self.ctx.coord("dp")]
+
+    def step(self, tokens: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> StepResult:
+        """Forward/backward over micro-batches of ``tokens``, then one optimizer step (module docstring)."""
+        m = self.plan.schedule.num_micro_batches
+        if tokens.shape[0] % m:
+            raise PlanError(
+                f"local batch {tokens.shape[0]} is not divisible by num_micro_batches={m}; "
+                f"pass a multiple of {m} rows per rank"
+            )
+        total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
+        for micro in tokens.chunk(m, 0):
+            loss = loss_fn(self.forward(micro), micro.to(self.ctx.device)) / m
+            loss.backward()
+            if self.regather is not None:
+                self.regather.reset()
+            total += loss.detach().float()
+        if self.ctx.size("dp") > 1:
+            total = collectives.all_reduce(total.reshape(1), self.ctx.group("dp"), "avg")[0]
+        norm = self.optimizer.step()
+        return StepResult(loss=float(total), grad_norm=norm)
+
+    def local_state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master values at each ``param_placements[fqn].local_shape`` (collective for ZeRO-1/2/offload)."""
+        return {fqn: slot.full_master() for fqn, slot in self.optimizer.slots.items()}
+
+    def load_local_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        """Inverse of ``local_state_dict``: set masters and compute params from local shards."""
+        for fqn, slot in self.optimizer.slots.items():
+            if tuple(state[fqn].shape) != self.param_placements[fqn].local_shape:
+                raise PlanError(
+                    f"{fqn}: local shard {tuple(state[fqn].shape)} != placement {self.param_placements[fqn].local_shape}"
+                )
+            slot.load_master(state[fqn])
+
+
+def build_program(
+    model: nn.Module,
+    graph: ModelGraph,
+    plan: Plan,
+    cluster: Any = None,
+    train: TrainSpec | None = None,
+    *,
+    ctx: RankContext | None = None,
+    optimizer: OptimizerConfig | None = None,
+    device: str = "cpu",
+) -> Program:
+    """This rank's ``Program`` for ``plan`` (module docstring: the five steps)."""
+    precision = train.precision if train is not None else plan.precision
+    _check_plan(plan, graph)
+    check_world(plan.mesh)
+    if ctx is None:
+        ctx, _device_mesh = build_rank_context(plan.mesh, device=device, compute_dtype=_DTYPES[precision])
+    gm = _export(model, graph)
+    masters = {fqn: p.detach().float() for fqn, p in gm.named_parameters()}
+    gm = run_passes(gm, plan, ctx)
+    placements = gm.meta[META_KEY]["placements"]
+    masters = {fqn: placements[fqn].shard(t, ctx) for fqn, t in masters.items()}
+    config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
+    params = dict(gm.named_parameters())
+    return Program(gm, plan, ctx, ShardedOptimizer(params, placements, masters, ctx, config))
+
+
+def _check_plan(plan: Plan, graph: ModelGraph) -> None:
+    plan.check_compatible(graph=graph)
+    unsupported = [(axis, getattr(plan.mesh, axis)) for axis in ("cp", "ep") if getattr(plan.mesh, axis) > 1]
+    if unsupported or any(s.ep for s in plan.layers):
+        raise PlanError(
+            f"plan uses {unsupported or 'ep=True layers'}: context and expert parallelism are not implemented "
+            "by the runtime yet; search with cp=1, ep=1 and ep=False"
+        )
+
+
+def _export(model: nn.Module, graph: ModelGraph) -> torch.fx.GraphModule:
+    """``torch.export`` a copy of ``model`` (dynamic batch/seq) → module; records param owners and roles."""
+    clone = copy.deepcopy(model).float()
+    seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
+    tokens = torch.zeros(2, seq, dtype=torch.long, device=next(clone.parameters()).device)
+    exported = torch.export.export(clone, (tokens,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},), strict=False)
+    gm = exported.module()
+    owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
+    gm.meta[META_KEY] = {"params": owners}
+    return gm
+
+
+__all__ = ["Program", "StepResult", "build_program"]
