@@ -21,9 +21,9 @@ argument (``plan_reuse.check_train``); without ``train`` the plan's own step
 is used (``plan_reuse.train_of``), not the example inputs' shape. Any
 mismatch raises ``PlanError`` naming what differs.
 
-Partial: the per-rank runtime (``autoshard.runtime.build_program``) has not
-landed; under a process group ``compile`` logs that and returns the plan with
-``program=None``.
+Under a process group, ``program`` is ``autoshard.runtime.build_program(model,
+graph, plan, cluster, train)``; an installation without that runtime stage logs
+a warning and returns the plan with ``program=None``.
 
 The search is deterministic (fixed seed and worker count), so under torchrun
 every rank computes the same plan without communication.
@@ -173,6 +173,7 @@ def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluste
 
     build_program = getattr(runtime, "build_program", None)
     if build_program is None:
-        log.warning("autoshard.compile: the per-rank runtime has not landed; returning the plan only (program=None)")
+        log.warning("autoshard.compile: this installation has no autoshard.runtime.build_program; "
+                    "returning the plan only (program=None)")
         return None
     return build_program(model, graph, plan, cluster, train)

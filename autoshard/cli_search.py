@@ -398,8 +398,9 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
     with Stages(progress_console) as stages:
         graph = capture_model(spec, stages)
         stages.done()
-    _reuse(plan, path, graph, cluster, train_of(plan))
-    explanation = explain_layer(plan, graph, cluster, train_of(plan), layer, k=top,
+    train = train_of(plan)
+    _reuse(plan, path, graph, cluster, train)  # the model and cluster must be the plan's
+    explanation = explain_layer(plan, graph, cluster, train, layer, k=top,
                                 constraints=Constraints(max_memory_bytes=max_memory_bytes))
     console.print(format_explanation(explanation))
 

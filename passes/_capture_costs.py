@@ -40,13 +40,16 @@ and writes its output only (a fused kernel never materialises the scores).
 
 from __future__ import annotations
 
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass
 
 import sympy
 import torch
 from torch import fx
 
-MATMUL_OPS = frozenset({"aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm", "aten.einsum"})
+MATMUL_OPS = frozenset(
+    {"aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm", "aten.einsum"}
+)
 SDPA_OPS = frozenset(
     {
         "aten.scaled_dot_product_attention",
@@ -171,7 +174,7 @@ def op_name(node: fx.Node) -> str:
     """Stable op name without the overload: ``aten.linear``, ``mylib.mystery``, ``_operator.getitem``."""
     target = node.target
     if isinstance(target, torch._ops.OpOverload):
-        return f"{target.namespace}.{target._opname}"
+        return target._schema.name.replace("::", ".")  # "aten::linear": the packet, overload dropped
     if isinstance(target, torch._ops.OpOverloadPacket):
         return str(target)
     module = getattr(target, "__module__", None) or type(target).__module__
@@ -195,7 +198,7 @@ def is_known(name: str) -> bool:
     )
 
 
-def node_cost(node: fx.Node, size: SizeEval, weight_like: set[fx.Node]) -> NodeCost:
+def node_cost(node: fx.Node, size: SizeEval, weight_like: AbstractSet[fx.Node]) -> NodeCost:
     """Cost of a known op (``is_known``) at the point ``size`` evaluates. May raise ``UnresolvedShape``."""
     name = op_name(node)
     if name in VIEW_OPS:
@@ -209,15 +212,17 @@ def node_cost(node: fx.Node, size: SizeEval, weight_like: set[fx.Node]) -> NodeC
     if name in MOVE_OPS:
         return NodeCost(bytes=moved)
     if name in MATMUL_OPS:
-        return NodeCost(matmul_flops=_matmul_flops(node, name, size), elementwise_flops=_bias_flops(node, name, size), bytes=moved)
+        flops = _matmul_flops(node, name, size)
+        return NodeCost(matmul_flops=flops, elementwise_flops=_bias_flops(node, name, size), bytes=moved)
     if name in REDUCTION_FLOPS:
         inputs = [a.meta["val"] for a in node.all_input_nodes if isinstance(a.meta.get("val"), torch.Tensor)]
-        return NodeCost(elementwise_flops=REDUCTION_FLOPS[name] * max((size.numel(t) for t in inputs), default=0), bytes=moved)
+        largest = max((size.numel(t) for t in inputs), default=0)
+        return NodeCost(elementwise_flops=REDUCTION_FLOPS[name] * largest, bytes=moved)
     numel_out = sum(size.numel(t) for t in outputs[:1])
     return NodeCost(elementwise_flops=ELEMENTWISE_FLOPS[name] * numel_out, bytes=moved)
 
 
-def _activation_inputs(node: fx.Node, weight_like: set[fx.Node]) -> list[torch.Tensor]:
+def _activation_inputs(node: fx.Node, weight_like: AbstractSet[fx.Node]) -> list[torch.Tensor]:
     vals = []
     for arg in node.all_input_nodes:
         val = arg.meta.get("val")

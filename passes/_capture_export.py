@@ -269,10 +269,24 @@ def export_error(model: nn.Module, model_name: str, exc: BaseException) -> Captu
     return CaptureError(
         f"cannot capture {model_name}: torch.export failed in module {module!r} at op {op}"
         f"{f' ({where})' if where and where != op else ''}: {type(exc).__name__}: {first_line[:300]}. "
-        "Capture supports forwards whose control flow depends only on shapes; next step: replace "
-        "data-dependent Python branching (.item(), `if tensor:`) with torch.where / torch.cond, and give "
-        "custom ops a fake kernel (torch.library.register_fake)"
+        f"Next step: {_hint(exc)}"
     )
+
+
+_HINTS = (
+    ("data-dependent", "replace Python branching on tensor values (.item(), `if tensor:`) with torch.where "
+                       "or torch.cond; capture supports control flow that depends only on shapes"),
+    ("fake", "give the custom op a fake kernel (torch.library.register_fake) so export can trace it"),
+    ("device", "create tensors on the input's device (device=tokens.device), never on a fixed one"),
+)
+
+
+def _hint(exc: BaseException) -> str:
+    text = f"{type(exc).__name__} {exc}".lower()
+    for key, hint in _HINTS:
+        if key in text:
+            return hint
+    return "reproduce with torch.export.export(model, example_inputs, strict=False) and fix the op it names"
 
 
 def _failing_frame(model: nn.Module, exc: BaseException) -> tuple[str, str | None]:

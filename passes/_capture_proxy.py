@@ -126,7 +126,8 @@ class Proxy:
                 return None
         if steps[0] != steps[1]:
             return None
-        out.update((self._join(i, la), self._join(i + 1, lb)) for i in range(self.num_blocks - 1) for la, lb in steps[0])
+        for i in range(self.num_blocks - 1):
+            out.update((self._join(i, la), self._join(i + 1, lb)) for la, lb in steps[0])
         return out
 
 

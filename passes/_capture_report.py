@@ -60,7 +60,8 @@ def format_coverage(graph: ModelGraph) -> Table:
     """Ops capture priced and ops it saw but could not price (unaccounted first)."""
     coverage = graph.coverage
     total = sum(coverage.counted.values()) + sum(coverage.unaccounted.values())
-    table = Table(title=f"{graph.model_name}: op coverage ({len(coverage.unaccounted)} unaccounted op kinds of {total} nodes)")
+    unknown = len(coverage.unaccounted)
+    table = Table(title=f"{graph.model_name}: op coverage ({unknown} unaccounted op kinds, {total} nodes)")
     table.add_column("op")
     table.add_column("nodes", justify="right")
     table.add_column("status")

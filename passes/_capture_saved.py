@@ -3,9 +3,8 @@
 The model runs once per sequence length with meta parameters (``functional_call``
 swaps in ``empty_like(p, device="meta")`` with the same ``requires_grad``, so
 nothing is computed or allocated), under ``torch.autograd.graph.saved_tensors_hooks``.
-Forward pre/post hooks on every layer module and its submodules track the
-module stack, so each saved tensor is charged to the layer running when autograd
-saved it.
+Forward pre/post hooks on every submodule track the module stack, so each saved
+tensor is charged to the innermost layer running when autograd saved it.
 
 Deduplication. A tensor saved by several ops (the norm output read by q, k and v;
 a view of it) is one allocation: tensors are keyed by their storage

@@ -52,6 +52,9 @@ def rebuild(gm: fx.GraphModule, graph: fx.Graph, replace: dict | None = None) ->
     out = fx.GraphModule(root, graph, class_name=type(gm).__name__)
     out.meta = copy.copy(getattr(gm, "meta", {}))
     out.meta[META_KEY] = dict(out.meta.get(META_KEY, {}))
+    extra = out.meta[META_KEY].get("regather")  # referenced by the runtime, not by a node
+    if extra and extra not in root:
+        out.add_submodule(extra, replace.get(extra, gm.get_submodule(extra)))
     return out
 
 

@@ -28,7 +28,10 @@ Steps:
    dim was specialised by export, or ``dynamic=False``, the model is exported
    again at ``s1`` instead.
 4. Saved activations (``_capture_saved``): measured by a forward pass on meta
-   under saved-tensor hooks, at ``s1`` and at ``s2``.
+   under saved-tensor hooks, at ``s1`` and at ``s2``, with dropout and SDPA
+   routed to the kernels a GPU runs (bool dropout masks; flash attention saves
+   no scores), storages deduplicated, parameters excluded. Models that cannot
+   run on meta are measured on their own device instead (logged).
 5. Per-token coefficients by a two-point fit. For a quantity ``Q`` measured at
    both points, with ``q_i = Q(b, s_i) / (b·s_i)``:
 
@@ -55,7 +58,12 @@ block with ``attn_impl="math"`` and dropout, the measured per-block bytes equal
 ``sbh(34 + 5as/h)`` plus (a) the boolean causal mask ``~mask`` that
 ``masked_fill`` keeps, ``s²`` bytes per block independent of the batch, and (b)
 the fp32 mean and reciprocal standard deviation of the two LayerNorms, ``16·bs``
-bytes; together about 0.3 % at ``h=768, s=128``. The formula omits both.
+bytes; together +0.24 % at ``h=768, a=12, s=128, b=1`` and +0.6 % at ``s=1024``
+(the fit charges (a) per token at the capture batch). The formula omits both.
+Without the GPU kernel profile the CPU dropout masks (2 bytes in bf16, not 1)
+made the measurement 9 % high at ``s=128``: a measurement error, not a residual.
+With ``attn_impl="sdpa"`` the block saves ``sbh·34`` plus the fp32 log-sum-exp:
+the flash kernel recomputes the scores, as selective recompute would.
 
 MoE note: the reference MoE layer in dropless mode computes every expert on a
 ``[E, T, h]`` buffer; capture prices the graph as written (``E/k`` times the
@@ -99,6 +107,7 @@ from autoshard.passes._capture_saved import SavedBytes, measure_saved
 log = logging.getLogger(__name__)
 
 DEFAULT_LONG_SEQ = 256  # s2 when neither example inputs nor seq_lens say otherwise (capped by max_seq_len)
+_META_FIELDS = ("num_heads", "num_kv_heads", "num_experts", "top_k", "hidden", "ffn_hidden", "vocab")
 _MAX_SEQ_ATTRS = ("max_seq_len", "max_position_embeddings", "block_size", "n_positions", "max_seq")
 
 
@@ -116,7 +125,8 @@ def capture(
 
     Args:
         model: the policy; its first forward input is tokens ``[B, S]``. Any
-            device, meta included; parameters are never read.
+            device, meta included; parameter values are not read (except by
+            the real-device fallback of the saved-activation measurement).
         example_inputs: forward arguments. Default: zero tokens ``[batch, s2]``
             on the model's device. When given, ``S`` of the first input is
             ``s2`` unless ``seq_lens`` says otherwise, and every dim ≥ 1 of
@@ -202,7 +212,9 @@ class _Example:
     def make(model: nn.Module, example_inputs: tuple | None, seq_lens: tuple[int, int] | None, batch: int) -> _Example:
         if example_inputs is None:
             if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-                raise CaptureError(f"batch={batch!r}: must be a positive integer (2 or more keeps the batch dim dynamic)")
+                raise CaptureError(
+                    f"batch={batch!r}: must be a positive integer (2 or more keeps the batch dim dynamic)"
+                )
             s1, s2 = seq_lens or _default_seq_lens(model)
             tokens = torch.zeros(batch, s2, dtype=torch.long, device=_model_device(model))
             return _Example((tokens,), batch, s2, _check_seq_lens((s1, s2)))
@@ -210,7 +222,7 @@ class _Example:
             example_inputs = (example_inputs,)
         tokens = example_inputs[0] if example_inputs else None
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
-            got = type(tokens).__name__ if not isinstance(tokens, torch.Tensor) else f"tensor of shape {tuple(tokens.shape)}"
+            got = f"tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
             raise CaptureError(
                 f"example_inputs[0] is a {got}; capture needs tokens [B, S] as the first input "
                 "(dim 0 batch, dim 1 sequence): pass example_inputs=(tokens,)"
@@ -253,7 +265,7 @@ def _default_seq_lens(model: nn.Module) -> tuple[int, int]:
     config = getattr(model, "config", None)
     limits = [getattr(config, a) for a in _MAX_SEQ_ATTRS if isinstance(getattr(config, a, None), int)]
     s2 = min([DEFAULT_LONG_SEQ, *limits])
-    log.info("capture: sequence lengths (%d, %d) (s2 = min(%d, the model's max sequence))", s2 // 2, s2, DEFAULT_LONG_SEQ)
+    log.info("capture: sequence lengths (%d, %d) (s2 = min(%d, max sequence))", s2 // 2, s2, DEFAULT_LONG_SEQ)
     return s2 // 2, s2
 
 
@@ -286,7 +298,12 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
 
 
 def _graph_view(
-    model: nn.Module, example: _Example, layers: list[LayerSpec], dynamic: bool, model_name: str, export_all_blocks: bool
+    model: nn.Module,
+    example: _Example,
+    layers: list[LayerSpec],
+    dynamic: bool,
+    model_name: str,
+    export_all_blocks: bool,
 ) -> GraphView:
     """Export (a three-block proxy when it qualifies, else the whole model) and price every layer."""
     names = [spec.name for spec in layers]
@@ -439,7 +456,7 @@ def _class_id(info: LayerInfo) -> str:
         "params": [(p.name[prefix:], list(p.global_shape), p.dtype, p.tp_role) for p in info.params],
         "tied": [name[prefix:] for name in info.tied_params],
         "costs": numbers,
-        "meta": [info.num_heads, info.num_kv_heads, info.num_experts, info.top_k, info.hidden, info.ffn_hidden, info.vocab],
+        "meta": [getattr(info, f) for f in _META_FIELDS],
     }
     digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:10]
     return f"{info.kind}:{digest}"

@@ -186,7 +186,7 @@ class _TPRewriter:
         return "partial"
 
     def vocab_embedding(self, node: fx.Node, weight) -> str:
-        local_vocab = weight.local_shape[0]
+        local_vocab = weight.global_shape[0] // self.ctx.size("tp")  # tp-local rows, before any ZeRO-3 split
         node.target = vocab_parallel_embedding
         node.args = (node.args[0], node.args[1], self.ctx.coord("tp") * local_vocab)
         tag(node, NAME, "vocab-parallel embedding: rows outside this rank's vocabulary slice give 0")

@@ -311,13 +311,20 @@ class SafeFileSystemReader(FileSystemReader):
     """DCP ``FileSystemReader`` whose ``.metadata`` is read by a restricted unpickler.
 
     Tensor records are already read with ``torch.load(weights_only=True)`` by
-    the base class (module note "what is unpickled on load").
+    the base class (module note "what is unpickled on load"). ``metadata``:
+    the result of ``read_metadata_safely`` when the caller already has it
+    (checks run before DCP does, so a refused file raises ``CheckpointError``
+    itself rather than inside DCP's ``CheckpointException``).
     """
+
+    def __init__(self, path: str | os.PathLike, metadata: Any = None) -> None:
+        super().__init__(path)
+        self._safe_metadata = metadata
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
         if kwargs.get("rank") is not None:  # per-rank metadata files: autoshard never writes them
             raise CheckpointError(f"{self.path}: per-rank DCP metadata is not supported; re-save with autoshard")
-        metadata = read_metadata_safely(Path(self.path))
+        metadata = self._safe_metadata or read_metadata_safely(Path(self.path))
         # The bookkeeping of the base method, which cannot be called: it would unpickle unrestricted.
         if getattr(metadata, "storage_meta", None) is None:
             metadata.storage_meta = StorageMeta()

@@ -68,6 +68,7 @@ from autoshard.runtime._checkpoint_files import (
     dtype_name,
     now_unix,
     read_info,
+    read_metadata_safely,
     resolve_checkpoint,
     temporary_dir,
     write_sidecar,
@@ -397,12 +398,13 @@ def load(
     _check_fingerprint(info, template.model_fingerprint, directory)
     entries = template.tensor_entries()
     _check_template(entries, info, directory)
+    metadata = read_metadata_safely(directory)
     rank, _, distributed = _world(process_group)
     tensors = _dcp_tensors(template)
     rng_tensors = _rng_template(info, rank)
     dcp.load(
         {**tensors, **rng_tensors},
-        storage_reader=SafeFileSystemReader(directory),
+        storage_reader=SafeFileSystemReader(directory, metadata),
         planner=WeightsOnlyLoadPlanner(),
         process_group=process_group,
         no_dist=not distributed,
@@ -414,6 +416,75 @@ def load(
         if restore_rng:
             rng.restore()
     return replace(template, step=info.step, extras=dict(info.extras), rng=rng)
+
+
+# --------------------------------------------------------------------------- runtime programs
+
+
+def program_state(
+    program: Any,
+    device_mesh: DeviceMesh | None = None,
+    *,
+    step: int = 0,
+    extras: Mapping[str, Any] | None = None,
+    model_fingerprint: str = "",
+) -> CheckpointState:
+    """The ``CheckpointState`` of a runtime ``Program`` (collective: every rank calls it).
+
+    Model entries are the fp32 master shards (``Program.local_state_dict``) at
+    their ``ParamPlacement``; the optimizer's step counter goes to
+    ``extras["optimizer_steps"]``. ``device_mesh`` is the mesh the placements
+    refer to (``runtime/mesh.py``: ``program.device_mesh`` when the program
+    keeps it, else built again from ``program.plan.mesh``).
+
+    Partial: Adam moments are not saved yet. The optimizer keeps them as flat
+    per-rank chunks for ZeRO-1/2/offload and exposes no local-shape view; a
+    run resumed from this state restarts its moments at zero (exact for SGD).
+    """
+    if device_mesh is None:
+        device_mesh = _program_mesh(program)
+    masters = program.local_state_dict()
+    model = {
+        fqn: LocalShard(masters[fqn], tuple(placement.placements), tuple(placement.global_shape))
+        for fqn, placement in program.param_placements.items()
+    }
+    return CheckpointState(
+        model=model,
+        step=step,
+        extras={**(extras or {}), "optimizer_steps": int(program.optimizer.steps)},
+        mesh=device_mesh,
+        model_fingerprint=model_fingerprint,
+        plan=program.plan,
+    )
+
+
+def load_program(
+    path: str | os.PathLike,
+    program: Any,
+    device_mesh: DeviceMesh | None = None,
+    *,
+    model_fingerprint: str = "",
+    process_group: Any = None,
+    restore_rng: bool = True,
+) -> CheckpointState:
+    """Load a checkpoint saved under any plan into ``program``'s masters and parameters (collective).
+
+    Returns the loaded state (step, extras, RNG). See ``program_state`` for what is restored.
+    """
+    template = program_state(program, device_mesh, model_fingerprint=model_fingerprint)
+    loaded = load(path, template, process_group=process_group, restore_rng=restore_rng)
+    program.load_local_state_dict({fqn: entry.local for fqn, entry in loaded.model.items()})
+    program.optimizer.steps = int(loaded.extras.get("optimizer_steps", 0))
+    return loaded
+
+
+def _program_mesh(program: Any) -> DeviceMesh:
+    mesh = getattr(program, "device_mesh", None)
+    if mesh is not None:
+        return mesh
+    from autoshard.runtime.mesh import build_device_mesh
+
+    return build_device_mesh(program.plan.mesh, torch.device(program.ctx.device).type)
 
 
 # --------------------------------------------------------------------------- inference exports
@@ -429,12 +500,14 @@ def load_weights(path: str | os.PathLike, *, model_fingerprint: str = "") -> dic
     directory = resolve_checkpoint(path)
     info = read_info(directory)
     _check_fingerprint(info, model_fingerprint, directory)
+    metadata = read_metadata_safely(directory)
     full = {
         key: torch.empty(record.shape, dtype=dtype_from_name(record.dtype))
         for key, record in info.tensors.items()
         if key.startswith(MODEL_PREFIX)
     }
-    dcp.load(full, storage_reader=SafeFileSystemReader(directory), planner=WeightsOnlyLoadPlanner(), no_dist=True)
+    reader = SafeFileSystemReader(directory, metadata)
+    dcp.load(full, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=True)
     return {key.removeprefix(MODEL_PREFIX): tensor for key, tensor in full.items()}
 
 
@@ -476,7 +549,9 @@ __all__ = [
     "contiguous_stride",
     "export_safetensors",
     "load",
+    "load_program",
     "load_weights",
+    "program_state",
     "read_info",
     "save",
     "to_dtensor",

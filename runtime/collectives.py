@@ -49,6 +49,10 @@ tensor (custom ops may not alias their inputs), so ``copy_to_tp`` copies.
 Point-to-point ``send``/``recv`` are not here: pipeline stages communicate
 through ``torch.distributed.pipelining``, which owns its own P2P schedule.
 
+Verified against single-process references (tests/test_collectives.py): gloo
+at world 2 and 4 (torch 2.13, CPU), one-process ``LocalTensorMode`` at world 4,
+and NCCL at world 2 and 4 (torch 2.11, H200; tests/test_collectives_gpu.py).
+
 Groups are identified by their name string (``ProcessGroup.group_name``), as
 PyTorch's functional collectives do, so a graph holds no live objects. The
 public wrappers also accept a ``ProcessGroup`` or ``None`` (the world group).
@@ -70,7 +74,7 @@ except ImportError:  # pragma: no cover - older layouts keep it only in the C mo
     from torch._C._distributed_c10d import _resolve_process_group
 
 
-# torch 2.13 renamed the tensor-in/tensor-out collectives; 2.11 has only the old names.
+# torch 2.13 renamed the tensor-in/tensor-out collectives (old names deprecated); 2.11 has only the old ones.
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 _reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
@@ -409,7 +413,7 @@ for _name, (_backward, _saved) in _AUTOGRAD.items():
 # --------------------------------------------------------------------------- one-process simulation
 
 # [Note: LocalTensorMode]
-# Under ``torch.distributed._local_tensor.LocalTensorMode`` (torch >= 2.13; the
+# Under ``torch.distributed._local_tensor.LocalTensorMode`` (private; in torch 2.11 and 2.13; the
 # test harness's ``local_ranks``) one process holds every rank's tensor. The
 # mode runs an unknown op once per rank with plain tensors, where our blocking
 # collectives would hit the fake process group and return garbage. These rules
@@ -417,13 +421,13 @@ for _name, (_backward, _saved) in _AUTOGRAD.items():
 # c10d handlers then combine the ranks. ``scatter_to_sp`` is the one
 # rank-dependent kernel: it picks each rank's chunk explicitly. ``all_to_all``
 # works when every rank uses the same split sizes (Python ints are not per rank).
-# Without LocalTensorMode (torch 2.11) nothing is registered.
+# Where torch lacks LocalTensorMode nothing is registered.
 
 
 def _register_local_tensor_rules() -> None:
     try:
         from torch.distributed._local_tensor import LocalTensorMode
-    except ImportError:  # pragma: no cover - torch < 2.13
+    except ImportError:  # pragma: no cover - a torch without LocalTensorMode
         return
 
     def run_kernel_under_mode(kernel):

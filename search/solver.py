@@ -10,11 +10,11 @@ Outer search (``solve``)
        state nor quantized comm makes forward+backward faster and recompute
        never does (true of every cost model here). With the real cost model,
        ``cost_model.lower_bound_step_time`` (when present) is max-ed in.
-    3. Candidates run in increasing (LB, mesh, schedule) order; one whose LB is
-       ≥ the best step time found is skipped (branch and bound). A survivor's
-       full cost table is built (every admissible strategy of every class,
-       ``evaluate.prune_dominated``), its table bound and memory bound are
-       checked, and then the CP-SAT model below runs with ``Z < best`` as a cutoff.
+    3. Best-first: a heap of (bound, order, level) pops the smallest bound and stops once it is ≥
+       the best step time found. A probe-level entry is refined (memory probe, then the full cost
+       table, ``evaluate.prune_dominated``, and ``_table_bounds``: joint min of slots·t + tail per
+       class plus a Lagrangian relaxation of the summed memory rows) and pushed back; a
+       table-level entry runs the CP-SAT model below with ``Z < best`` as a cutoff.
 
 CP-SAT model (``cpsat_model.py``), for mesh (p = pp) and schedule (m, v). Classes
 c (``space.solver_classes``), options s ∈ S_c, anchor blocks b (``evaluate``),
@@ -25,8 +25,10 @@ n_{c,b} layers of class c riding on block b, ranks k:
     y[b,k] ∈ {0,1}, k ∈ W(b)      Σ_k y[b,k] = 1, st_b = Σ_k k·y[b,k]  stage_assign/<b>       add_stage_assignment
                                   st_b ≤ st_{b+1} ≤ st_b + 1           stage_contiguous/<b>   add_stage_assignment
     X_b = Σ_c n_{c,b} Σ_s x[c,s]·X[c,s]  for X ∈ {t, tail, S, A}                              add_block_terms
-    T_max ≥ Σ_b y[b,k]·t_b                                             stage_time/stage<k>    add_stage_rows_and_objective
-    Σ_b y[b,k]·(S_b + f_k·A_b) ≤ M                                     mem/stage<k>           add_stage_rows_and_objective
+    G_k ≥ Σ_s x[c,s]·G[c,s]  (c on rank k)                             buffer_max/<c>/stage<k> add_buffer_max
+    A_b −= Σ (A−A')[c,s]·z,  z ≤ x[c,s], z ≤ full(c_prev)             chain_region/<c>       add_block_terms
+    T_max ≥ Σ_b y[b,k]·t_b + P_k                                       stage_time/stage<k>    add_stage_rows_and_objective
+    Σ_b y[b,k]·(S_b + f_k·A_b) + (1+prefetch)·G_k ≤ M                 mem/stage<k>           add_stage_rows_and_objective
     Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective
     minimise  W·Z + Σ_{c,s} h(c,s)·x[c,s] + Σ_b g(b)·st_b
 

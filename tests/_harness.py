@@ -9,8 +9,12 @@ Three tiers of distributed tests (DESIGN.md, "Tests"), one entry point each:
 | ``run_gloo(fn, n)`` | n | n real | yes (gloo) | anything that needs real processes (FSDP2, custom collectives, hangs) |
 | ``run_nccl(fn, n)`` | n | n real, one GPU each | yes (NCCL) | GPU tests only (marker ``gpu``); skips without n GPUs |
 
-Only this file imports ``torch.testing._internal`` and ``torch.distributed._local_tensor``:
-when they move, only this file changes.
+Only this file imports ``torch.testing._internal`` and ``torch.distributed._local_tensor``
+for tests: when they move, only this file changes. (``runtime/collectives.py``
+registers its ops' ``LocalTensorMode`` rules itself, guarded.) Test modules
+import it as ``from _harness import run_gloo``: pytest's default ``prepend``
+import mode puts ``tests/`` on ``sys.path``; keep ``tests/`` free of an
+``__init__.py``.
 
 [Note: spawned jobs are expensive]
 A spawned gloo job costs about 2 s at world 2 and 3.5 s at world 4 on two cores
@@ -60,7 +64,7 @@ try:  # torch >= 2.11: backend "fake" is registered by importing this module.
 except ImportError:  # pragma: no cover - depends on the installed torch
     FakeStore = None
 
-try:  # Present in torch 2.13; absent or incomplete in older releases.
+try:  # Present in torch 2.11 and 2.13 (both tested); private, so it may move.
     from torch.distributed._local_tensor import LocalTensor, LocalTensorMode
 except ImportError:  # pragma: no cover - depends on the installed torch
     LocalTensor = LocalTensorMode = None

@@ -2,7 +2,8 @@
 
 In-process, under a fake process group: argument checks, shapes through
 ``torch.export`` (dynamic dims too), and the backward op of every op traced by
-``make_fx``. Real numerics run in two spawned gloo jobs (world 2 and 4, every
+``make_fx``; the Megatron MLPs at world 4 under ``LocalTensorMode`` (one
+process). Real numerics run in two spawned gloo jobs (world 2 and 4, every
 case in one job each, ``opcheck`` in the world-2 job only): forward values and
 gradients against single-process references built from the same seeded data.
 
@@ -252,9 +253,9 @@ _OPS = ("all_gather", "reduce_scatter", "all_reduce", "copy_to_tp", "reduce_from
 
 
 def _opcheck_samples():
-    x = _randn(0, 4, 6, 2)
-    name = dist.group.WORLD.group_name
     n = dist.get_world_size()
+    x = _randn(0, 2 * n, 2 * n, 2)  # every split dim divisible by n
+    name = dist.group.WORLD.group_name
     return {
         "all_gather": (x, 1, name, "sum"),
         "reduce_scatter": (x, 0, name, "sum"),
@@ -263,7 +264,7 @@ def _opcheck_samples():
         "reduce_from_tp": (x, name),
         "scatter_to_sp": (x, 1, name),
         "gather_from_sp": (x, 1, name, False),
-        "all_to_all": (x, [4 // n] * n, [4 // n] * n, name),
+        "all_to_all": (x, [2] * n, [2] * n, name),
     }
 
 

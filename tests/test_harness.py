@@ -132,7 +132,9 @@ def test_run_gloo_hang_fails_within_the_timeout():
         run_gloo(_rank_1_skips_the_collective, 2, timeout_s=3)
     elapsed = time.monotonic() - start
     assert "rank 0 of 2" in str(info.value) + str(info.value.__cause__)
-    assert elapsed < 30, f"a 3 s collective timeout took {elapsed:.1f} s to surface"
+    # Rank 1 sleeps 60 s: finishing well before that proves the parent did not wait for it
+    # (the margin is start-up on a loaded two-core machine).
+    assert elapsed < 50, f"a 3 s collective timeout took {elapsed:.1f} s to surface"
 
 
 # --------------------------------------------------------------------------- many cases, one job
@@ -156,7 +158,12 @@ def _case_subgroup(rank: int, world_size: int, size: int) -> int:
     return int(t)
 
 
+def _case_threads(rank: int, world_size: int) -> tuple[str | None, int]:
+    return os.environ.get("OMP_NUM_THREADS"), torch.get_num_threads()
+
+
 CASES = {
+    "threads": _case_threads,
     "all_reduce": _case_all_reduce,
     "all_gather": _case_all_gather,
     "subgroup_pairs": functools.partial(_case_subgroup, size=2),
@@ -166,6 +173,10 @@ CASES = {
 @pytest.fixture(scope="module")
 def world4_cases():
     return run_gloo_cases(CASES, 4)
+
+
+def test_cases_workers_are_single_threaded(world4_cases):
+    assert world4_cases["threads"] == [("1", 1)] * 4
 
 
 def test_cases_all_reduce(world4_cases):

@@ -16,13 +16,14 @@ from autoshard.graph import ModelGraph
 from autoshard.plan import STATES, Mesh
 from autoshard.search import Constraints, diff_plans, explain_layer, format_diff, format_explanation, solve
 from autoshard.search.cost_model import LayerCost, MemoryBreakdown
-from autoshard.search.evaluate import CostTable, evaluate, interleaved_block_stages, layer_stages
+from autoshard.search import cost_model
+from autoshard.search.evaluate import CostTable, chain_flags, evaluate, interleaved_block_stages, layer_stages
 from autoshard.search.solver import usable_memory, without_wall_time
 from autoshard.search.space import (
     admissible_strategies, enumerate_meshes, resolve_pins, schedule_candidates, solver_classes,
 )
 from autoshard.search.synthetic import (
-    MIXTRAL_8X7B, SyntheticConfig, synthetic_cluster, synthetic_graph, toy_layer_cost,
+    GPT_1T, MIXTRAL_8X7B, SyntheticConfig, synthetic_cluster, synthetic_graph, toy_layer_cost,
 )
 from autoshard.train import TrainSpec
 
@@ -239,16 +240,32 @@ def test_textbook_small_model_big_batch_is_pure_data_parallel():
     plan = solve(graph, synthetic_cluster("h100-sxm", 1), TrainSpec(global_batch=256, seq_len=1024))
     assert (plan.mesh.tp, plan.mesh.pp, plan.mesh.dp) == (1, 1, 8)
     assert {s.tp for s in plan.layers} == {"none"}
+    # DDP or ZeRO-1: ZeRO-3 moves 1.5× the bytes (and per micro-batch), and hidden comm is not free.
+    assert {s.state for s in _blocks(plan, (".attn", ".mlp"))} <= {"replicate", "zero1"}
+    assert {s.recompute for s in _blocks(plan, (".attn", ".mlp"))} == {"none"}
 
 
-def test_textbook_states_that_do_not_fit_replicated_are_sharded():
+@pytest.fixture(scope="module")
+def llama13b_two_nodes():
     graph = synthetic_graph(SyntheticConfig(name="llama-13b", num_blocks=40, hidden=5120, num_heads=40,
                                             ffn_hidden=13824))
-    cluster = synthetic_cluster("h100-sxm", 2)
-    plan = solve(graph, cluster, TrainSpec(global_batch=256, seq_len=2048), constraints=Constraints(mesh={"tp": 1,
-                                                                                                          "pp": 1}))
+    return graph, synthetic_cluster("h100-sxm", 2), TrainSpec(global_batch=256, seq_len=2048)
+
+
+def test_textbook_states_that_do_not_fit_replicated_are_sharded(llama13b_two_nodes):
+    graph, cluster, train = llama13b_two_nodes
     assert 16 * graph.param_count > cluster.device.memory_bytes  # replicated model states cannot fit
-    assert {s.state for s in _blocks(plan, (".attn", ".mlp"))} <= {"zero3", "offload"}
+    plan = solve(graph, cluster, train)
+    # Free mesh (docs/search.md, "Textbook answers"): no rank holds replicated optimizer states; the
+    # honest optimum splits the model over 2 pipeline stages across the nodes (no recompute needed)
+    # rather than gathering ZeRO-3 weights every micro-batch over the inter-node links.
+    assert "replicate" not in {s.state for s in _blocks(plan, (".attn", ".mlp"))}
+    assert plan.mesh.pp == 1 or plan.mesh.dp_shard * plan.mesh.dp_replicate * plan.mesh.tp <= cluster.devices_per_node
+    # Without pipelining, model states are fully sharded: ZeRO-3 inside the node, replicated across (HSDP).
+    flat = solve(graph, cluster, train, constraints=Constraints(mesh={"tp": 1, "pp": 1}))
+    assert {s.state for s in _blocks(flat, (".attn", ".mlp"))} <= {"zero3", "offload"}
+    assert flat.mesh.dp_replicate > 1 and flat.mesh.dp_shard <= cluster.devices_per_node
+    assert flat.predictions.step_time_s >= plan.predictions.step_time_s
 
 
 def test_textbook_layer_too_large_for_one_gpu_uses_tp_inside_node():
@@ -281,3 +298,77 @@ def test_textbook_slow_inter_node_links_avoid_cross_node_traffic():
     quantized = any(s.weight_comm != "bf16" or s.grad_comm in ("int8", "int4") for s in big)
     assert hsdp or quantized
     assert diff_plans(fast, slow).layers or diff_plans(fast, slow).mesh
+
+
+# ----------------------------------------------------------------------------- solver objective == predict
+@pytest.mark.parametrize("mesh, limit_gib", [({"pp": 2, "tp": 1}, None), ({"pp": 2, "tp": 2}, 10.5)])
+def test_objective_and_memory_equal_predict(small, mesh, limit_gib):
+    """The CP-SAT objective, the float evaluation and ``cost_model.predict`` agree: stage-boundary
+    send/recv, per-rank gather-buffer maximum and checkpoint regions are in all three."""
+    graph, cluster, _ = small
+    train = TrainSpec(global_batch=64, seq_len=4096)
+    limit = None if limit_gib is None else int(limit_gib * GiB)
+    plan = solve(graph, cluster, train, constraints=Constraints(mesh=mesh, max_memory_bytes=limit))
+    assert plan.mesh.pp == 2
+    table = CostTable(cost_model.layer_cost, cluster, train)
+    options = [table.option(l, plan.strategy(l.name), plan.mesh, plan.schedule) for l in graph.layers]
+    ev = evaluate(options, [plan.strategy(l.name).stage for l in graph.layers], plan.mesh, plan.schedule,
+                  chain_flags(graph))
+    pred = cost_model.predict(graph, plan, cluster, train)
+    assert pred.step_time_s == pytest.approx(plan.solver.objective, rel=1e-9)
+    assert pred.step_time_s == pytest.approx(ev.step_s, rel=1e-9)
+    fragmentation = 1 + cost_model.ALLOCATOR_FRAGMENTATION
+    assert pred.peak_memory_bytes == pytest.approx(ev.peak_memory_bytes * fragmentation + GiB, rel=1e-9)
+    assert [m for m in pred.memory_by_stage] == pytest.approx(
+        [m * fragmentation + GiB for m in ev.rank_memory_bytes], rel=1e-9)
+    if limit is not None:
+        assert pred.peak_memory_bytes <= limit
+
+
+def test_full_recompute_region_counts_one_input_per_block(small):
+    """A block under full recompute keeps only its first layer's input (Korthikanti's 2sbh)."""
+    graph, cluster, _ = small
+    train = TrainSpec(global_batch=64, seq_len=2048)
+    plan = solve(graph, cluster, train, constraints=Constraints(
+        mesh={"tp": 1, "pp": 1, "dp_replicate": 1}, pin={l.name: {"recompute": "full", "state": "zero3"}
+                                                         for l in graph.layers if l.block is not None}))
+    table = CostTable(cost_model.layer_cost, cluster, train)
+    options = [table.option(l, plan.strategy(l.name), plan.mesh, plan.schedule) for l in graph.layers]
+    stages = [0] * len(graph.layers)
+    chained = evaluate(options, stages, plan.mesh, plan.schedule, chain_flags(graph))
+    alone = evaluate(options, stages, plan.mesh, plan.schedule)
+    first = [l for l in graph.layers if l.block is not None and not chain_flags(graph)[l.index]]
+    kept = sum(plan.schedule.micro_batch * train.seq_len * l.input_bytes_per_token for l in first)
+    acts = chained.rank_memory_bytes[0] - (alone.rank_memory_bytes[0] - sum(o.activation_bytes for o in options))
+    assert len(first) == graph.num_blocks and kept < sum(o.activation_bytes for o in options)
+    assert acts == pytest.approx(kept + sum(o.activation_bytes for o, l in zip(options, graph.layers)
+                                            if l.block is None), rel=1e-9)
+    pred = cost_model.predict(graph, plan, cluster, train)
+    assert pred.peak_memory_bytes == pytest.approx(
+        chained.peak_memory_bytes * (1 + cost_model.ALLOCATOR_FRAGMENTATION) + GiB, rel=1e-9)
+
+
+# ----------------------------------------------------------------------------- bad inputs
+def test_bad_inputs_raise_with_named_values(small):
+    graph, cluster, train = small
+    with pytest.raises(AutoshardError, match="global_batch=0"):
+        solve(graph, cluster, TrainSpec(global_batch=0, seq_len=2048))
+    with pytest.raises(InfeasibleError, match=r"batch_divides/dp.*global_batch=7"):
+        solve(graph, cluster, TrainSpec(global_batch=7, seq_len=2048), constraints=Constraints(mesh={"tp": 1, "pp": 1}))
+    odd_heads = synthetic_graph(SyntheticConfig(name="odd-heads", num_blocks=2, hidden=768, num_heads=12))
+    with pytest.raises(InfeasibleError, match="tp_divides/heads") as err:
+        solve(odd_heads, cluster, train, constraints=Constraints(mesh={"tp": 8}), cost_fn=toy_layer_cost)
+    assert "relax" in str(err.value)
+
+
+def test_cluster_too_small_names_need_device_memory_and_relaxations():
+    graph = synthetic_graph(GPT_1T)
+    cluster = synthetic_cluster("h100-sxm", 1)
+    with pytest.raises(InfeasibleError) as err:
+        solve(graph, cluster, TrainSpec(global_batch=64, seq_len=2048))
+    text = str(err.value)
+    need = float(text.split("at least ")[1].split(" GiB")[0])
+    device = cluster.device.memory_bytes / GiB
+    assert "mem/stage" in text and f"{device:.2f} GiB" in text
+    assert need > device  # the smallest plan needs more than one device holds
+    assert "more devices" in text and "offload" in text and "recompute='full'" in text

@@ -1,0 +1,125 @@
+"""Shared cases of the runtime numerics tests: one spawned gloo job runs many plans.
+
+Each case builds a per-rank program for a tiny reference model under a plan,
+trains 3 SGD steps (fp32, 2 micro-batches, clipping on) and returns the losses
+and the rank's fp32 local shards; the parent rebuilds full parameters from the
+shards (``ParamPlacement``) and compares them and the losses with single-device
+training. Equal parameters after SGD steps mean equal gradients.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from autoshard.models import build
+from autoshard.passes import capture
+from autoshard.passes.context import chunk_size
+from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
+from autoshard.runtime import build_program
+from autoshard.runtime.optimizer import OptimizerConfig
+from autoshard.train import TrainSpec
+
+OPT = OptimizerConfig(name="sgd", lr=0.5, max_grad_norm=1.0)
+STEPS, MICRO, BATCH, SEQ = 3, 2, 8, 8
+
+
+def loss_fn(out, tokens):
+    logits, values = out
+    ce = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    return ce + values.pow(2).mean()
+
+
+def batches():
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, 128, (BATCH, SEQ), generator=g) for _ in range(STEPS)]
+
+
+@functools.lru_cache(maxsize=None)
+def graph_of(spec: str):
+    return capture(build(spec), seq_lens=(8, 16))
+
+
+def make_plan(spec: str, mesh: Mesh, choose) -> Plan:
+    """A plan with ``choose(layer_name) -> dict`` of strategy fields per layer."""
+    graph = graph_of(spec)
+    layers = tuple(LayerStrategy(layer=l.name, **choose(l.name)) for l in graph.layers)
+    return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=MICRO))
+
+
+def single_device(spec: str):
+    """Losses and final parameters of plain single-device training (the reference)."""
+    model = build(spec)
+    params = [p for p in model.parameters()]
+    losses = []
+    for toks in batches():
+        total = 0.0
+        for chunk in toks.chunk(4, 0):  # dp=2 x micro=2 slices of 2 rows, same means as the sharded run
+            loss = loss_fn(model(chunk), chunk) / 4
+            loss.backward()
+            total += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(params, OPT.max_grad_norm)
+        with torch.no_grad():
+            for p in params:
+                p -= OPT.lr * p.grad
+                p.grad = None
+        losses.append(total)
+    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+
+
+class CountCollectives(TorchDispatchMode):
+    """Counts ``autoshard::`` collective calls by op name."""
+
+    def __init__(self):
+        super().__init__()
+        self.counts: dict[str, int] = {}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.namespace == "autoshard":
+            name = func.__name__.split(".")[0]
+            self.counts[name] = self.counts.get(name, 0) + 1
+        return func(*args, **(kwargs or {}))
+
+
+def train_case(rank, world_size, spec, graph, plan, count=False):
+    """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1)."""
+    model = build(spec)
+    program = build_program(model, graph, plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT)
+    losses, counts = [], None
+    for i, toks in enumerate(batches()):
+        if count and i == 0:
+            with CountCollectives() as counter:
+                losses.append(program.step(program.local_batch(toks), loss_fn).loss)
+            counts = counter.counts
+        else:
+            losses.append(program.step(program.local_batch(toks), loss_fn).loss)
+    return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
+            "coords": program.ctx.coords, "counts": counts}
+
+
+def reassemble(results: list[dict], mesh: Mesh) -> dict[str, torch.Tensor]:
+    """Full parameters from every rank's shards (tp pieces concatenated, ZeRO-3 chunks joined)."""
+    full = {}
+    for fqn, placement in results[0]["placements"].items():
+        tp_pieces = []
+        for t in range(mesh.tp):
+            ranks = [r for r in results if r["coords"]["tp"] == t and r["coords"]["dp_replicate"] == 0 and r["coords"]["pp"] == 0]
+            ranks.sort(key=lambda r: r["coords"]["dp_shard"])
+            piece = torch.cat([r["shards"][fqn] for r in ranks], 0) if placement.dp_dim is not None else ranks[0]["shards"][fqn]
+            tp_pieces.append(piece)
+        full[fqn] = torch.cat(tp_pieces, placement.tp_dim) if placement.tp_dim is not None else tp_pieces[0]
+    return full
+
+
+def check_against_reference(results, reference, mesh, rtol=1e-5, atol=1e-6):
+    ref_losses, ref_params = reference
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=rtol, atol=atol)
+    full = reassemble(results, mesh)
+    for fqn, value in full.items():
+        torch.testing.assert_close(value, ref_params[fqn], rtol=rtol, atol=atol, msg=lambda m: f"{fqn}: {m}")
+
+
+__all__ = ["check_against_reference", "chunk_size", "make_plan", "single_device", "train_case"]
