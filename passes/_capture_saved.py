@@ -15,13 +15,15 @@ once, to the first layer that saves it. ``data_ptr`` is useless on meta (always 
 Parameters and buffers are excluded (their storages are known up front): they
 are model state, not activations.
 
-Root-level tensors. A tensor created outside every submodule (RoPE tables and
-position ids computed once per forward at the root, then saved by every block)
-is charged once to the layer that *created* it by the nearest-preceding rule
-(the embedding, for RoPE), not to the first block that saves it: otherwise
-block 0 would differ from its identical siblings. Creation is seen by a
-``TorchDispatchMode`` that records the storages each op outputs while no
-submodule is running.
+Root-level tensors. A tensor created outside every submodule and saved by
+*several* layers (RoPE tables computed once per forward at the root, then saved
+by every block) is charged once, as boundary, to the layer that *created* it by
+the nearest-preceding rule (the embedding, for RoPE), not to the first block
+that saves it: otherwise block 0 would differ from its identical siblings. A
+root-level tensor saved by one layer only (GPT's ``embed + pos_embed`` sum, the
+input of block 0's norm) stays with that layer, like any other. Creation is
+seen by a ``TorchDispatchMode`` that records the storages each op outputs while
+no submodule is running.
 
 Kernel profile ([Note: measured kernels]). Meta and CPU pick different kernels
 than a GPU, and those save different tensors: CPU ``dropout`` keeps a mask in the
@@ -46,7 +48,7 @@ vocab or replicated linear), or after the layer's row-parallel module returned
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -110,10 +112,21 @@ def _fused_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=Fals
     )[0]
 
 
+@dataclass
+class _Saved:
+    """One saved storage: its bytes, class and first saver, and every layer that saved it."""
+
+    nbytes: int
+    cls: str
+    first: LayerSpec | None  # None: saved before any layer ran (charged to the first layer)
+    savers: set[str] = field(default_factory=set)
+
+
 class _Recorder:
     """Module stack + saved-tensor bookkeeping for one forward pass."""
 
     def __init__(self, layers: list[LayerSpec], weight_roles: dict[int, str], excluded: set[int]):
+        self.layers = layers
         self.layer_of = {id(spec.module): spec for spec in layers if spec.name != ROOT_LAYER}
         self.weight_roles = weight_roles
         self.excluded = excluded
@@ -121,12 +134,9 @@ class _Recorder:
         self.last_layer: LayerSpec | None = None
         self.first_layer: LayerSpec | None = None
         self.after_row: set[str] = set()
-        self.seen: set[int] = set()
-        self.keep: list[torch.Tensor] = []
-        self.pending: list[tuple[str, int]] = []  # saved before any layer ran
-        self.root_created: dict[int, LayerSpec | None] = {}  # storage → layer running before it was made
-        self.root_tensors: list[torch.Tensor] = []  # keeps root_created addresses from being reused
-        self.totals: dict[str, list[int]] = {spec.name: [0, 0] for spec in layers}
+        self.saved: dict[int, _Saved] = {}  # storage address → record
+        self.keep: list[torch.Tensor] = []  # keeps saved storages (and their addresses) alive
+        self.root_created: dict[int, LayerSpec | None] = {}  # storage → layer that ran last before it was made
 
     def created(self, outputs: list[torch.Tensor]) -> None:
         """Record storages made while no submodule runs (see "Root-level tensors")."""
@@ -134,7 +144,7 @@ class _Recorder:
             return
         for t in outputs:
             self.root_created.setdefault(t.untyped_storage()._cdata, self.last_layer)
-            self.root_tensors.append(t)
+            self.keep.append(t)
 
     def pre(self, module: nn.Module, args) -> None:
         self.stack.append(module)
@@ -143,9 +153,6 @@ class _Recorder:
             self.after_row.discard(spec.name)
             self.last_layer = spec
             self.first_layer = self.first_layer or spec
-            for cls, nbytes in self.pending:
-                self._charge(spec.name, cls, nbytes)
-            self.pending.clear()
 
     def post(self, module: nn.Module, args, output) -> None:
         popped = self.stack.pop()
@@ -156,19 +163,27 @@ class _Recorder:
     def pack(self, tensor: torch.Tensor) -> torch.Tensor:
         storage = tensor.untyped_storage()
         key = storage._cdata
-        if key in self.excluded or key in self.seen:
+        if key in self.excluded:
             return tensor
-        self.seen.add(key)
-        self.keep.append(tensor)
         spec = self._current_layer()
-        if key in self.root_created:
-            spec = self.root_created[key] or self.first_layer
-        cls = self._classify(spec)
-        if spec is None:
-            self.pending.append((cls, storage.nbytes()))
-        else:
-            self._charge(spec.name, cls, storage.nbytes())
+        if key not in self.saved:
+            self.saved[key] = _Saved(storage.nbytes(), self._classify(spec), spec)
+            self.keep.append(tensor)
+        self.saved[key].savers.add(spec.name if spec is not None else "")
         return tensor
+
+    def totals(self) -> dict[str, SavedBytes]:
+        """Bytes per layer: each storage once, to its first saver, or to its creator when it is a
+        root-level tensor saved by several layers (then boundary: such tensors are not TP-sharded)."""
+        out = {spec.name: [0, 0] for spec in self.layers}
+        for key, record in self.saved.items():
+            layer, cls = record.first, record.cls
+            if key in self.root_created and len(record.savers) > 1:
+                layer, cls = self.root_created[key], "boundary"
+            layer = layer or self.first_layer
+            assert layer is not None, "a tensor was saved but no layer ever ran"
+            out[layer.name][0 if cls == "boundary" else 1] += record.nbytes
+        return {name: SavedBytes(b, i) for name, (b, i) in out.items()}
 
     def _current_layer(self) -> LayerSpec | None:
         for module in reversed(self.stack):
@@ -184,9 +199,6 @@ class _Recorder:
         if role is not None and role not in _INTERIOR_ROLES:
             return "boundary"
         return "interior"
-
-    def _charge(self, layer: str, cls: str, nbytes: int) -> None:
-        self.totals[layer][0 if cls == "boundary" else 1] += nbytes
 
 
 def measure_saved(
@@ -220,7 +232,7 @@ def measure_saved(
     finally:
         for handle in handles:
             handle.remove()
-    return {name: SavedBytes(b, i) for name, (b, i) in recorder.totals.items()}
+    return recorder.totals()
 
 
 def _meta_state(model: nn.Module) -> dict[str, torch.Tensor]:
