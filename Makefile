@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean wheelhouse bench-search bench-capture
+.PHONY: demo test venv clean wheelhouse bench-search bench-capture bench-kernels
 
 venv: $(STAMP)
 
@@ -22,6 +22,16 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "not gpu" -p no:cacheprovider
+
+bench-capture: $(STAMP)
+	$(PY) benchmarks/capture_bench.py
+
+bench-search: $(STAMP)
+	$(PY) benchmarks/search_bench.py
+
+# GPU only (not CI); on CPU `--smoke` runs the same logic under the Triton interpreter.
+bench-kernels: $(STAMP)
+	$(PY) benchmarks/kernels_bench.py
 
 wheelhouse:
 	$(PYTHON) scripts/build_wheelhouse.py --python-version 3.12 --out .whl

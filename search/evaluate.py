@@ -262,6 +262,13 @@ class CostTable:
     activation ``A'`` (0 under full recompute, ``search/memory.py``) and the
     stage-boundary send/recv ``P`` (``cost_model.boundary_send_s``); other cost
     functions price neither.
+
+    Sharing across schedules: the real cost model reads only ``micro_batch``
+    and ``num_micro_batches`` of the schedule (``layer_terms``: tokens per
+    micro-batch, gathers/reductions per step), so its entries are keyed by
+    those two and reused by every pipeline schedule (1F1B, GPipe, interleaved
+    with any ``v``) of the same mesh and micro-batch; ``tests/test_cost_model.py``
+    checks that premise. Other cost functions are keyed by the whole schedule.
     """
 
     def __init__(self, cost_fn: CostFn, cluster: Cluster, train: TrainSpec) -> None:
@@ -277,7 +284,8 @@ class CostTable:
 
     def options(self, layer: LayerInfo, strategies: Sequence[LayerStrategy], mesh: Mesh,
                 schedule: Schedule) -> list[Option]:
-        keys = [(layer.class_id, strategy_key(s), mesh, schedule) for s in strategies]
+        sched_key = self.schedule_key(schedule)
+        keys = [(layer.class_id, strategy_key(s), mesh, sched_key) for s in strategies]
         missing = [s for s, key in zip(strategies, keys) if key not in self._cache]
         if missing:
             self._fill(layer, missing, mesh, schedule)
@@ -287,16 +295,21 @@ class CostTable:
             out.append(option if option.strategy == s else dataclasses.replace(option, strategy=s))
         return out
 
+    def schedule_key(self, schedule: Schedule) -> tuple | Schedule:
+        """The part of ``schedule`` the cost function reads (class docstring)."""
+        return (schedule.micro_batch, schedule.num_micro_batches) if self.real else schedule
+
     def _fill(self, layer: LayerInfo, strategies: Sequence[LayerStrategy], mesh: Mesh, schedule: Schedule) -> None:
         self.calls += len(strategies)
+        sched_key = self.schedule_key(schedule)
         if not self.real:
             for s in strategies:
                 cost = self.cost_fn(layer, s, mesh, self.cluster, self.train, schedule)
-                self._cache[(layer.class_id, strategy_key(s), mesh, schedule)] = Option(s, cost)
+                self._cache[(layer.class_id, strategy_key(s), mesh, sched_key)] = Option(s, cost)
             return
         costs = cost_model.layer_cost_table(layer, strategies, mesh, self.cluster, self.train, schedule)
         p2p = {sp: cost_model.boundary_send_s(layer, sp, mesh, self.cluster, schedule, self.train)
                for sp in {s.sp for s in strategies}}
         for s, cost in zip(strategies, costs):
             chain = 0.0 if s.recompute == "full" else None
-            self._cache[(layer.class_id, strategy_key(s), mesh, schedule)] = Option(s, cost, chain, p2p[s.sp])
+            self._cache[(layer.class_id, strategy_key(s), mesh, sched_key)] = Option(s, cost, chain, p2p[s.sp])

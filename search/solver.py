@@ -72,7 +72,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError, InfeasibleError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions, Schedule, SolverStats
-from autoshard.search import cost_model
+from autoshard.search import cost_model, incumbent
 from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, solve_model
 from autoshard.search.evaluate import (
     CostFn, CostTable, Option, anchor_blocks, chain_flags, evaluate, fallback_predictions, layer_stages,
@@ -124,6 +124,8 @@ class _Search:
     solved_meshes: set = dataclasses.field(default_factory=set)
     too_big: dict = dataclasses.field(default_factory=dict)  # (mesh, schedule kind) → smallest failing micro-batch
     statuses: list = dataclasses.field(default_factory=list)
+    upper_s: float = math.inf  # heuristic incumbent U (incumbent.py): some plan is at least this fast
+    mesh_bound_s: float | None = None  # cost_model.lower_bound_step_time (depends on the world size only)
 
 
 def without_wall_time(plan: Plan) -> Plan:
@@ -157,7 +159,12 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
     if not candidates:
         raise _no_mesh_error(enumeration.pruned + tuple(pin_records), constraints)
     search.unit_s = _time_unit(candidates)
-    _run(search, _ordered(candidates, hint), hint, start + time_limit_s, num_workers)
+    ordered = _ordered(candidates, hint)
+    _run(search, ordered, hint, start + time_limit_s, num_workers)
+    if search.best is None and math.isfinite(search.upper_s) and "TIME_LIMIT" not in search.statuses:
+        # U came from a plan CP-SAT does not reproduce (it never has so far): search again without it
+        search.upper_s, search.statuses = math.inf, []
+        _run(search, ordered, hint, start + time_limit_s, num_workers, use_upper=False)
     if search.best is None:
         raise _infeasible_error(search, constraints)
     return _assemble(search, len(enumeration.meshes), time.monotonic() - start, cost_fn)
@@ -205,7 +212,9 @@ def _mesh_bound(search: _Search, mesh: Mesh, cost_fn: CostFn) -> float:
     bound_fn = getattr(cost_model, "lower_bound_step_time", None)
     if bound_fn is None or cost_fn is not cost_model.layer_cost:
         return 0.0
-    return float(bound_fn(search.graph, mesh, search.cluster, search.train))
+    if search.mesh_bound_s is None:  # compute spread over the whole world: the same for every mesh
+        search.mesh_bound_s = float(bound_fn(search.graph, mesh, search.cluster, search.train))
+    return search.mesh_bound_s
 
 
 def _slots(mesh: Mesh, schedule: Schedule) -> float:
@@ -251,33 +260,60 @@ def _bare(schedule: Schedule) -> Schedule:
 
 
 # ----------------------------------------------------------------------------- main loop
-def _run(search: _Search, candidates: list[Candidate], hint: Plan | None, deadline: float, num_workers: int) -> None:
-    """Best-first branch and bound (module docstring, step 3): pop the smallest bound; a probe-level
-    entry is refined into its table bound, a table-level entry goes to CP-SAT."""
-    heap = [(c.lower_bound_s, i, 0, c, None) for i, c in enumerate(candidates)]
+UPPER_SLACK = 1e-4  # a heuristic incumbent U admits CP-SAT solutions with step < U·(1 + slack) (rounding)
+MEMORY_MARGIN = 1e-3  # heuristic plans must fit M·(1 − margin), so KiB rounding in CP-SAT keeps them feasible
+
+
+def _run(search: _Search, candidates: list[Candidate], hint: Plan | None, deadline: float, num_workers: int,
+         use_upper: bool = True) -> None:
+    """Best-first branch and bound (module docstring, step 3) over two heaps of (bound, order, candidate):
+    ``probes`` (probe bound) and ``tables`` (table bound, ready for CP-SAT). While a heuristic
+    incumbent U is known, every probe entry with bound ≤ U is refined before any CP-SAT solve, so
+    CP-SAT starts with the best cutoff the tables give; without U the smaller bound goes first."""
+    probes = [(c.lower_bound_s, i, c) for i, c in enumerate(candidates)]
     if hint is not None and candidates and (candidates[0].mesh, candidates[0].schedule) == (hint.mesh, _bare(hint.schedule)):
-        heap[0] = (-math.inf, 0, 0, candidates[0], None)  # the hint's candidate runs first
-    heapq.heapify(heap)
-    while heap:
-        bound, i, level, cand, options = heapq.heappop(heap)
-        best_s = search.best[0] if search.best else math.inf
-        if bound >= best_s:
-            return  # every remaining entry's bound is ≥ too
+        probes[0] = (-math.inf, 0, candidates[0])  # the hint's candidate runs first
+    heapq.heapify(probes)
+    tables: list = []
+    while True:
+        probe_ok, table_ok = (bool(h) and _alive(search, h[0][0], use_upper) for h in (probes, tables))
+        if not probe_ok and not table_ok:
+            return  # every remaining entry's bound is ≥ the incumbent
         remaining = deadline - time.monotonic()
         if remaining <= 0:
-            search.bound_s = min(search.bound_s, max(bound, 0.0))
+            search.bound_s = min(search.bound_s, max(min(h[0][0] for h in (probes, tables) if h), 0.0))
             search.statuses.append("TIME_LIMIT")
             return
-        if level == 0:
-            refined = _refine(search, cand)
+        if probe_ok and (use_upper and math.isfinite(search.upper_s) or not table_ok
+                         or probes[0][:2] <= tables[0][:2]):
+            bound, i, cand = heapq.heappop(probes)
+            refined = _refine(search, cand, use_upper)
             if refined is not None:
-                heapq.heappush(heap, (max(cand.lower_bound_s, refined[0]), i, 1, cand, refined[1]))
+                heapq.heappush(tables, (max(cand.lower_bound_s, refined[0]), i, cand, refined[1]))
             continue
-        _solve_candidate(search, cand, options, hint, remaining, num_workers)
+        _, _, cand, options = heapq.heappop(tables)
+        _solve_candidate(search, cand, options, hint, remaining, num_workers, use_upper)
 
 
-def _refine(search: _Search, cand: Candidate) -> tuple[float, tuple] | None:
-    """(table bound, dominance-pruned options) of a candidate, or None when it cannot fit."""
+def _alive(search: _Search, bound: float, use_upper: bool) -> bool:
+    """A bound can still hold the optimum: < the CP-SAT incumbent and ≤ the heuristic one (ties kept)."""
+    if search.best is not None and bound >= search.best[0]:
+        return False
+    return not use_upper or bound <= search.upper_s * (1 + UPPER_SLACK)
+
+
+def _note_upper(search: _Search, cand: Candidate, options) -> None:
+    """Lower U with ``incumbent.upper_bound`` of a refined candidate."""
+    anchors = anchor_blocks(search.graph)
+    u = incumbent.upper_bound(options, search.class_of_layer, anchors, num_anchor_blocks(search.graph),
+                              chain_flags(search.graph), cand.mesh, cand.schedule,
+                              search.cap_bytes * (1 - MEMORY_MARGIN))
+    search.upper_s = min(search.upper_s, u)
+
+
+def _refine(search: _Search, cand: Candidate, use_upper: bool = True) -> tuple[float, tuple] | None:
+    """(table bound, dominance-pruned options) of a candidate, or None when it cannot fit. A candidate
+    whose table bound could still win also lowers the heuristic incumbent U (``incumbent.py``)."""
     if _memory_hopeless(search, cand):
         return None
     options = _class_options(search, cand)
@@ -285,6 +321,8 @@ def _refine(search: _Search, cand: Candidate) -> tuple[float, tuple] | None:
     _note_memory(search, cand, mem_lb)
     if mem_lb > search.cap_bytes:
         return None
+    if use_upper and _alive(search, max(time_lb, cand.lower_bound_s), use_upper):
+        _note_upper(search, cand, options)
     return time_lb, options
 
 
@@ -375,15 +413,17 @@ def _memory_hopeless(search: _Search, cand: Candidate) -> bool:
 
 
 def _solve_candidate(search: _Search, cand: Candidate, options, hint: Plan | None, remaining: float,
-                     num_workers: int) -> None:
+                     num_workers: int, use_upper: bool = True) -> None:
     best_s = search.best[0] if search.best else math.inf
+    cutoff = best_s if search.best is not None else (
+        search.upper_s * (1 + UPPER_SLACK) if use_upper and math.isfinite(search.upper_s) else None)
     anchors, num_blocks = anchor_blocks(search.graph), num_anchor_blocks(search.graph)
     inp = ModelInput(
         classes=search.classes, options=options,
         block_classes=block_members(anchors, search.class_of_layer, num_blocks),
         block_chain=block_members(anchors, chain_flags(search.graph), num_blocks),
         mesh=cand.mesh, schedule=cand.schedule, cap_bytes=search.cap_bytes, unit_s=search.unit_s,
-        cutoff_s=None if search.best is None else best_s, hint=_hint_strategies(search, hint),
+        cutoff_s=cutoff, hint=_hint_strategies(search, hint),
         hint_block_stage=_hint_block_stages(search, hint, cand),
     )
     result = solve_model(inp, time_limit_s=remaining, num_workers=num_workers)

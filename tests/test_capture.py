@@ -384,10 +384,13 @@ def test_fit_charges_per_call_constants_at_the_longer_sequence():
     assert _fit((100.0, 100.0), batch, lens) == (100.0 / (batch * 32), 0.0)  # a [h]-sized op: constant per call
 
 
-def test_root_level_tensors_are_charged_consistently():
+def test_root_level_tensors_are_charged_consistently(tiny_graphs):
     # dropout 0: GPT's root-level embed + pos_embed sum is saved only by block 0's norm and stays there;
     # llama's root-level RoPE tables are saved by every block and go to their creator, the embedding
     gpt = capture_reference("gpt:tiny", seq_lens=(16, 32))
     norms = [layer for layer in gpt if layer.kind == "norm"]
     assert len({layer.class_id for layer in norms}) == 1
     assert norms[0].saved_boundary_per_token == 2 * 64 + 8  # bf16 input + fp32 mean and rstd
+    seq, head_dim, batch = 128, 16, 2
+    rope = 2 * seq * head_dim * 4 / (batch * seq)  # cos and sin [S, d] fp32, per token
+    assert tiny_graphs["llama"].layer("embed").saved_boundary_per_token == 8 + rope  # int64 token ids + RoPE

@@ -1,0 +1,84 @@
+r"""A cheap feasible plan per candidate: an upper bound on the optimum before any CP-SAT solve.
+
+Branch and bound prunes a candidate when its lower bound is ≥ the best step
+time known, and CP-SAT proves "no plan better than the cutoff" far faster
+than it finds and proves an optimum. Both need a good incumbent early; this
+module finds one in floating point, without CP-SAT.
+
+For one (mesh, schedule) with dominance-pruned options per class:
+
+    for each global sp and each λ in LAMBDA_GRID:
+        choose per class  s_c(λ) = argmin_s  (slots·t_s + tail_s)/p + λ·(S_s + f_max·A_s)
+    place blocks on balanced stages (boundary k at round(k·B/p); interleaved: equal chunks)
+    evaluate every distinct assignment (``evaluate.evaluate``, exactly the solver objective)
+    U = the smallest step among assignments whose every rank fits M
+
+λ trades time for memory (the Lagrangian of the table bound in ``solver.py``,
+with the most-loaded rank's in-flight count ``f_max`` so the choice is safe
+on every stage). U is an upper bound of the candidate's optimum (the
+assignment is feasible for the CP-SAT model: same strategies on every stage,
+boundaries inside every window), hence of the global optimum; it is only a
+bound, never the answer: the plan returned is always a CP-SAT optimum.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import numpy as np
+
+from autoshard.plan import Mesh, Schedule
+from autoshard.search.evaluate import Option, evaluate, interleaved_block_stages
+from autoshard.search.pipeline import in_flight, virtual_stages
+
+LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-3, 3, 25)])  # × (time scale / memory scale)
+
+
+def balanced_block_stages(num_blocks: int, pp: int, schedule: Schedule) -> list[int]:
+    """(Virtual) stage per anchor block: boundary k at round(k·B/p), the centre of the CP-SAT window."""
+    v = virtual_stages(schedule)
+    if v > 1:
+        return interleaved_block_stages(num_blocks, pp, v)
+    centres = [round(k * num_blocks / pp) for k in range(1, pp)]
+    return [sum(1 for c in centres if b >= c) for b in range(num_blocks)]
+
+
+def _assignments(options: Sequence[Sequence[Option]], slots: float, pp: int, f_max: float) -> list[tuple[int, ...]]:
+    """Distinct per-class option indices over (sp, λ) (module docstring), fastest first."""
+    out: dict[tuple[int, ...], None] = {}
+    for sp in (False, True):
+        rows = []
+        for opts in options:
+            idx = [i for i, o in enumerate(opts) if o.strategy.sp == sp]
+            if not idx:
+                break
+            cost = np.array([(slots * opts[i].time_s + opts[i].tail_s) / pp for i in idx])  # (n_s,)
+            mem = np.array([opts[i].static_bytes + f_max * opts[i].activation_bytes for i in idx])  # (n_s,)
+            rows.append((np.array(idx), cost, mem))
+        else:
+            scale = max(sum(c.min() for _, c, _ in rows), 1e-30) / max(sum(m.min() for _, _, m in rows), 1.0)
+            lam = LAMBDA_GRID * scale  # (L,)
+            picks = np.stack([idx[(cost[None, :] + lam[:, None] * mem[None, :]).argmin(axis=1)]
+                              for idx, cost, mem in rows], axis=1)  # (L, C)
+            for row in picks:
+                out.setdefault(tuple(int(i) for i in row), None)
+    return list(out)
+
+
+def upper_bound(options: Sequence[Sequence[Option]], class_of_layer: Sequence[int], anchors: Sequence[int],
+                num_blocks: int, continues: Sequence[bool], mesh: Mesh, schedule: Schedule,
+                cap_bytes: float) -> float:
+    """U of the module docstring (``math.inf`` when no tried assignment fits)."""
+    pp = mesh.pp
+    slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
+    f_max = max(in_flight(schedule, pp, k) for k in range(pp))
+    block_stage = balanced_block_stages(num_blocks, pp, schedule)
+    stages = [block_stage[a] for a in anchors]
+    best = math.inf
+    for choice in _assignments(options, slots, pp, f_max):
+        layer_options = [options[c][choice[c]] for c in class_of_layer]
+        ev = evaluate(layer_options, stages, mesh, schedule, continues)
+        if ev.peak_memory_bytes <= cap_bytes:
+            best = min(best, ev.step_s)
+    return best
