@@ -41,6 +41,7 @@ Non-tensor values
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import uuid
@@ -247,8 +248,6 @@ def _rng_tensors(rng: RngState, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _check_extras(extras: Mapping[str, Any]) -> dict[str, Any]:
-    import json
-
     try:
         return json.loads(json.dumps(dict(extras), allow_nan=False))
     except (TypeError, ValueError) as err:
@@ -283,8 +282,11 @@ def save(path: str | os.PathLike, state: CheckpointState, *, process_group: Any 
     Atomic (``_checkpoint_files`` note "atomic commit"): ranks write into
     ``path.tmp-<uuid>/``; rank 0 commits with renames once every rank's writes
     have returned; a previous checkpoint at ``path`` is replaced only then.
-    A failure on any rank raises on every rank and leaves ``path`` as it was.
-    Without a process group, saves from this one process. Returns ``path``.
+    A failure on any rank raises on every rank and leaves ``path`` as it was:
+    DCP reports failures inside its phases as ``CheckpointException`` (a
+    ``BaseException`` subclass, with every failed rank's traceback); a bad
+    state raises ``CheckpointError`` before any collective. Without a process
+    group, saves from this one process. Returns ``path``.
     """
     path = Path(path).absolute()
     rank, world_size, distributed = _world(process_group)

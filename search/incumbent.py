@@ -11,7 +11,7 @@ For one (mesh, schedule) with dominance-pruned options per class:
         choose per class  s_c(λ) = argmin_s  (slots·t_s + tail_s)/p + λ·(S_s + f_max·A_s)
     place blocks on balanced stages (boundary k at round(k·B/p); interleaved: equal chunks)
     evaluate every distinct assignment (``evaluate.evaluate``, exactly the solver objective)
-    U = the smallest step among assignments whose every rank fits M
+    U = the step of the first assignment (sp = False first, then the smallest λ) whose every rank fits M
 
 λ trades time for memory (the Lagrangian of the table bound in ``solver.py``,
 with the most-loaded rank's in-flight count ``f_max`` so the choice is safe
@@ -45,7 +45,8 @@ def balanced_block_stages(num_blocks: int, pp: int, schedule: Schedule) -> list[
 
 
 def _assignments(options: Sequence[Sequence[Option]], slots: float, pp: int, f_max: float) -> list[tuple[int, ...]]:
-    """Distinct per-class option indices over (sp, λ) (module docstring), fastest first."""
+    """Distinct per-class option indices over (sp, λ) (module docstring): sp = False first, then
+    increasing λ (faster, hungrier assignments first)."""
     out: dict[tuple[int, ...], None] = {}
     for sp in (False, True):
         rows = []
@@ -75,10 +76,9 @@ def upper_bound(options: Sequence[Sequence[Option]], class_of_layer: Sequence[in
     f_max = max(in_flight(schedule, pp, k) for k in range(pp))
     block_stage = balanced_block_stages(num_blocks, pp, schedule)
     stages = [block_stage[a] for a in anchors]
-    best = math.inf
-    for choice in _assignments(options, slots, pp, f_max):
+    for choice in _assignments(options, slots, pp, f_max):  # per sp, fastest λ first
         layer_options = [options[c][choice[c]] for c in class_of_layer]
         ev = evaluate(layer_options, stages, mesh, schedule, continues)
         if ev.peak_memory_bytes <= cap_bytes:
-            best = min(best, ev.step_s)
-    return best
+            return ev.step_s
+    return math.inf

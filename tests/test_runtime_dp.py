@@ -26,8 +26,8 @@ def _attn_zero3_rest_ddp(layer):
 
 
 def _alternate_states(layer):
-    states = ("zero1", "zero2", "zero3", "replicate", "offload")
-    return {"state": states[hash(layer.split(".")[-1]) % len(states)] if "blocks" in layer else "zero3"}
+    by_kind = {"attn_norm": "zero1", "attn": "zero3", "mlp_norm": "replicate", "mlp": "zero2"}
+    return {"state": by_kind.get(layer.split(".")[-1], "offload") if "blocks" in layer else "zero3"}
 
 
 CASES_2 = {
