@@ -11,15 +11,28 @@ gpt-1t (128 L)  384 × 8 A100 80GB      3072 × 2048   60 s
 mixtral-8x7b    8 × 8 H100 SXM         1024 × 4096   10 s
 ==============  =====================  ============  ======
 
+plus the captured reference graph of llama:7b (``passes.capture.capture_reference``) on the
+7B problem; its capture time is reported apart from the search time (``capture_s``), and the
+captured graph is kept in memory for the process.
+
+Per problem, ``phases`` splits the wall time (seconds, exclusive): ``candidates`` (mesh
+enumeration, probe bounds), ``tables`` (memory probe, cost tables, dominance, table bounds),
+``upper`` (the heuristic incumbent, ``search/incumbent.py``), ``cpsat`` (build and solve), and
+counts the candidates, refinements and CP-SAT solves (by status). The phases are measured by
+wrapping the solver's internal functions in this process only.
+
 Uses the real cost model when it is implemented, else ``toy_layer_cost``.
 Writes ``benchmarks/results/search_<date>.json`` and prints a table.
-Run from the repository root: ``.venv/bin/python benchmarks/search_bench.py [--only NAME]``.
+Run from the repository root: ``.venv/bin/python benchmarks/search_bench.py [--only NAME] [--no-capture]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import contextlib
 import datetime
+import functools
 import json
 import pathlib
 import sys
@@ -31,7 +44,7 @@ sys.path.insert(0, str(ROOT))  # the editable install maps autoshard.search only
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from autoshard.search import cost_model, solve  # noqa: E402
+from autoshard.search import cost_model, solve, solver  # noqa: E402
 from autoshard.search.synthetic import (  # noqa: E402
     GPT_1T, LLAMA_7B, LLAMA_70B, MIXTRAL_8X7B, synthetic_cluster, synthetic_graph, toy_layer_cost,
 )
@@ -57,23 +70,77 @@ def _cost_fn():
         return toy_layer_cost, "toy_layer_cost (real cost model not implemented)"
 
 
-def run(only: str | None = None) -> list[dict]:
+PHASES = {"_candidates": "candidates", "_refine": "tables", "_note_upper": "upper", "_solve_candidate": "cpsat"}
+
+
+@contextlib.contextmanager
+def _phase_profile():
+    """Exclusive seconds and call counts per solver phase (``PHASES``), by wrapping the functions."""
+    seconds, calls, stack = collections.defaultdict(float), collections.Counter(), []
+    originals = {name: getattr(solver, name) for name in PHASES}
+
+    def wrap(name, fn):
+        @functools.wraps(fn)
+        def timed(*args, **kwargs):
+            stack.append(0.0)
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                total = time.perf_counter() - start
+                inner = stack.pop()
+                seconds[PHASES[name]] += total - inner
+                calls[PHASES[name]] += 1
+                if stack:
+                    stack[-1] += total
+        return timed
+
+    for name, fn in originals.items():
+        setattr(solver, name, wrap(name, fn))
+    try:
+        yield seconds, calls
+    finally:
+        for name, fn in originals.items():
+            setattr(solver, name, fn)
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(spec: str):
+    """(graph, capture seconds) of a reference model, captured once per process."""
+    from autoshard.passes.capture import capture_reference
+
+    start = time.perf_counter()
+    graph = capture_reference(spec)
+    return graph, time.perf_counter() - start
+
+
+def _problems(only: str | None, with_capture: bool):
+    for name, cfg, preset, nodes, train, target in PROBLEMS:
+        if not only or only in name:
+            yield name, (lambda cfg=cfg: (synthetic_graph(cfg), 0.0)), preset, nodes, train, target
+    if with_capture and (not only or only in "llama-7b/8 captured"):
+        yield "llama-7b/8 captured", lambda: _captured("llama:7b"), "h100-sxm", 1, PROBLEMS[0][4], 2.0
+
+
+def run(only: str | None = None, with_capture: bool = True) -> list[dict]:
     cost_fn, cost_name = _cost_fn()
     rows = []
-    for name, cfg, preset, nodes, train, target in PROBLEMS:
-        if only and only not in name:
-            continue
-        graph, cluster = synthetic_graph(cfg), synthetic_cluster(preset, nodes)
-        start = time.perf_counter()
-        plan = solve(graph, cluster, train, cost_fn=cost_fn, time_limit_s=max(4 * target, 60.0))
-        wall = time.perf_counter() - start
-        block = next(s for s in plan.layers if s.layer.endswith(".mlp"))
+    for name, make_graph, preset, nodes, train, target in _problems(only, with_capture):
+        (graph, capture_s), cluster = make_graph(), synthetic_cluster(preset, nodes)
+        with _phase_profile() as (seconds, calls):
+            start = time.perf_counter()
+            plan = solve(graph, cluster, train, cost_fn=cost_fn, time_limit_s=max(4 * target, 60.0))
+            wall = time.perf_counter() - start
+        block = next((s for s in plan.layers if "mlp" in s.layer and "norm" not in s.layer), plan.layers[0])
         rows.append({
             "problem": name, "params": graph.param_count, "world": cluster.world_size, "wall_s": round(wall, 3),
-            "target_s": target, "status": plan.solver.status, "step_s": plan.solver.objective,
-            "mesh": str(plan.mesh), "schedule": str(plan.schedule), "mlp_strategy": block.notation or "DDP",
-            "meshes_considered": plan.solver.meshes_considered, "meshes_solved": plan.solver.meshes_solved,
-            "mfu": plan.predictions.mfu, "cost_model": cost_name,
+            "capture_s": round(capture_s, 3), "target_s": target, "status": plan.solver.status,
+            "step_s": plan.solver.objective, "mesh": str(plan.mesh), "schedule": str(plan.schedule),
+            "mlp_strategy": block.notation or "DDP", "meshes_considered": plan.solver.meshes_considered,
+            "meshes_solved": plan.solver.meshes_solved, "mfu": plan.predictions.mfu, "cost_model": cost_name,
+            "phases": {"seconds": {k: round(v, 3) for k, v in sorted(seconds.items())},
+                       "other_s": round(wall - sum(seconds.values()), 3),
+                       "refinements": calls["tables"], "cpsat_solves": calls["cpsat"]},
         })
     return rows
 
@@ -81,10 +148,11 @@ def run(only: str | None = None) -> list[dict]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run the problems whose name contains this")
+    parser.add_argument("--no-capture", action="store_true", help="skip the captured llama:7b graph")
     args = parser.parse_args()
-    rows = run(args.only)
+    rows = run(args.only, not args.no_capture)
     table = Table(title=f"search benchmark ({rows[0]['cost_model'] if rows else ''})")
-    columns = ("problem", "world", "wall_s", "target_s", "status", "step_s", "mesh", "schedule", "mlp_strategy",
+    columns = ("problem", "world", "wall_s", "capture_s", "target_s", "status", "step_s", "mesh", "schedule", "mlp_strategy",
                "meshes_solved")
     for column in columns:
         table.add_column(column)

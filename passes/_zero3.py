@@ -12,6 +12,20 @@ ceil(d_i / n)``. Forward, per layer:
 Every step is differentiable: the all-gather's backward is ONE reduce-scatter
 (``avg``: the mean over dp_shard of the per-rank losses) per layer, and the
 pad/split/narrow backward routes each parameter's gradient to its own shard.
+
+Quantized communication (set by the ``quantize_comm`` pass through
+``GatherSpec.qdtype`` / ``grad_comm``; both "none" by default): the gather
+becomes ``autoshard::quantized_all_gather`` of the same ``(L,)`` copy-in
+(``runtime/quantized_collectives.py``): the local ``flat_local`` is quantized
+(int8 / fp8) with one scale per ``block`` elements, the ``uint8`` rows (payload
+and scales) are all-gathered once, and dequantization writes the compute dtype
+directly. Its backward reduce-scatters the ``(n·L,)`` gradient per
+``grad_comm`` (full precision, fp32, or qgZ int8/int4). The padded flat layout
+is unchanged, so the copy-out and the gradient routing are the same code.
+Since the re-gather in backward calls ``gather_roots`` again on the same
+shards, it is quantized the same way and yields bit-identical weights (the
+quantization is deterministic). The shards themselves (and the fp32 masters in
+the optimizer) are never overwritten by dequantized values.
 ``regather`` (installed by the ``recompute`` pass) is told about every copy-out
 tensor so that backward can re-gather instead of keeping it (``passes/recompute.py``).
 """
@@ -26,7 +40,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.runtime import collectives
+from autoshard.runtime import collectives, quantized_collectives
 
 
 @dataclass(frozen=True)
@@ -40,6 +54,13 @@ class GatherSpec:
     global_dim0: tuple[int, ...]  # d_i
     rest_shapes: tuple[tuple[int, ...], ...]  # rest_i
     grad_op: str = "avg"
+    qdtype: str = "none"  # parameter payload on the wire (quantized_collectives.QDTYPES)
+    grad_comm: str = "none"  # gradient reduction in backward (quantized_collectives.GRAD_COMMS)
+
+    @property
+    def quantized(self) -> bool:
+        """Whether the gather or its backward deviates from the plain compute-dtype collectives."""
+        return self.qdtype != "none" or self.grad_comm != "none"
 
     def padded_dim0(self, i: int) -> int:
         return -(-self.global_dim0[i] // self.num_ranks)  # c_i
@@ -65,12 +86,21 @@ class Zero3Gather(nn.Module):
             flat = shard.reshape(-1)
             pieces.append(F.pad(flat, (0, pad_rows * math.prod(spec.rest_shapes[i]))) if pad_rows else flat)
         flat_local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (L,)
-        flat = collectives.all_gather(flat_local, 0, spec.group_name, spec.grad_op)  # (n·L,)
+        flat = self._all_gather(flat_local)  # (n·L,)
         per_param = flat.view(spec.num_ranks, -1).split(spec.flat_sizes(), dim=1)
         return [
             p.reshape(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]).contiguous()
             for i, p in enumerate(per_param)
         ]
+
+    def _all_gather(self, flat_local: torch.Tensor) -> torch.Tensor:
+        """(L,) → (n·L,) rank-major; plain or quantized per the spec (module note)."""
+        spec = self.spec
+        if not spec.quantized:
+            return collectives.all_gather(flat_local, 0, spec.group_name, spec.grad_op)
+        return quantized_collectives.quantized_all_gather(
+            flat_local, spec.group_name, spec.qdtype, spec.grad_comm, grad_op=spec.grad_op
+        )
 
     def forward(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         roots = self.gather_roots(shards)

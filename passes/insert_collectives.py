@@ -14,12 +14,37 @@ placement) → collective. Placements over the tp axis:
     shard         local features/heads (column-parallel output, attention core)
     partial       each rank holds a summand (row-parallel output, vocab-masked embedding)
     vocab_shard   logits over this rank's vocabulary slice
+    seq_shard     sequence parallelism: this rank's chunk of the sequence dim, all features
 
     (replicate,   column)    → copy_to_tp       f: identity fwd, all-reduce bwd
     (partial,     replicate) → reduce_from_tp   g: all-reduce fwd, identity bwd
     (vocab_shard, replicate) → gather_from_sp(-1, grad_is_partial=False): all-gather logits
     (shard,       row)       → nothing          already local
     (replicate,   replicate) → nothing
+    (seq_shard,   column)    → gather_from_sp(seq, grad_is_partial=True)   SP g-bar: all-gather fwd, reduce-scatter bwd
+    (partial,     seq_shard) → reduce_scatter(seq, "sum")                  SP g: reduce-scatter fwd, all-gather bwd
+    (replicate,   seq_shard) → scatter_to_sp(seq)                          keep own chunk fwd, all-gather bwd
+    (seq_shard,   replicate) → gather_from_sp(seq, grad_is_partial=False)  all-gather fwd, keep own chunk bwd
+    (param,       seq_shard) → copy_to_tp                                  replicated param used on seq chunks
+
+Sequence parallelism (Megatron-SP, Korthikanti et al. 2022): a layer with
+``sp=True`` whose output is ``partial`` (row-parallel linear, vocab-parallel
+embedding) reduce-scatters it along the sequence instead of all-reducing, so
+the following norm / dropout / residual region runs on ``seq_shard``
+activations; a column-parallel consumer (the next block's q/k/v or up/gate, the
+LM head) all-gathers the sequence first. ``seq_shard`` propagates through any
+op that has a ``seq_shard`` input and no ``shard`` input; its other activation
+inputs that carry the sequence dim (GPT's position embedding) are scattered,
+and the graph outputs (values) are gathered back to replicate. The sequence
+dim of an activation is found by matching its symbolic size with the tokens'
+dim 1 (so the batch-first [B, S, h] layout is required; an op whose output
+loses the sharded dim raises ``PlanError``). Parameters that are replicated
+over tp but used on sequence chunks (norm weights, row-parallel biases, the
+value head) get per-rank partial gradients; each use is wrapped in
+``copy_to_tp`` (identity forward, all-reduce over tp backward), so the grad is
+summed over tp in the graph and the optimizer sees full, tp-replicated
+gradients. Decision: one all-reduce per such parameter per micro-batch
+(Megatron batches them once per step; these are hidden-sized vectors).
 
 A node's consumer placement comes from its parameter: a linear whose weight
 is tp-split on dim 0 with role column is column-parallel (its output is
@@ -42,7 +67,8 @@ Gradient reductions of DDP / ZeRO-1/2 / HSDP's replicate axis are not graph
 nodes: they act on ``.grad`` after backward, in the runtime's optimizer
 (``runtime/optimizer.py``), bucketed per parameter.
 
-Not handled (clear ``PlanError``): sequence parallelism, tp on MoE layers.
+Not handled (clear ``PlanError``): tp on MoE layers; SP with a sequence length
+not divisible by tp fails in the collective (``CollectiveError``).
 """
 
 from __future__ import annotations
@@ -54,7 +80,7 @@ import torch
 from torch import fx
 
 from autoshard.errors import PlanError
-from autoshard.passes._graph_utils import META_KEY, node_layer, rebuild, tag
+from autoshard.passes._graph_utils import META_KEY, rebuild, tag
 from autoshard.passes._zero3 import GatherSpec, Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
@@ -63,7 +89,32 @@ from autoshard.runtime import collectives
 NAME = "insert_collectives"
 aten = torch.ops.aten
 
+
+
+def sp_gather(x: torch.Tensor, group_name: str, dim: int) -> torch.Tensor:
+    """SP → column-parallel: all-gather ``dim`` (backward: reduce-scatter of the partial input grads)."""
+    return collectives.gather_from_sp(x, dim, group_name, grad_is_partial=True)
+
+
+def sp_reduce_scatter(x: torch.Tensor, group_name: str, dim: int) -> torch.Tensor:
+    """Row-parallel partial sums → SP: reduce-scatter along ``dim`` (backward: all-gather)."""
+    return collectives.reduce_scatter(x, dim, group_name, "sum")
+
+
+def sp_scatter(x: torch.Tensor, group_name: str, dim: int) -> torch.Tensor:
+    """Replicated activation → SP: this rank's chunk of ``dim`` (backward: all-gather)."""
+    return collectives.scatter_to_sp(x, dim, group_name)
+
+
+def sp_gather_replicated(x: torch.Tensor, group_name: str, dim: int) -> torch.Tensor:
+    """SP → replicated consumer: all-gather ``dim`` (backward: keep this rank's chunk)."""
+    return collectives.gather_from_sp(x, dim, group_name, grad_is_partial=False)
+
+
+_SP_FNS = (sp_gather, sp_reduce_scatter, sp_scatter, sp_gather_replicated)
+
 # (producer placement, consumer placement) → (collective, why); None = nothing to insert.
+# SP entries take the sequence dim as a third argument.
 TP_TABLE: dict[tuple[str, str], tuple | None] = {
     ("replicate", "column"): (collectives.copy_to_tp, "Megatron f: replicated input of a column-parallel layer"),
     ("partial", "replicate"): (collectives.reduce_from_tp, "Megatron g: sum the partial outputs over tp"),
@@ -71,6 +122,12 @@ TP_TABLE: dict[tuple[str, str], tuple | None] = {
     ("shard", "row"): None,
     ("replicate", "replicate"): None,
     ("shard", "shard"): None,
+    ("seq_shard", "column"): (sp_gather, "SP: all-gather the sequence before a column-parallel layer (bwd: reduce-scatter)"),
+    ("partial", "seq_shard"): (sp_reduce_scatter, "SP: reduce-scatter the partial sums along the sequence"),
+    ("replicate", "seq_shard"): (sp_scatter, "SP: keep this rank's sequence chunk of a replicated activation"),
+    ("seq_shard", "replicate"): (sp_gather_replicated, "SP: all-gather the sequence for a replicated consumer"),
+    ("param", "seq_shard"): (collectives.copy_to_tp, "SP: replicated parameter used on sequence chunks; all-reduce its grad over tp"),
+    ("seq_shard", "seq_shard"): None,
 }
 
 
@@ -89,13 +146,13 @@ def gather_logits(logits: torch.Tensor, group_name: str) -> torch.Tensor:
 
 
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
-    """Insert TP and ZeRO-3 collectives (module docstring: table and pre/post-conditions)."""
-    _check_supported(plan, ctx)
+    """Insert TP/SP and ZeRO-3 collectives (module docstring: table and pre/post-conditions)."""
     graph = copy.deepcopy(gm.graph)
     placements = gm.meta[META_KEY]["placements"]
     if ctx.size("tp") > 1:
         roles = {fqn: role for fqn, (_layer, role) in gm.meta[META_KEY]["params"].items()}
-        _TPRewriter(graph, placements, roles, ctx).run()
+        sp_layers = frozenset(s.layer for s in plan.layers if s.sp)
+        _TPRewriter(graph, placements, roles, ctx, sp_layers).run()
     modules = _insert_zero3_gathers(graph, placements, ctx)
     graph.lint()
     out = rebuild(gm, graph, modules)
@@ -103,23 +160,17 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     return out
 
 
-def _check_supported(plan: Plan, ctx: RankContext) -> None:
-    for s in plan.layers:
-        if s.sp and ctx.size("tp") > 1:
-            raise PlanError(
-                f"layer {s.layer!r}: sequence parallelism (sp=True) is not implemented by the runtime yet; "
-                "set sp=False for this layer"
-            )
-
-
 class _TPRewriter:
     """Walks the graph once, tracking each node's tp placement and applying ``TP_TABLE``."""
 
-    def __init__(self, graph: fx.Graph, placements: dict, roles: dict, ctx: RankContext) -> None:
+    def __init__(self, graph: fx.Graph, placements: dict, roles: dict, ctx: RankContext, sp_layers: frozenset) -> None:
         self.graph, self.placements, self.roles, self.ctx = graph, placements, roles, ctx
+        self.sp_layers = sp_layers
         self.group = ctx.group("tp")
         self.state: dict[fx.Node, str] = {}
-        self.f_of: dict[fx.Node, fx.Node] = {}  # producer → its copy_to_tp node
+        self.converted: dict[tuple[fx.Node, str], fx.Node] = {}  # (producer, consumer placement) → conversion
+        tokens = next(n for n in graph.nodes if n.op == "placeholder")
+        self.seq_size = tokens.meta["val"].shape[1]  # S (symbolic): locates the sequence dim of activations
 
     def param_of(self, node) -> object:
         if isinstance(node, fx.Node) and node.op == "get_attr" and node.target in self.placements:
@@ -130,8 +181,10 @@ class _TPRewriter:
         for node in list(self.graph.nodes):
             if node.op == "call_function":
                 self.state[node] = self.visit(node)
+            elif node.op == "output":
+                self.output(node)
             else:
-                self.state[node] = "replicate"
+                self.state.setdefault(node, "replicate")
 
     def visit(self, node: fx.Node) -> str:
         weight = self.param_of(node.args[1]) if len(node.args) > 1 else None
@@ -142,47 +195,99 @@ class _TPRewriter:
         if node.target == aten.linear.default and weight is not None and weight.tp_dim is not None:
             if self.roles.get(weight.fqn) == "vocab":
                 return self.vocab_head(node)
-            return self.column(node) if weight.tp_dim == 0 else self.row(node)
+            return self.column(node) if weight.tp_dim == 0 else self.row(node, weight)
         inputs = [self.state.get(a, "replicate") for a in node.all_input_nodes]
         if "shard" in inputs:
+            if "seq_shard" in inputs:
+                raise PlanError(f"node {node.name} ({node.target}) mixes head-sharded and sequence-sharded inputs; "
+                                "set sp=False on the layers around it")
             self.fix_static_heads(node)
             return "shard"
+        if "seq_shard" in inputs:
+            return self.seq_region(node)
         return "replicate"
+
+    def insert(self, key: tuple[str, str], producer: fx.Node, where, after: bool = False, **meta) -> fx.Node:
+        """Insert ``TP_TABLE[key]`` applied to ``producer`` before (or after) ``where``; records its state."""
+        fn, why = TP_TABLE[key]
+        args = (producer, self.group)
+        if fn in _SP_FNS:
+            dim = self.seq_dim(producer, producer.name)
+            if dim is None:
+                raise PlanError(f"SP: {producer.name} has no sequence dim to {why!r}; set sp=False around it")
+            args += (dim,)
+        with (self.graph.inserting_after(where) if after else self.graph.inserting_before(where)):
+            new = tag(self.graph.call_function(fn, args), NAME, why, table_key=key, **meta)
+        new.meta["val"] = producer.meta.get("val")  # global shape: seq_dim() of the new node still works
+        self.state[new] = key[1] if key[1] in ("seq_shard", "replicate") else "replicate"
+        return new
 
     def convert(self, producer: fx.Node, consumer_placement: str, before: fx.Node) -> fx.Node:
         key = (self.state.get(producer, "replicate"), consumer_placement)
         if key not in TP_TABLE:
             raise PlanError(f"no tp conversion from {key[0]!r} to {key[1]!r} at node {producer.name}")
-        rule = TP_TABLE[key]
-        if rule is None:
+        if TP_TABLE[key] is None:
             return producer
-        if key == ("replicate", "column") and producer in self.f_of:
-            return self.f_of[producer]
-        fn, why = rule
-        with self.graph.inserting_before(before):
-            new = self.graph.call_function(fn, (producer, self.group))
-        tag(new, NAME, why, table_key=key)
-        self.f_of[producer] = new
-        return new
+        cached = self.converted.get((producer, consumer_placement))
+        if cached is None:
+            cached = self.converted[(producer, consumer_placement)] = self.insert(key, producer, before)
+        return cached
+
+    def seq_dim(self, node: fx.Node, what: str) -> int | None:
+        """The one dim of ``node``'s (global) shape that is the sequence; None when it has none."""
+        val = node.meta.get("val")
+        if not isinstance(val, torch.Tensor):
+            return None
+        dims = [d for d, size in enumerate(val.shape) if str(size) == str(self.seq_size)]
+        if len(dims) > 1:
+            raise PlanError(f"SP: {what} has shape {tuple(val.shape)} with {len(dims)} sequence dims; sequence "
+                            "parallelism needs one; set sp=False on the layers around it")
+        return dims[0] if dims else None
+
+    def seq_region(self, node: fx.Node) -> str:
+        """``node`` runs on sequence chunks: scatter its replicated activations, wrap its parameters."""
+        if node.meta.get("val") is not None and self.seq_dim(node, f"output of {node.name}") is None:
+            raise PlanError(f"SP: {node.name} ({node.target}) removes the sequence dim of a sequence-sharded input; "
+                            "set sp=False on the layers around it")
+        for arg in node.all_input_nodes:
+            if self.state.get(arg, "replicate") != "replicate":
+                continue
+            param = self.param_of(arg)
+            if param is not None:
+                if param.tp_dim is not None:
+                    raise PlanError(f"SP: tp-split parameter {param.fqn!r} used on sequence chunks at {node.name}")
+                node.replace_input_with(arg, self.insert(("param", "seq_shard"), arg, node, param=param.fqn))
+            elif self.seq_dim(arg, f"input {arg.name} of {node.name}") is not None:
+                node.replace_input_with(arg, self.convert(arg, "seq_shard", node))
+        return "seq_shard"
+
+    def output(self, node: fx.Node) -> None:
+        for arg in node.all_input_nodes:
+            if self.state.get(arg) == "seq_shard":
+                node.replace_input_with(arg, self.convert(arg, "replicate", node))
 
     def column(self, node: fx.Node) -> str:
         node.update_arg(0, self.convert(node.args[0], "column", node))
         return "shard"
 
-    def row(self, node: fx.Node) -> str:
+    def reduce_partial(self, node: fx.Node, layer: str) -> fx.Node:
+        """Insert g (all-reduce) or, under SP for ``layer``, a reduce-scatter after partial ``node``."""
+        key = ("partial", "seq_shard" if layer in self.sp_layers else "replicate")
+        return self.insert(key, node, node, after=True)
+
+    def row(self, node: fx.Node, weight) -> str:
         bias = node.args[2] if len(node.args) > 2 else None
         node.args = (node.args[0], node.args[1])
-        fn, why = TP_TABLE[("partial", "replicate")]
-        with self.graph.inserting_after(node):
-            reduced = tag(self.graph.call_function(fn, (node, self.group)), NAME, why, table_key=("partial", "replicate"))
+        reduced = self.reduce_partial(node, weight.layer)
         users = [u for u in node.users if u is not reduced]
         out = reduced
         if bias is not None:
             with self.graph.inserting_after(reduced):
                 out = tag(self.graph.call_function(aten.add.Tensor, (reduced, bias)), NAME, "row-parallel bias, added once after g")
+            out.meta["val"] = node.meta.get("val")
+            self.state[out] = self.seq_region(out) if self.state[reduced] == "seq_shard" else "replicate"
         for user in users:
             user.replace_input_with(node, out)
-        self.state[reduced] = self.state[out] = "replicate"
         return "partial"
 
     def vocab_embedding(self, node: fx.Node, weight) -> str:
@@ -190,11 +295,8 @@ class _TPRewriter:
         node.target = vocab_parallel_embedding
         node.args = (node.args[0], node.args[1], self.ctx.coord("tp") * local_vocab)
         tag(node, NAME, "vocab-parallel embedding: rows outside this rank's vocabulary slice give 0")
-        fn, why = TP_TABLE[("partial", "replicate")]
-        with self.graph.inserting_after(node):
-            reduced = tag(self.graph.call_function(fn, (node, self.group)), NAME, why, table_key=("partial", "replicate"))
+        reduced = self.reduce_partial(node, weight.layer)
         node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
-        self.state[reduced] = "replicate"
         return "partial"
 
     def vocab_head(self, node: fx.Node) -> str:

@@ -22,6 +22,7 @@ import torch
 from torch import fx, nn
 
 from autoshard.errors import PlanError
+from autoshard.passes import split_pipeline
 from autoshard.passes._graph_utils import META_KEY, rebuild
 from autoshard.passes.context import ParamPlacement, RankContext, placement_for
 from autoshard.plan import Plan
@@ -54,9 +55,13 @@ def param_placements(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> dict[s
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     """Replace every parameter by its local shard (module docstring: pre/post-conditions)."""
     placements = param_placements(gm, plan, ctx)
+    keep = split_pipeline.local_parameter_fqns(gm, plan, ctx)  # pp > 1: only this rank's stages (split_pipeline)
     replace = {}
     with torch.no_grad():
         for fqn, param in gm.named_parameters():
+            if keep is not None and fqn not in keep:  # another pipeline rank's parameter: never materialised
+                replace[fqn] = nn.Parameter(torch.empty(placements[fqn].local_shape, device="meta", dtype=ctx.compute_dtype))
+                continue
             local = placements[fqn].shard(param.detach(), ctx)
             replace[fqn] = nn.Parameter(local.to(device=ctx.device, dtype=ctx.compute_dtype))
     graph = copy.deepcopy(gm.graph)

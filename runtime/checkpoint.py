@@ -91,14 +91,19 @@ OPTIM_PREFIX = "optim."
 class LocalShard:
     """One rank's piece of a global tensor and how it was cut (DTensor semantics).
 
-    ``placements`` has one entry per axis of the state's mesh (``Shard(d)`` or
-    ``Replicate()``); ``local`` follows DTensor's chunk rule for them. ``load``
-    writes into ``local`` in place.
+    ``placements`` has one entry per axis of the state's mesh (``Shard(d)``,
+    ``_StridedShard`` or ``Replicate()``); ``local`` follows DTensor's chunk
+    rule for them. ``load`` writes into ``local`` in place.
     """
 
     local: torch.Tensor  # local_shape
     placements: tuple[Placement, ...]
     global_shape: tuple[int, ...]
+
+    @classmethod
+    def of(cls, local: torch.Tensor, placement: Any) -> LocalShard:
+        """``local`` cut as a runtime ``ParamPlacement`` says (its ``placements`` and ``global_shape``)."""
+        return cls(local, tuple(placement.placements), tuple(placement.global_shape))
 
 
 Entry = LocalShard | torch.Tensor  # a plain tensor is the same (replicated) on every rank
@@ -440,16 +445,15 @@ def program_state(
     keeps it, else built again from ``program.plan.mesh``).
 
     Partial: Adam moments are not saved yet. The optimizer keeps them as flat
-    per-rank chunks for ZeRO-1/2/offload and exposes no local-shape view; a
-    run resumed from this state restarts its moments at zero (exact for SGD).
+    per-rank chunks for ZeRO-1/2/offload and exposes no local-shape view. A
+    resumed SGD run is exact; a resumed AdamW run restarts its moments and its
+    bias-correction counter at zero (``load_program``), i.e. a fresh Adam start
+    from the saved weights.
     """
     if device_mesh is None:
         device_mesh = _program_mesh(program)
     masters = program.local_state_dict()
-    model = {
-        fqn: LocalShard(masters[fqn], tuple(placement.placements), tuple(placement.global_shape))
-        for fqn, placement in program.param_placements.items()
-    }
+    model = {fqn: LocalShard.of(masters[fqn], placement) for fqn, placement in program.param_placements.items()}
     return CheckpointState(
         model=model,
         step=step,
@@ -476,7 +480,9 @@ def load_program(
     template = program_state(program, device_mesh, model_fingerprint=model_fingerprint)
     loaded = load(path, template, process_group=process_group, restore_rng=restore_rng)
     program.load_local_state_dict({fqn: entry.local for fqn, entry in loaded.model.items()})
-    program.optimizer.steps = int(loaded.extras.get("optimizer_steps", 0))
+    # Without saved moments only SGD may continue the step count (program_state: "Partial").
+    sgd = getattr(program.optimizer.config, "name", "") == "sgd"
+    program.optimizer.steps = int(loaded.extras.get("optimizer_steps", 0)) if sgd else 0
     return loaded
 
 

@@ -19,6 +19,16 @@ which re-assembles params at their ``ParamPlacement``; the flat layout is
 internal.) On a CPU run the "host" is the same device; the code path is the
 real one: separate host tensors, gradients copied down, params copied up.
 
+Communication dtype of the gradient sync (``grad_comm`` per parameter, from
+the ``quantize_comm`` pass via ``gm.meta["autoshard"]["grad_comm"]``; the
+values of ``runtime/quantized_collectives.GRAD_COMMS``): "none" (default)
+reduces in the gradient's dtype as the table says; "fp32" upcasts, reduces and
+rounds once; "int8"/"int4" use qgZ (``reduce_scatter_grad``: all-to-all of
+quantized rank rows, local dequantize-and-sum in fp32) for the zero2/offload
+reduce-scatter, and a qgZ reduce-scatter + quantized all-gather for the
+all-reduces (HSDP's dp_replicate axis). Whatever the wire dtype, ``self.grad``
+is fp32 and the masters stay fp32: quantization only changes what is sent.
+
 Clipping (global norm, correct across shards): after sync each rank holds a
 piece of each gradient that is replicated over some ranks; with ``rep(p)`` =
 number of ranks holding the same piece (dp for DDP, dp_replicate for sharded
@@ -44,6 +54,7 @@ from torch import nn
 from autoshard.errors import AutoshardError
 from autoshard.passes.context import ParamPlacement, RankContext
 from autoshard.runtime import collectives
+from autoshard.runtime.quantized_collectives import all_reduce_grad, reduce_scatter_grad
 
 FLAT_STATES = ("zero1", "zero2", "offload")
 
@@ -69,8 +80,10 @@ class OptimizerConfig:
 class _Slot:
     """One parameter's optimizer state and gradient reduction (module docstring table)."""
 
-    def __init__(self, param: nn.Parameter, placement: ParamPlacement, master_local: torch.Tensor, ctx: RankContext):
+    def __init__(self, param: nn.Parameter, placement: ParamPlacement, master_local: torch.Tensor, ctx: RankContext,
+                 grad_comm: str = "none"):
         self.param, self.placement, self.ctx = param, placement, ctx
+        self.grad_comm = grad_comm  # wire dtype of the gradient sync (module docstring)
         self.flat = placement.state in FLAT_STATES and ctx.size("dp") > 1
         self.host = "cpu" if placement.state == "offload" else param.device
         self.numel = param.numel()
@@ -98,17 +111,18 @@ class _Slot:
         ctx, grad = self.ctx, self.param.grad
         if grad is None:
             grad = torch.zeros_like(self.param)
+        wire = self.grad_comm
         if self.flat:
             flat = F.pad(grad.reshape(-1), (0, self.chunk * ctx.size("dp") - self.numel))
             if self.placement.state == "zero1":
-                grad = self._own_chunk(collectives.all_reduce(flat, ctx.group("dp"), "avg"))
+                grad = self._own_chunk(all_reduce_grad(flat, ctx.group("dp"), wire, "avg"))
             else:
-                grad = collectives.reduce_scatter(flat, 0, ctx.group("dp"), "avg")
+                grad = reduce_scatter_grad(flat, ctx.group("dp"), wire, op="avg")
         elif self.placement.dp_dim is not None:
             if ctx.size("dp_replicate") > 1:
-                grad = collectives.all_reduce(grad, ctx.group("dp_replicate"), "avg")
+                grad = all_reduce_grad(grad, ctx.group("dp_replicate"), wire, "avg")
         elif ctx.size("dp") > 1:
-            grad = collectives.all_reduce(grad, ctx.group("dp"), "avg")
+            grad = all_reduce_grad(grad, ctx.group("dp"), wire, "avg")
         self.grad = grad.to(self.host, torch.float32)
 
     def write_back(self) -> None:
@@ -148,9 +162,12 @@ class ShardedOptimizer:
         masters: dict[str, torch.Tensor],
         ctx: RankContext,
         config: OptimizerConfig,
+        grad_comm: dict[str, str] | None = None,
     ) -> None:
+        """``grad_comm``: fqn → wire dtype of its gradient sync ("none" when absent; module docstring)."""
         self.ctx, self.config = ctx, config
-        self.slots = {fqn: _Slot(p, placements[fqn], masters[fqn], ctx) for fqn, p in params.items()}
+        wire = grad_comm or {}
+        self.slots = {fqn: _Slot(p, placements[fqn], masters[fqn], ctx, wire.get(fqn, "none")) for fqn, p in params.items()}
         self.steps = 0
 
     def clip_scale(self) -> tuple[float, float]:

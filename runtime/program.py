@@ -4,15 +4,17 @@
 
 1. checks, before any collective: the plan matches the model
    (``plan.check_compatible(graph=...)``), the live world size equals the
-   mesh's, and the plan asks only for what the runtime implements (pp = cp = 1,
-   no EP; ``PlanError`` otherwise);
+   mesh's, every pipeline stage has a layer, and the plan asks only for what
+   the runtime implements (cp = 1, no EP; ``PlanError`` otherwise);
 2. builds the device mesh and ``RankContext`` (``runtime/mesh.py``);
 3. exports a *copy* of the model (``ep.module()`` shares Parameter objects
    with its input) with dynamic batch and sequence dims;
 4. runs ``autoshard.passes.PASSES`` (shard_parameters, insert_collectives,
-   split_pipeline, recompute, schedule_overlap);
+   recompute, schedule_overlap, quantize_comm, split_pipeline); with pp > 1
+   the result is a ``PipelineSplit`` holding only this rank's stages;
 5. builds the ``ShardedOptimizer`` from fp32 master shards cut from the
-   original fp32 parameters (the compute copies are ``train.precision``).
+   original fp32 parameters (the compute copies are ``train.precision``),
+   over this rank's parameters only (with pp > 1: its stages' parameters).
 
 ``Program.step(tokens, loss_fn)``: ``tokens`` is this rank's data-parallel
 slice ``[B_local, S]`` (``Program.local_batch`` cuts it from a global batch);
@@ -23,6 +25,14 @@ optimizer then averages gradients over dp (the mean of per-rank losses equals
 the single-device loss on the global batch when slices are equal), clips and
 updates. The graph runs inside the ZeRO-3 re-gather hooks when present
 (``passes/recompute.py``).
+
+Pipeline parallelism (pp > 1, ``runtime/pipeline.py``): ``step`` runs the
+plan's schedule (GPipe / 1F1B / interleaved 1F1B) over the same
+micro-batches; the last stage computes ``loss_fn`` and the mean micro-batch
+loss is all-reduced over pp, so every rank returns the same ``StepResult``.
+Clipping needs no pp-specific term: stages hold disjoint parameters and the
+optimizer's norm all-reduce spans the world. ``forward(tokens)`` runs the
+stages in order without autograd and returns the full outputs on every rank.
 """
 
 from __future__ import annotations
@@ -40,8 +50,10 @@ from autoshard.graph import ModelGraph
 from autoshard.passes import run_passes
 from autoshard.passes._graph_utils import META_KEY
 from autoshard.passes.context import ParamPlacement, RankContext
+from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.runtime import collectives
+from autoshard.runtime.pipeline import PipelineEngine
 from autoshard.runtime.mesh import build_rank_context, check_world
 from autoshard.runtime.optimizer import OptimizerConfig, ShardedOptimizer
 from autoshard.train import TrainSpec
@@ -60,14 +72,20 @@ class StepResult:
 class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
-    def __init__(self, gm: torch.fx.GraphModule, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer):
+    def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
         self.regather = gm.get_submodule(name) if name else None
+        self.pipeline = PipelineEngine(gm, ctx, plan.schedule, self.regather) if isinstance(gm, PipelineSplit) else None
 
     def forward(self, tokens: torch.Tensor) -> Any:
-        """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them)."""
+        """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them).
+
+        With pp > 1: no autograd; every rank gets the full outputs (module docstring).
+        """
+        if self.pipeline is not None:
+            return self.pipeline.forward({self.pipeline.layout.input_names[0]: tokens})
         tokens = tokens.to(self.ctx.device)
         if self.regather is None:
             return self.gm(tokens)
@@ -91,6 +109,18 @@ class Program:
                 f"local batch {tokens.shape[0]} is not divisible by num_micro_batches={m}; "
                 f"pass a multiple of {m} rows per rank"
             )
+        if self.pipeline is not None:
+            total = self.pipeline.train_step({self.pipeline.layout.input_names[0]: tokens}, tokens, loss_fn)
+        else:
+            total = self._accumulate(tokens, loss_fn)
+        if self.ctx.size("dp") > 1:
+            total = collectives.all_reduce(total.reshape(1), self.ctx.group("dp"), "avg")[0]
+        norm = self.optimizer.step()
+        return StepResult(loss=float(total), grad_norm=norm)
+
+    def _accumulate(self, tokens: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
+        """Forward/backward of every micro-batch on one stage; the mean micro-batch loss ([] fp32)."""
+        m = self.plan.schedule.num_micro_batches
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
         for micro in tokens.chunk(m, 0):
             loss = loss_fn(self.forward(micro), micro.to(self.ctx.device)) / m
@@ -98,10 +128,7 @@ class Program:
             if self.regather is not None:
                 self.regather.reset()
             total += loss.detach().float()
-        if self.ctx.size("dp") > 1:
-            total = collectives.all_reduce(total.reshape(1), self.ctx.group("dp"), "avg")[0]
-        norm = self.optimizer.step()
-        return StepResult(loss=float(total), grad_norm=norm)
+        return total
 
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master values at each ``param_placements[fqn].local_shape`` (collective for ZeRO-1/2/offload)."""
@@ -138,19 +165,32 @@ def build_program(
     masters = {fqn: p.detach().float() for fqn, p in gm.named_parameters()}
     gm = run_passes(gm, plan, ctx)
     placements = gm.meta[META_KEY]["placements"]
-    masters = {fqn: placements[fqn].shard(t, ctx) for fqn, t in masters.items()}
+    params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
+    masters = {fqn: placements[fqn].shard(masters[fqn], ctx) for fqn in params}
     config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
-    params = dict(gm.named_parameters())
-    return Program(gm, plan, ctx, ShardedOptimizer(params, placements, masters, ctx, config))
+    grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
+    return Program(gm, plan, ctx, ShardedOptimizer(params, placements, masters, ctx, config, grad_comm))
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:
     plan.check_compatible(graph=graph)
+    _check_stages(plan)
     unsupported = [(axis, getattr(plan.mesh, axis)) for axis in ("cp", "ep") if getattr(plan.mesh, axis) > 1]
     if unsupported or any(s.ep for s in plan.layers):
         raise PlanError(
             f"plan uses {unsupported or 'ep=True layers'}: context and expert parallelism are not implemented "
             "by the runtime yet; search with cp=1, ep=1 and ep=False"
+        )
+
+
+def _check_stages(plan: Plan) -> None:
+    """Every pipeline stage 0..pp·v-1 must own a layer (an empty stage would only forward activations)."""
+    num_stages = plan.mesh.pp * plan.schedule.virtual_stages
+    empty = sorted(set(range(num_stages)) - {s.stage for s in plan.layers})
+    if empty:
+        raise PlanError(
+            f"pipeline stages {empty} of {num_stages} (pp={plan.mesh.pp} × virtual_stages="
+            f"{plan.schedule.virtual_stages}) own no layer; give every stage at least one layer or lower pp"
         )
 
 

@@ -15,6 +15,12 @@ Outer search (``solve``)
        table, ``evaluate.prune_dominated``, and ``_table_bounds``: joint min of slots·t + tail per
        class plus a Lagrangian relaxation of the summed memory rows) and pushed back; a
        table-level entry runs the CP-SAT model below with ``Z < best`` as a cutoff.
+    4. Heuristic incumbent U (``incumbent.py``): every refined candidate that could still win
+       prices a Lagrangian-greedy plan on balanced stages. While U is finite, all probe entries
+       with bound ≤ U are refined before any CP-SAT solve, bounds > U are dropped, and CP-SAT
+       gets ``Z < U·(1 + UPPER_SLACK)`` until it has its own incumbent. Ties are kept, so the
+       plan is the one found without U; if CP-SAT reproduces nothing under U the search reruns
+       without it.
 
 CP-SAT model (``cpsat_model.py``), for mesh (p = pp) and schedule (m, v). Classes
 c (``space.solver_classes``), options s ∈ S_c, anchor blocks b (``evaluate``),

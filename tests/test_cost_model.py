@@ -400,6 +400,23 @@ def test_layer_cost_table_matches_layer_cost():
     assert all(isinstance(c, LayerCost) and isinstance(c.memory, MemoryBreakdown) for c in table)
 
 
+def test_layer_cost_reads_only_micro_batch_and_count_of_schedule():
+    """The solver's cost table shares entries across pipeline schedules of one (micro_batch,
+    num_micro_batches) (``evaluate.CostTable``); this is the premise it rests on."""
+    layer = gpt_block(0, 256, 4)[1]
+    strategies = [LayerStrategy(layer=layer.name, state=s, recompute=r, tp="megatron", sp=sp)
+                  for s in ("replicate", "zero3") for r in ("none", "full") for sp in (False, True)]
+    mesh, cluster, train = Mesh(dp_shard=2, tp=2, pp=4), make_cluster(1), TrainSpec(global_batch=16, seq_len=64)
+    base = Schedule(name="1f1b", micro_batch=2, num_micro_batches=4)
+    others = (Schedule(name="gpipe", micro_batch=2, num_micro_batches=4),
+              Schedule(name="interleaved_1f1b", micro_batch=2, num_micro_batches=4, virtual_stages=2, prefetch=0))
+    want = layer_cost_table(layer, strategies, mesh, cluster, train, base)
+    for other in others:
+        assert layer_cost_table(layer, strategies, mesh, cluster, train, other) == want
+    changed = layer_cost_table(layer, strategies, mesh, cluster, train, replace(base, num_micro_batches=8))
+    assert changed != want  # the count matters (gathers per step), so the key must hold it
+
+
 # ---- (5) pipeline ----------------------------------------------------------------------------
 
 

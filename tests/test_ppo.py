@@ -19,6 +19,15 @@ from autoshard.runtime.tasks import TaskError, get_task
 VOCAB = 16
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    """Tiny matmuls: one intra-op thread is ~10x faster than two on a shared 2-core machine."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 def _engines(seed: int = 0, lr: float = 1e-3, **model_overrides):
     overrides = {"vocab_size": VOCAB, "max_seq_len": 32, **model_overrides}
     model = build("llama:tiny", seed=seed, **overrides)

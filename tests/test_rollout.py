@@ -13,6 +13,14 @@ from autoshard.runtime.rollout import RolloutError, SamplingConfig, generate, to
 EOS, PAD = 1, 0
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 class _NoCache(ModuleEngine):
     """The same model, but rollout must recompute every prefix."""
 

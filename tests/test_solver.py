@@ -372,3 +372,20 @@ def test_cluster_too_small_names_need_device_memory_and_relaxations():
     assert "mem/stage" in text and f"{device:.2f} GiB" in text
     assert need > device  # the smallest plan needs more than one device holds
     assert "more devices" in text and "offload" in text and "recompute='full'" in text
+
+
+@pytest.mark.parametrize("mesh", [{}, {"pp": 2}])
+def test_heuristic_incumbent_is_an_upper_bound_and_never_changes_the_plan(small, mesh, monkeypatch):
+    from autoshard.search import incumbent
+
+    graph, cluster, train = small
+    constraints = Constraints(mesh=mesh)
+    seen, upper_bound = [], incumbent.upper_bound
+    monkeypatch.setattr(incumbent, "upper_bound", lambda *a: seen.append(upper_bound(*a)) or seen[-1])
+    with_upper = solve(graph, cluster, train, constraints=constraints)
+    monkeypatch.setattr(incumbent, "upper_bound", lambda *a: math.inf)
+    without = solve(graph, cluster, train, constraints=constraints)
+    finite = [u for u in seen if math.isfinite(u)]
+    assert finite and min(finite) >= with_upper.solver.objective * (1 - 1e-9)
+    assert with_upper.solver.status == without.solver.status == "OPTIMAL"
+    assert without_wall_time(with_upper).to_json() == without_wall_time(without).to_json()

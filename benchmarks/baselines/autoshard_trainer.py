@@ -1,0 +1,93 @@
+"""autoshard's own trainer for the benchmark: a ``Plan`` run by ``build_program``, same step as the baselines.
+
+``plan_constraints(graph, precision)`` restricts the search to what the runtime
+executes today (docs/runtime.md, "Partial"): one pipeline stage, no context or
+expert parallelism, no recompute, no sequence parallelism, and communication in
+the compute dtype (the runtime ignores ``weight_comm``/``grad_comm``, so the
+prediction must not price a quantized collective that does not run). Every
+layer class gets the same pin. ``uniform_plan`` writes a hand-made plan (one
+state for every layer, optional Megatron TP) for the baselines' "equivalent
+plan" predictions and the numerics test.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from autoshard.graph import ModelGraph
+from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
+from autoshard.train import TrainSpec
+from benchmarks.baselines.common import RunSpec, policy_loss, reference_model
+
+RUNTIME_MESH = {"pp": 1, "cp": 1, "ep": 1}
+
+
+def train_spec(spec: RunSpec, *, micro_batch: int | None = None) -> TrainSpec:
+    """The ``TrainSpec`` of a benchmark run (optimizer name and precision from ``spec``)."""
+    return TrainSpec(global_batch=spec.global_batch, seq_len=spec.seq_len, micro_batch=micro_batch,
+                     optimizer=spec.optimizer.name, precision=spec.precision)
+
+
+def runtime_pin(precision: str, **fields: Any) -> dict[str, Any]:
+    """The per-class pin keeping a searched plan inside what the runtime runs (module docstring)."""
+    return {"recompute": "none", "sp": False, "weight_comm": "bf16",
+            "grad_comm": "fp32" if precision == "fp32" else "bf16", **fields}
+
+
+def plan_constraints(graph: ModelGraph, precision: str, *, mesh: dict[str, int] | None = None,
+                     **fields: Any):
+    """``Constraints`` pinning every layer class with ``runtime_pin`` (+ ``fields``) on ``RUNTIME_MESH`` (+ ``mesh``)."""
+    from autoshard.search import Constraints
+
+    pin = {class_id: runtime_pin(precision, **fields) for class_id in sorted({l.class_id for l in graph.layers})}
+    return Constraints(mesh={**RUNTIME_MESH, **(mesh or {})}, pin=pin)
+
+
+def uniform_plan(graph: ModelGraph, mesh: Mesh, *, state: str, tp: bool = False, num_micro_batches: int = 1,
+                 global_batch: int = 1, seq_len: int = 1, precision: str = "bf16", optimizer: str = "adamw") -> Plan:
+    """A plan with ``state`` on every layer and Megatron TP on every tp-able layer when ``tp``."""
+    from autoshard.search.space import is_tp_able
+
+    layers = tuple(
+        LayerStrategy(layer=layer.name, state=state, tp="megatron" if tp and is_tp_able(layer) else "none",
+                      grad_comm="fp32" if precision == "fp32" else "bf16")
+        for layer in graph.layers
+    )
+    micro_batch = max(1, global_batch // (mesh.dp * num_micro_batches))
+    return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, global_batch=global_batch, seq_len=seq_len,
+                precision=precision, optimizer=optimizer,
+                schedule=Schedule(micro_batch=micro_batch, num_micro_batches=num_micro_batches))
+
+
+class AutoshardTrainer:
+    """``build_program`` for ``plan``; ``step`` cuts this rank's dp slice and calls ``Program.step``."""
+
+    def __init__(self, spec: RunSpec, device: torch.device, graph: ModelGraph, plan: Plan, cluster: Any = None, *,
+                 name: str = "autoshard"):
+        from autoshard.runtime import build_program
+
+        self.name, self.plan, self.device = name, plan, device
+        model = reference_model(spec, device)
+        train = train_spec(spec, micro_batch=plan.schedule.micro_batch)
+        self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
+                                     device=str(device))
+        self.last_grad_norm = float("nan")
+
+    def step(self, global_tokens: torch.Tensor) -> float:
+        """``Program.step`` on this rank's data-parallel slice (loss averaged over dp by the program)."""
+        result = self.program.step(self.program.local_batch(global_tokens), policy_loss)
+        self.last_grad_norm = result.grad_norm
+        return result.loss
+
+    def local_state(self) -> dict[str, torch.Tensor]:
+        """fp32 master shards at each parameter's placement (collective for flat ZeRO states)."""
+        return self.program.local_state_dict()
+
+    def close(self) -> None:
+        """Drop the program (its device mesh's groups live until the process group is destroyed)."""
+        del self.program
+
+
+__all__ = ["RUNTIME_MESH", "AutoshardTrainer", "plan_constraints", "runtime_pin", "train_spec", "uniform_plan"]

@@ -1,0 +1,119 @@
+"""Hand-written FSDP2 baseline: ``fully_shard`` per block, then the root.
+
+What it builds (the torchtitan recipe, data parallel over the whole world):
+
+- the reference policy from ``common.reference_model`` (fp32, seed ``SEED``);
+- a 1-D ``DeviceMesh`` of every rank; ``fully_shard(block)`` for each
+  ``model.blocks[i]`` and ``fully_shard(model)`` for the rest (embeddings,
+  final norm, heads; tied embedding/head weights stay one parameter of the root);
+- ``reshard_after_forward``: ``True`` frees each block's gathered weights after
+  its forward and re-gathers them in backward (ZeRO-3); ``False`` keeps them
+  until backward (ZeRO-2-like memory, one gather per step fewer);
+- precision ``bf16``: ``MixedPrecisionPolicy(param_dtype=bf16,
+  reduce_dtype=fp32)`` over fp32 sharded parameters (so the optimizer updates
+  fp32 masters); ``fp32``: no policy;
+- ``offload=True``: ``CPUOffloadPolicy(pin_memory=...)`` (pinned only with CUDA);
+- the optimizer of ``common.torch_optimizer`` over the sharded (DTensor)
+  parameters, ``clip_grad_norm_`` on them (a DTensor norm: the global norm).
+
+The step is ``common``'s: FSDP2 reduce-scatters gradients with a mean over
+the mesh, so the update equals the single-device update on the global batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from benchmarks.baselines.common import (
+    BaselineError,
+    RunSpec,
+    local_rows,
+    mean_over,
+    micro_batches,
+    policy_loss,
+    reference_model,
+    torch_optimizer,
+)
+
+try:  # public since torch 2.6
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+except ImportError:  # pragma: no cover - older torch keeps it under _composable
+    from torch.distributed._composable.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+
+@dataclass(frozen=True, kw_only=True)
+class FSDP2Options:
+    """reshard_after_forward: ZeRO-3 (True) or keep gathered weights to backward (False); offload: CPU states."""
+
+    reshard_after_forward: bool = True
+    offload: bool = False
+
+
+class FSDP2Trainer:
+    """Data-parallel FSDP2 training of a reference policy (module docstring)."""
+
+    def __init__(self, spec: RunSpec, device: torch.device, options: FSDP2Options = FSDP2Options(), *,
+                 name: str = "fsdp2"):
+        if not dist.is_initialized():
+            raise BaselineError("FSDP2Trainer needs an initialised process group; launch under torchrun")
+        from torch.distributed.device_mesh import init_device_mesh
+
+        self.name, self.spec, self.device = name, spec, device
+        self.mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
+        model = reference_model(spec, device)  # fully_shard moves offloaded shards to the host
+        self.model = _shard(model, self.mesh, spec, options)
+        self.params = list(self.model.parameters())
+        fused = device.type == "cuda" and not options.offload
+        self.optimizer = torch_optimizer(self.params, spec.optimizer, fused=fused)
+
+    def step(self, global_tokens: torch.Tensor) -> float:
+        """One optimizer step (``common`` module docstring, "Step")."""
+        rows = local_rows(global_tokens, dist.get_world_size(), dist.get_rank()).to(self.device)
+        chunks = micro_batches(rows, self.spec.num_micro_batches)
+        total = torch.zeros((), device=self.device)
+        for micro in chunks:
+            loss = policy_loss(self.model(micro), micro) / len(chunks)
+            loss.backward()
+            total += loss.detach().float()
+        self.last_grad_norm = self._clip()
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        return mean_over(total)
+
+    def _clip(self) -> float:
+        max_norm = self.spec.optimizer.max_grad_norm
+        if max_norm is None:
+            return float("nan")
+        norm = torch.nn.utils.clip_grad_norm_(self.params, max_norm)
+        full = getattr(norm, "full_tensor", None)  # a DTensor over the mesh
+        return float(full() if full is not None else norm)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every parameter gathered to a full fp32 CPU tensor (collective; for tests)."""
+        return {name: p.full_tensor().detach().float().cpu() for name, p in self.model.named_parameters()}
+
+    def close(self) -> None:
+        """Drop the model and optimizer (the mesh's groups live until the process group is destroyed)."""
+        del self.model, self.params, self.optimizer
+
+
+def _shard(model: nn.Module, mesh, spec: RunSpec, options: FSDP2Options) -> nn.Module:
+    """``fully_shard`` each block, then the root (tied weights stay in the root)."""
+    kwargs = {"mesh": mesh, "reshard_after_forward": options.reshard_after_forward}
+    if spec.precision == "bf16":
+        kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    if options.offload:
+        kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    for block in model.blocks:
+        fully_shard(block, **kwargs)
+    # The root's parameters (embedding, head) are used first and last: FSDP2 keeps the root
+    # gathered from forward to backward whatever the flag says, so say so.
+    fully_shard(model, **{**kwargs, "reshard_after_forward": False})
+    return model
+
+
+__all__ = ["FSDP2Options", "FSDP2Trainer"]

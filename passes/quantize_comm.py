@@ -1,0 +1,151 @@
+"""Pass ``quantize_comm``: move each layer's parameter gathers and gradient reductions in its chosen dtype.
+
+Pre-conditions: ``insert_collectives``, ``recompute`` and ``schedule_overlap``
+ran (``Zero3Gather`` call nodes exist for ZeRO-3 layers; a ``Regather`` may be
+installed). Post-conditions:
+
+* every ``Zero3Gather`` of a layer whose ``weight_comm`` or ``grad_comm`` is not
+  the default is replaced by one whose ``GatherSpec`` carries the wire dtypes
+  (``passes/_zero3.py``); its call node records why in
+  ``node.meta["autoshard"]`` (the earlier record, e.g. a prefetch move, is kept
+  under ``"earlier"``);
+* ``gm.meta["autoshard"]["grad_comm"]`` maps each parameter whose layer
+  reduces gradients in a non-default dtype to that dtype; the runtime hands it
+  to the ``ShardedOptimizer`` (the DDP / ZeRO-1/2 / offload / HSDP-replicate
+  reductions act on ``.grad`` after backward, not on graph nodes);
+* ``gm.meta["autoshard"]["quantize_comm"]`` holds one record per affected layer
+  (what was rewritten and why), for reports.
+
+Mapping from the plan (DESIGN.md strategy space; ZeRO++ qwZ / qgZ):
+
+| plan field | value | rewrite |
+| --- | --- | --- |
+| ``weight_comm`` | ``bf16`` | nothing: the gather moves the compute dtype (fp32 in an fp32 run) |
+| | ``int8`` / ``fp8`` | ZeRO-3 forward gather AND backward re-gather: quantize the local shard, one all-gather of payload+scales, dequantize fused with the cast to the compute dtype (qwZ) |
+| ``grad_comm`` | ``bf16`` | nothing: reductions in the gradient's (compute) dtype |
+| | ``fp32`` | upcast, reduce in fp32, round once (ZeRO-3 backward reduce-scatter and optimizer syncs) |
+| | ``int8`` / ``int4`` | ZeRO-3 backward reduce-scatter and zero2/offload reduce-scatter by all-to-all of quantized rank rows with local dequantize-and-reduce in fp32 (qgZ); HSDP's replicate all-reduce = qgZ + quantized all-gather |
+
+Decisions:
+
+* ``weight_comm`` quantizes weights only: the backward of a quantized gather is
+  the full-precision reduce-scatter unless ``grad_comm`` says otherwise.
+* The fp32 masters and the local compute shards are never written from
+  dequantized values; quantization only changes what the gathered copy holds
+  for compute (the update applies gradients taken at the quantized weights to
+  the exact masters, as ZeRO++ does).
+* Allowed combinations mirror the search space (``search/space.py``):
+  ``weight_comm != "bf16"`` needs ``state="zero3"`` (only ZeRO-3 gathers
+  weights); ``grad_comm`` ``int8``/``int4`` needs ``zero2``, ``zero3`` or
+  ``offload`` (a reduce-scatter). Anything else is a ``PlanError``, raised
+  before any collective.
+* Block size: ``quantized_collectives.block_for`` (one fp32 scale per up to 512
+  elements, smaller for small shards).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from torch import fx
+
+from autoshard.errors import PlanError
+from autoshard.passes._graph_utils import META_KEY, copy_module
+from autoshard.passes._zero3 import Zero3Gather
+from autoshard.passes.context import RankContext
+from autoshard.plan import LayerStrategy, Plan
+
+NAME = "quantize_comm"
+
+# plan vocabulary → op vocabulary of runtime/quantized_collectives.py ("none" = unquantized, own dtype)
+WEIGHT_QDTYPE = {"bf16": "none", "int8": "int8", "fp8": "fp8"}
+GRAD_WIRE = {"bf16": "none", "fp32": "fp32", "int8": "int8", "int4": "int4"}
+QUANTIZED_GRAD_STATES = ("zero2", "zero3", "offload")
+
+
+def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
+    """Rewrite ZeRO-3 gathers and record gradient wire dtypes per the plan (module docstring)."""
+    strategies = {s.layer: s for s in plan.layers}
+    for s in plan.layers:
+        check_strategy(s)
+    if all(s.weight_comm == "bf16" and s.grad_comm == "bf16" for s in plan.layers):
+        return gm
+    replace, records = _quantized_gathers(gm, strategies)
+    out = copy_module(gm, replace)
+    for node in out.graph.nodes:
+        if node.op == "call_module" and node.target in replace:
+            node.meta[META_KEY] = {**records[node.target], "earlier": node.meta.get(META_KEY)}
+    placements = out.meta[META_KEY]["placements"]
+    out.meta[META_KEY]["grad_comm"] = {
+        fqn: GRAD_WIRE[strategies[p.layer].grad_comm]
+        for fqn, p in placements.items()
+        if strategies[p.layer].grad_comm != "bf16"
+    }
+    out.meta[META_KEY]["quantize_comm"] = _layer_records(plan, ctx)
+    return out
+
+
+def check_strategy(s: LayerStrategy) -> None:
+    """``PlanError`` unless the layer's ``weight_comm`` / ``grad_comm`` fit its state (module docstring)."""
+    if s.weight_comm != "bf16" and s.state != "zero3":
+        raise PlanError(
+            f"layer {s.layer!r}: weight_comm={s.weight_comm!r} needs state='zero3' (only ZeRO-3 all-gathers "
+            f"weights), got state={s.state!r}; set weight_comm='bf16' or state='zero3'"
+        )
+    if s.grad_comm in ("int8", "int4") and s.state not in QUANTIZED_GRAD_STATES:
+        raise PlanError(
+            f"layer {s.layer!r}: grad_comm={s.grad_comm!r} needs a reduce-scatter, i.e. state in "
+            f"{QUANTIZED_GRAD_STATES}, got state={s.state!r}; set grad_comm to 'bf16' or 'fp32', or change the state"
+        )
+
+
+def _quantized_gathers(gm: fx.GraphModule, strategies: dict[str, LayerStrategy]) -> tuple[dict, dict]:
+    """Replacement ``Zero3Gather`` modules (by target) and the node record of each."""
+    replace, records = {}, {}
+    for node in gm.graph.nodes:
+        if node.op != "call_module":
+            continue
+        module = gm.get_submodule(node.target)
+        if not isinstance(module, Zero3Gather):
+            continue
+        s = strategies[module.spec.layer]
+        spec = dataclasses.replace(module.spec, qdtype=WEIGHT_QDTYPE[s.weight_comm], grad_comm=GRAD_WIRE[s.grad_comm])
+        if not spec.quantized:
+            continue
+        replace[node.target] = Zero3Gather(spec, on_gather=module.on_gather)
+        records[node.target] = {
+            "pass": NAME,
+            "why": _why(s),
+            "layer": s.layer,
+            "weight_comm": s.weight_comm,
+            "grad_comm": s.grad_comm,
+        }
+    return replace, records
+
+
+def _why(s: LayerStrategy) -> str:
+    parts = []
+    if s.weight_comm != "bf16":
+        parts.append(f"weight_comm={s.weight_comm}: qwZ all-gather (forward and backward re-gather) of "
+                     f"{s.weight_comm} payload + fp32 block scales, dequantized into the compute dtype")
+    if s.grad_comm != "bf16":
+        how = "reduce-scatter in fp32" if s.grad_comm == "fp32" else f"qgZ all-to-all of {s.grad_comm} chunks, local dequantize-and-reduce"
+        parts.append(f"grad_comm={s.grad_comm}: backward {how}")
+    else:
+        parts.append("gradients reduce-scattered in full precision (qwZ quantizes weights only)")
+    return "; ".join(parts)
+
+
+def _layer_records(plan: Plan, ctx: RankContext) -> dict[str, dict]:
+    """Per affected layer: wire dtypes and where they apply on this rank's mesh."""
+    out = {}
+    for s in plan.layers:
+        if s.weight_comm == "bf16" and s.grad_comm == "bf16":
+            continue
+        gathers = s.state == "zero3" and ctx.size("dp_shard") > 1
+        out[s.layer] = {
+            "weight_comm": s.weight_comm if gathers else "bf16 (no ZeRO-3 gather on this mesh)",
+            "grad_comm": s.grad_comm,
+            "grad_path": "graph (ZeRO-3 gather backward)" if gathers else "optimizer sync",
+        }
+    return out
