@@ -203,6 +203,42 @@ def _cmd_diff(args: argparse.Namespace, console: Any) -> int:
     return EXIT_OK
 
 
+def _args_ppo(parser: argparse.ArgumentParser) -> None:
+    from autoshard.cli_ppo import add_ppo_arguments
+
+    add_ppo_arguments(parser)
+
+
+def _cmd_ppo(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cli_ppo import cmd_ppo
+
+    return cmd_ppo(args, console)
+
+
+def _args_plot(parser: argparse.ArgumentParser) -> None:
+    from autoshard.cli_ppo import add_plot_command_arguments
+
+    add_plot_command_arguments(parser)
+
+
+def _cmd_plot(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.cli_ppo import cmd_plot
+
+    return cmd_plot(args, console)
+
+
+def _args_run(parser: argparse.ArgumentParser) -> None:
+    from autoshard.runtime.launch import add_run_arguments
+
+    add_run_arguments(parser)
+
+
+def _cmd_run(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.runtime.launch import run_main
+
+    return run_main(args)
+
+
 def _print_text(console: Any, value: Any) -> None:
     """Print a string verbatim (no markup, no highlighting) or any rich renderable."""
     if isinstance(value, str):
@@ -286,6 +322,19 @@ COMMANDS: tuple[Command, ...] = (
         _args_explain,
     ),
     Command(("diff",), "what changed between two plans: mesh, schedule, layers, predictions", _cmd_diff, _args_diff),
+    Command(
+        ("ppo",),
+        "train a policy with PPO under a searched (or given) plan; starts the ranks itself on one node",
+        _cmd_ppo,
+        _args_ppo,
+    ),
+    Command(("plot",), "plot the training curves of a PPO metrics file to a PNG", _cmd_plot, _args_plot),
+    Command(
+        ("run",),
+        "launch a training script for a plan through torchrun (processes from the plan's mesh)",
+        _cmd_run,
+        _args_run,
+    ),
 )
 
 

@@ -75,13 +75,23 @@ class RankContext:
     compute_dtype: torch.dtype = torch.float32
 
     def size(self, axis: str) -> int:
-        """Degree of mesh axis ``axis`` (``"dp"`` = dp_replicate × dp_shard)."""
+        """Degree of mesh axis ``axis`` (``"dp"`` = dp_replicate × dp_shard; ``"edp"`` = dp / ep)."""
+        if axis == "edp":  # expert data parallel: dp ranks holding the same experts
+            return self.mesh.dp // self.mesh.ep
         return self.mesh.dp if axis == "dp" else getattr(self.mesh, axis)
 
     def coord(self, axis: str) -> int:
-        """This rank's coordinate on ``axis`` (``"dp"``: index inside the combined dp group)."""
+        """This rank's coordinate on ``axis`` (``"dp"``: index inside the combined dp group).
+
+        ``"ep"`` / ``"edp"``: an ep group is a run of ``ep`` consecutive dp
+        coordinates, so ep = dp mod ep and edp = dp div ep.
+        """
         if axis == "dp":
             return self.coords["dp_replicate"] * self.mesh.dp_shard + self.coords["dp_shard"]
+        if axis == "ep":
+            return self.coord("dp") % self.mesh.ep
+        if axis == "edp":
+            return self.coord("dp") // self.mesh.ep
         return self.coords[axis]
 
     def group(self, axis: str) -> str:
@@ -119,6 +129,7 @@ class ParamPlacement:
     placements: tuple
     tp_dim: int | None = None
     dp_dim: int | None = None
+    ep_dim: int | None = None  # expert dim split over the ep group (EP; placements on dp axes stay Replicate)
 
     @property
     def global_stride(self) -> tuple[int, ...]:
@@ -133,6 +144,8 @@ class ParamPlacement:
             local = local.chunk(ctx.size("tp"), self.tp_dim)[ctx.coord("tp")]
         if self.dp_dim is not None:
             local = chunk_or_empty(local, ctx.size("dp_shard"), ctx.coord("dp_shard"), self.dp_dim)
+        if self.ep_dim is not None:
+            local = local.chunk(ctx.size("ep"), self.ep_dim)[ctx.coord("ep")]
         assert tuple(local.shape) == self.local_shape, (local.shape, self.local_shape)
         return local.contiguous().clone()
 
@@ -177,6 +190,9 @@ def placement_for(
     dp_dim = 0 if strategy.state == "zero3" and ctx.size("dp_shard") > 1 and global_shape else None
     if dp_dim is not None:
         local[0] = _chunk_len(local[0], ctx.size("dp_shard"), ctx.coord("dp_shard"))
+    ep_dim = _expert_dim(fqn, global_shape, tp_role, strategy, ctx)
+    if ep_dim is not None:
+        local[ep_dim] //= ctx.size("ep")
     placements = {axis: Replicate() for axis in MESH_ORDER}
     if tp_dim is not None:
         placements["tp"] = Shard(tp_dim)
@@ -192,7 +208,26 @@ def placement_for(
         placements=tuple(placements[axis] for axis in MESH_ORDER),
         tp_dim=tp_dim,
         dp_dim=dp_dim,
+        ep_dim=ep_dim,
     )
+
+
+def _expert_dim(fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext) -> int | None:
+    """Tensor dim 0 of an expert weight [E, ...] under EP (``strategy.ep`` and mesh ep > 1), else None."""
+    ep = ctx.size("ep")
+    if not (strategy.ep and ep > 1 and tp_role == "expert"):
+        return None
+    if strategy.state != "replicate" or strategy.tp != "none":
+        raise PlanError(
+            f"layer {strategy.layer!r}: expert parallelism with state={strategy.state!r}, tp={strategy.tp!r} is not "
+            "implemented by the runtime yet (allowed with ep=True: state='replicate', tp='none'); change the layer's strategy"
+        )
+    if global_shape[0] % ep:
+        raise PlanError(
+            f"layer {strategy.layer!r}: {global_shape[0]} experts of {fqn!r} are not divisible by ep={ep}; "
+            "choose an ep degree dividing the expert count"
+        )
+    return 0
 
 
 def autoshard_meta(pass_name: str, why: str, **extra) -> dict:

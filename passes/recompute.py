@@ -1,10 +1,46 @@
-"""Pass ``recompute``: ZeRO-3 re-gather in backward; activation-checkpoint regions (not yet).
+"""Pass ``recompute``: activation-checkpoint regions (selective / full) and ZeRO-3 re-gather in backward.
 
-Pre-conditions: ``insert_collectives`` ran. Post-conditions: when the graph
+Pre-conditions: ``insert_collectives`` ran. Post-conditions: (1) when the graph
 has ``Zero3Gather`` modules, a ``Regather`` submodule ``autoshard_regather``
 exists and every gather reports its outputs to it; the runtime runs the graph
 inside ``torch.autograd.graph.saved_tensors_hooks(regather.pack,
-regather.unpack)`` (``Program.forward``).
+regather.unpack)`` (``Program.forward``). (2) every checkpoint region of the
+plan is outlined into a ``CheckpointRegion`` submodule
+(``autoshard_ckpt_<layer>``) that runs its nodes through
+``torch.utils.checkpoint.checkpoint(..., use_reentrant=False)``: forward saves
+only the region's inputs, backward re-runs the region (its collectives
+included) and differentiates the recomputed graph.
+
+[Note: checkpoint regions]
+Regions follow the cost model (docs/cost-model.md, "Activations"):
+
+* ``recompute="selective"`` (Korthikanti et al. 2022): the attention core —
+  the nodes of the attention module itself between the q/k/v projections and
+  the out projection (head views, RoPE, GQA expand, QKᵀ, mask, softmax,
+  dropout, ·V, or SDPA). The S²-sized scores and probabilities are not kept;
+  q, k, v are (region inputs). A layer whose own nodes contain no softmax /
+  SDPA (an MLP, a norm) has no attention core: selective is a no-op there,
+  as the cost model prices it (``Iₛ = 0``).
+* ``recompute="full"``: a maximal run of consecutive full-recompute layers of
+  one block (the module enclosing the layer, from ``nn_module_stack``; a
+  top-level layer is its own block) is one region: every node from the run's
+  first node to its last (the residual adds between its layers, the TP/SP
+  collectives and ZeRO-3 gathers inserted for them) except parameter
+  ``get_attr`` nodes. Only the region's input (the residual stream entering
+  it, plus parameter shards) is kept.
+
+A region is a set of nodes, not necessarily contiguous in the graph (the k
+projection sits between q's head view and the attention core); it is outlined
+at the position of its last node, which is valid when no outside node before
+that position uses a region value (checked; ``PlanError`` otherwise).
+
+ZeRO-3 composition: a full region contains its layers' ``Zero3Gather`` nodes,
+so the recompute gathers the parameters again (one more all-gather per layer
+in backward) and the gathered weights are never region inputs kept by the
+checkpoint. Inside a region the checkpoint's own saved-tensor hooks are the
+innermost ones, so ``Regather`` sees nothing there; outside regions it works
+as before. The non-reentrant checkpoint re-runs collectives in backward in
+graph order on every rank, so they line up.
 
 [Note: ZeRO-3 re-gather]
 Autograd saves the full (gathered) weight for the input gradient of every op
@@ -20,19 +56,23 @@ layer re-gathered is cached, so backward costs one extra all-gather per layer
 end of backward. Every rank runs the same graph, so the re-gathers happen in
 the same order everywhere.
 
-Partial: ``recompute="selective"`` / ``"full"`` (checkpoint regions around a
-layer's subgraph) raise ``PlanError``: not implemented yet.
+Partial: a region holds whole layers of one pipeline stage; pipeline stage
+splitting (when it lands) must keep regions inside stages. RNG state is
+restored by ``checkpoint`` (``preserve_rng_state=True``), so dropout masks
+recompute equal; this is exercised only with p = 0 models.
 """
 
 from __future__ import annotations
 
+import operator
 import weakref
 
 import torch
 from torch import fx, nn
+from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanError
-from autoshard.passes._graph_utils import META_KEY, copy_module
+from autoshard.passes._graph_utils import META_KEY, copy_module, layer_of_path, tag
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
@@ -87,14 +127,32 @@ class Regather(nn.Module):
         return torch.autograd.graph.saved_tensors_hooks(self.pack, self.unpack)
 
 
+class CheckpointRegion(nn.Module):
+    """Runs ``body`` (an outlined region) under non-reentrant activation checkpointing."""
+
+    def __init__(self, body: fx.GraphModule, kind: str, layers: tuple[str, ...]) -> None:
+        super().__init__()
+        self.body, self.kind, self.layers = body, kind, layers
+
+    def forward(self, *args):
+        return checkpoint(self.body, *args, use_reentrant=False)
+
+
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
-    """Install ZeRO-3 re-gather; refuse checkpoint regions (module docstring)."""
-    for s in plan.layers:
-        if s.recompute != "none":
-            raise PlanError(
-                f"layer {s.layer!r}: recompute={s.recompute!r} is not implemented by the runtime yet; "
-                "set recompute='none' (allowed now: ('none',))"
-            )
+    """Install ZeRO-3 re-gather, then outline checkpoint regions (module docstring)."""
+    out = _install_regather(gm)
+    if all(s.recompute == "none" for s in plan.layers):
+        return out
+    if out is gm:
+        out = copy_module(gm)  # the regions below edit the graph in place
+    for name, kind, layers, nodes in checkpoint_regions(out.graph, plan):
+        _outline(out, nodes, name, CheckpointRegion, kind=kind, layers=layers)
+    out.graph.lint()
+    out.recompile()
+    return out
+
+
+def _install_regather(gm: fx.GraphModule) -> fx.GraphModule:
     gathers = {n.target: gm.get_submodule(n.target) for n in gm.graph.nodes
                if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Zero3Gather)}
     if not gathers:
@@ -105,3 +163,116 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     out.add_submodule(REGATHER, regather)
     out.meta[META_KEY]["regather"] = REGATHER
     return out
+
+
+# --------------------------------------------------------------------------- regions
+
+_ATTENTION_CORE_OPS = (torch.ops.aten.softmax.int, torch.ops.aten._softmax.default,
+                       torch.ops.aten.scaled_dot_product_attention.default)
+
+
+def _stack_paths(node: fx.Node) -> list[str]:
+    return [path for path, _type in (node.meta.get("nn_module_stack") or {}).values()]
+
+
+def checkpoint_regions(graph: fx.Graph, plan: Plan) -> list[tuple[str, str, tuple[str, ...], list[fx.Node]]]:
+    """``(submodule name, kind, layers, nodes)`` of every checkpoint region (module docstring note)."""
+    strategies = {s.layer: s for s in plan.layers}
+    names = list(strategies)
+    layer_nodes: dict[str, list[fx.Node]] = {}
+    block_of: dict[str, str | None] = {}
+    for node in graph.nodes:
+        if node.op not in ("call_function", "call_module"):
+            continue
+        paths = _stack_paths(node)
+        layer = next((found for path in reversed(paths) if (found := layer_of_path(path, names))), None)
+        if layer is None:
+            continue
+        layer_nodes.setdefault(layer, []).append(node)
+        if layer in paths:
+            i = paths.index(layer)
+            block_of.setdefault(layer, paths[i - 1] if i > 0 and paths[i - 1] else None)
+    regions = []
+    for layer in names:
+        if strategies[layer].recompute == "selective" and layer in layer_nodes:
+            core = [n for n in layer_nodes[layer] if (_stack_paths(n) or [None])[-1] == layer]
+            if any(n.target in _ATTENTION_CORE_OPS for n in core):
+                regions.append((_region_name(layer), "selective", (layer,), core))
+    for run_layers in _full_runs(names, strategies, block_of, layer_nodes):
+        regions.append((_region_name(run_layers[0]), "full", tuple(run_layers), _full_region_nodes(graph, run_layers, layer_nodes)))
+    return regions
+
+
+def _region_name(layer: str) -> str:
+    return "autoshard_ckpt_" + layer.replace(".", "_")
+
+
+def _full_runs(names, strategies, block_of, layer_nodes) -> list[list[str]]:
+    """Maximal runs of consecutive full-recompute layers (plan order) of one block and one stage."""
+    runs: list[list[str]] = []
+    prev = None
+    for layer in names:
+        s = strategies[layer]
+        if s.recompute != "full" or layer not in layer_nodes:
+            prev = None
+            continue
+        joins = (prev is not None and block_of.get(layer) is not None
+                 and block_of.get(layer) == block_of.get(prev) and s.stage == strategies[prev].stage)
+        if joins:
+            runs[-1].append(layer)
+        else:
+            runs.append([layer])
+        prev = layer
+    return runs
+
+
+def _full_region_nodes(graph: fx.Graph, layers: list[str], layer_nodes: dict) -> list[fx.Node]:
+    """Every call node from the first to the last node of ``layers`` (ZeRO-3 gathers of those layers included)."""
+    members = {n for layer in layers for n in layer_nodes[layer]}
+    for node in graph.nodes:
+        if node.op == "call_module" and (node.meta.get(META_KEY) or {}).get("layer") in layers:
+            members.add(node)
+            members.update(node.users)
+    order = list(graph.nodes)
+    index = {n: i for i, n in enumerate(order)}
+    first, last = min(index[n] for n in members), max(index[n] for n in members)
+    return [n for n in order[first : last + 1] if n.op in ("call_function", "call_module")]
+
+
+def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, wrapper, **kwargs) -> None:
+    """Move ``nodes`` of ``gm.graph`` into ``wrapper(body GraphModule, **kwargs)`` at submodule ``name`` (in place)."""
+    graph = gm.graph
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    nodes = sorted(set(nodes), key=index.__getitem__)
+    members = set(nodes)
+    last = nodes[-1]
+    inputs = list(dict.fromkeys(a for n in nodes for a in n.all_input_nodes if a not in members))
+    outputs = [n for n in nodes if any(u not in members for u in n.users)]
+    for n in outputs:
+        early = [u.name for u in n.users if u not in members and index[u] < index[last]]
+        if early:
+            raise PlanError(
+                f"checkpoint region {name}: {n.name} is used by {early} before the region ends; "
+                "this layer's graph cannot be recomputed as one region; choose another recompute for it"
+            )
+    body = fx.Graph()
+    env: dict[fx.Node, fx.Node] = {}
+    for a in inputs:
+        env[a] = body.placeholder(a.name)
+        env[a].meta = dict(a.meta)
+    for n in nodes:
+        env[n] = body.node_copy(n, env.__getitem__)
+    body.output(tuple(env[n] for n in outputs))
+    root = {n.target: gm.get_submodule(n.target) for n in nodes if n.op == "call_module"}
+    gm.add_submodule(name, wrapper(fx.GraphModule(root, body, class_name="Region"), **kwargs))
+    with graph.inserting_after(last):
+        call = tag(graph.call_module(name, tuple(inputs)), NAME, f"{kwargs.get('kind')} recompute region",
+                   layer=kwargs["layers"][0], **kwargs)  # ``layer``: split_pipeline stages the region by it
+    item_at = call
+    for i, n in enumerate(outputs):
+        with graph.inserting_after(item_at):
+            item_at = graph.call_function(operator.getitem, (call, i))
+        item_at.meta = {k: v for k, v in n.meta.items() if k != META_KEY}
+        n.replace_all_uses_with(item_at, delete_user_cb=lambda u: u not in members)
+    for n in reversed(nodes):
+        graph.erase_node(n)

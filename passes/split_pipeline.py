@@ -157,9 +157,9 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> nn.Module:
     )
     leaves = list(next(n for n in graph.nodes if n.op == "output").args[0])
     vals = {
-        "boundaries": {k: [n.meta["val"] for n in boundaries[k]] for k in range(num_stages)},
+        "boundaries": {k: [_val(n) for n in boundaries[k]] for k in range(num_stages)},
         "inputs": {n.name: n.meta["val"] for n in placeholders},
-        "outputs": [n.meta["val"] for n in leaves],
+        "outputs": [_val(n) for n in leaves],
         "output_spec": _output_spec(graph, len(leaves)),
     }
     split = PipelineSplit(modules, layout, vals, meta)
@@ -233,6 +233,19 @@ def _check_shared_params(gm: fx.GraphModule, stages: dict, pp: int) -> None:
             )
 
 
+def _val(node: fx.Node):
+    """The export's fake value of ``node`` (global shape, symbolic batch/seq dims).
+
+    A node a pass inserted (Megatron f/g, the logits all-gather) has none: it
+    takes its first input's, which these ops preserve in global shape. Decision:
+    boundaries sit between plan layers, where activations are tp-replicated, so the
+    global shape is the shape sent (sequence-parallel boundaries would not be).
+    """
+    while "val" not in node.meta and node.all_input_nodes:
+        node = node.all_input_nodes[0]
+    return node.meta.get("val")
+
+
 def _boundaries(graph: fx.Graph, stages: dict, num_stages: int) -> list[list[fx.Node]]:
     """Per stage k, the staged values made on a stage < k and used on a stage >= k (graph order)."""
     last_use: dict[fx.Node, int] = {}
@@ -248,7 +261,7 @@ def _boundaries(graph: fx.Graph, stages: dict, num_stages: int) -> list[list[fx.
         if stages.get(node) is None or node not in last_use:
             continue
         for k in range(stages[node] + 1, last_use[node] + 1):
-            val = node.meta.get("val")
+            val = _val(node)
             if not isinstance(val, torch.Tensor):
                 raise PlanError(
                     f"value {node.name} ({type(val).__name__}) crosses pipeline stage boundary {k - 1}→{k}; "
@@ -284,7 +297,6 @@ def _stage_module(gm: fx.GraphModule, stages: dict, k: int, boundaries: list, nu
     else:
         result = tuple(env[n] for n in boundaries[k + 1])
     graph.output(result)
-    graph.eliminate_dead_code()
     graph.lint()
     root = {n.target: _fetch(gm, n.target) for n in graph.nodes if n.op in ("get_attr", "call_module")}
     out = fx.GraphModule(root, graph, class_name=f"Stage{k}")

@@ -52,6 +52,8 @@ def build_rank_context(
     rank = dist.get_rank()
     names = {axis: device_mesh.get_group(axis).group_name for axis in (*MESH_ORDER, "dp")}
     names["world"] = dist.group.WORLD.group_name
+    if mesh.ep > 1:
+        names.update(_expert_group_names(mesh, rank))
     coords = coords_of(rank, mesh)
     assert all(device_mesh.get_local_rank(axis) == coords[axis] for axis in MESH_ORDER), (coords, rank)
     ctx = RankContext(
@@ -64,6 +66,31 @@ def build_rank_context(
         compute_dtype=compute_dtype,
     )
     return ctx, device_mesh
+
+
+def _expert_group_names(mesh: Mesh, rank: int) -> dict[str, str]:
+    """Create every ``"ep"`` and ``"edp"`` group (collective over the world); names of this rank's two.
+
+    ep: runs of ``ep`` consecutive dp coordinates (experts sharded over them);
+    edp: dp coordinates with the same index inside their run (same experts; their
+    gradients are reduced together). Other axes (pp, cp, tp) fixed.
+    """
+    dp, cp, tp = mesh.dp, mesh.cp, mesh.tp
+
+    def rank_of(p: int, d: int, c: int, t: int) -> int:
+        return ((p * dp + d) * cp + c) * tp + t
+
+    names = {}
+    for p in range(mesh.pp):
+        for c in range(cp):
+            for t in range(tp):
+                runs = [[rank_of(p, b * mesh.ep + i, c, t) for i in range(mesh.ep)] for b in range(dp // mesh.ep)]
+                for axis, groups in (("ep", runs), ("edp", [list(g) for g in zip(*runs)])):
+                    for ranks in groups:
+                        group = dist.new_group(ranks)
+                        if rank in ranks:
+                            names[axis] = group.group_name
+    return names
 
 
 __all__ = ["build_device_mesh", "build_rank_context", "check_world"]

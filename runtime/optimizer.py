@@ -11,6 +11,7 @@ per-rank losses):
 | zero1 | flat chunk 1/D | all-reduce(avg) over dp, keep own chunk | all-gather chunks over dp → param |
 | zero2 | flat chunk 1/D | reduce-scatter(avg) over dp | all-gather chunks over dp → param |
 | zero3 | = the Shard(0) param shard | reduce-scatter(avg) over dp_shard in backward (graph); all-reduce(avg) over dp_replicate (HSDP) | copy master → shard |
+| replicate + EP experts | the ep shard [E/ep, ...] | all-reduce(sum) over edp (dp ranks holding the same experts), ÷ D | copy master → compute param |
 | offload | flat chunk 1/D on the host | reduce-scatter(avg), copy the chunk to the host | update on host, copy up, all-gather |
 
 "Flat chunk": the parameter flattened, zero-padded to a multiple of D,
@@ -104,6 +105,8 @@ class _Slot:
         """How many ranks hold the same piece of the synced gradient (clipping formula)."""
         ctx, p = self.ctx, self.placement
         rep = 1 if self.flat else (ctx.size("dp_replicate") if p.dp_dim is not None else ctx.size("dp"))
+        if p.ep_dim is not None:
+            rep = ctx.size("edp")  # expert shards are replicated over the expert-data-parallel group only
         return rep * (ctx.size("tp") if p.tp_dim is None else 1)
 
     def sync_grad(self) -> None:
@@ -121,6 +124,10 @@ class _Slot:
         elif self.placement.dp_dim is not None:
             if ctx.size("dp_replicate") > 1:
                 grad = all_reduce_grad(grad, ctx.group("dp_replicate"), wire, "avg")
+        elif self.placement.ep_dim is not None:  # EP experts: grad = Σ of the ep group's losses (all-to-all bwd)
+            if ctx.size("edp") > 1:
+                grad = all_reduce_grad(grad, ctx.group("edp"), wire, "sum")
+            grad = grad / ctx.size("dp")  # mean over all dp ranks' losses
         elif ctx.size("dp") > 1:
             grad = all_reduce_grad(grad, ctx.group("dp"), wire, "avg")
         self.grad = grad.to(self.host, torch.float32)

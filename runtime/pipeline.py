@@ -97,7 +97,11 @@ class PipelineEngine:
         else:
             j = k + 1 if outputs else k
             vals, shapes = self.split.boundary_vals[j], self.split.boundary_shapes(j, inputs)
-        return tuple(torch.empty(s, dtype=self._dtype(v), device=self.ctx.device) for v, s in zip(vals, shapes))
+        # requires_grad marks what carries gradients back: the stage's recv buffers copy it.
+        return tuple(
+            torch.empty(s, dtype=self._dtype(v), device=self.ctx.device).requires_grad_(v.dtype.is_floating_point)
+            for v, s in zip(vals, shapes)
+        )
 
     def _dtype(self, val: torch.Tensor) -> torch.dtype:
         return self.ctx.compute_dtype if val.dtype.is_floating_point else val.dtype

@@ -26,9 +26,11 @@ all-reduce is a qgZ reduce-scatter followed by a quantized all-gather of the
 reduced chunk (ZeRO++'s form for the inter-node hop), so every rank decodes the
 same bytes and replicas stay bit-identical.
 
-Block size (``block_for``): ``min(DEFAULT_BLOCK, max(64, next_pow2(shard)))``
-elements per fp32 scale, so a tiny shard (a norm's 64 elements) is not padded
-to 512 (which would move more bytes than bf16). Errors per element: int8
+Block size (``block_for``): the power of two in [64, DEFAULT_BLOCK=512]
+elements per fp32 scale that moves the fewest bytes for the shard (padding to
+whole blocks + 4 bytes of scale per block), so a tiny shard (a norm's 64
+elements) is not padded to 512, which would move more bytes than bf16, and an
+8320-element shard uses 256 (8580 bytes int8) rather than 512 (8772). Errors per element: int8
 ``absmax/254``, fp8 ``2^-4·|x|``, int4 ``absmax/14`` per block (docs/kernels.md);
 a qgZ sum of ``n`` sources adds up to ``n`` such errors.
 """
@@ -40,7 +42,8 @@ import torch.distributed as dist
 from torch import Tensor
 
 from autoshard.errors import AutoshardError
-from autoshard.kernels import DEFAULT_BLOCK
+from autoshard.kernels import DEFAULT_BLOCK, QFORMATS
+from autoshard.kernels.layout import SCALE_BYTES
 from autoshard.kernels.comm import quantized_all_gather as _qwz_gather
 from autoshard.kernels.comm import quantized_reduce_scatter as _qgz_scatter
 from autoshard.runtime import collectives
@@ -60,12 +63,23 @@ class QuantizedCommError(AutoshardError):
     """A quantized collective was asked for a dtype, gradient mode or reduction it does not support."""
 
 
-def block_for(shard_numel: int) -> int:
-    """Elements per scale for a shard of ``shard_numel``: the next power of two, clamped to [64, DEFAULT_BLOCK]."""
+def block_for(shard_numel: int, qdtype: str) -> int:
+    """Elements per scale for a ``shard_numel`` shard moved as ``qdtype``: the fewest wire bytes (module docstring).
+
+    Over the powers of two in [64, DEFAULT_BLOCK], minimise
+    ``ceil(S/b)·b·bits/8 + 4·ceil(S/b)`` (padding to whole blocks + one fp32
+    scale per block); ties go to the larger block (fewer scales to compute).
+    """
+    bits = QFORMATS[qdtype].bits
+    best, best_bytes = MIN_BLOCK, None
     block = MIN_BLOCK
-    while block < min(shard_numel, DEFAULT_BLOCK):
+    while block <= DEFAULT_BLOCK:
+        blocks = -(-shard_numel // block)
+        nbytes = blocks * block * bits // 8 + SCALE_BYTES * blocks
+        if best_bytes is None or nbytes <= best_bytes:
+            best, best_bytes = block, nbytes
         block *= 2
-    return block
+    return best
 
 
 def _check(value: str, allowed: tuple[str, ...], role: str) -> None:
@@ -104,11 +118,12 @@ def _(x, group_name, qdtype, grad_comm, block, grad_op):
 
 
 def _qag_setup(ctx, inputs, output):
-    _x, ctx.group_name, _qdtype, ctx.grad_comm, ctx.block, ctx.grad_op = inputs
+    _x, ctx.group_name, _qdtype, ctx.grad_comm, _block, ctx.grad_op = inputs
 
 
 def _qag_backward(ctx, grad):
-    return reduce_scatter_grad(grad, ctx.group_name, ctx.grad_comm, ctx.block, ctx.grad_op), None, None, None, None, None
+    # the gradient's own block size (block_for over its shard and grad_comm's format)
+    return reduce_scatter_grad(grad, ctx.group_name, ctx.grad_comm, None, ctx.grad_op), None, None, None, None, None
 
 
 torch.library.register_autograd("autoshard::quantized_all_gather", _qag_backward, setup_context=_qag_setup)
@@ -159,12 +174,13 @@ def quantized_all_gather(x: Tensor, group_name: str, qdtype: str, grad_comm: str
                          block: int | None = None, grad_op: str = "avg") -> Tensor:
     """Dim-0 all-gather ``(s0, *rest)`` → ``(n·s0, *rest)`` moved as ``qdtype`` (module table).
 
-    Backward: ``reduce_scatter_grad(grad, group_name, grad_comm, block, grad_op)``.
-    ``block`` defaults to ``block_for(x.numel())``.
+    Backward: ``reduce_scatter_grad(grad, group_name, grad_comm, op=grad_op)`` (its own block size).
+    ``block`` defaults to ``block_for(x.numel(), qdtype)``.
     """
     _check(grad_comm, GRAD_COMMS, "grad_comm")
     _check(grad_op, _GRAD_OPS, "grad_op")
-    block = block_for(x.numel()) if block is None else block
+    if block is None:
+        block = block_for(x.numel(), qdtype) if qdtype != "none" else DEFAULT_BLOCK  # (unused when "none")
     return torch.ops.autoshard.quantized_all_gather(x, group_name, qdtype, grad_comm, block, grad_op)
 
 
@@ -179,7 +195,7 @@ def reduce_scatter_grad(grad: Tensor, group_name: str, grad_comm: str, block: in
         return collectives.reduce_scatter(grad, 0, group_name, op)
     if grad_comm == "fp32":
         return collectives.reduce_scatter(grad.float(), 0, group_name, op).to(grad.dtype)
-    block = block_for(grad.numel() // _pg(group_name).size()) if block is None else block
+    block = block_for(grad.numel() // _pg(group_name).size(), grad_comm) if block is None else block
     return torch.ops.autoshard.quantized_reduce_scatter(grad, group_name, grad_comm, block, op)
 
 
@@ -197,7 +213,7 @@ def all_reduce_grad(grad: Tensor, group_name: str, grad_comm: str, op: str = "av
     n = _pg(group_name).size()
     chunk = -(-grad.numel() // n)
     flat = torch.nn.functional.pad(grad.reshape(-1), (0, chunk * n - grad.numel()))  # (n·chunk,)
-    block = block_for(chunk)
+    block = block_for(chunk, grad_comm)
     mine = torch.ops.autoshard.quantized_reduce_scatter(flat, group_name, grad_comm, block, op)  # (chunk,)
     full = torch.ops.autoshard.quantized_all_gather(mine, group_name, grad_comm, "none", block, "sum")
     return full[: grad.numel()].view_as(grad)

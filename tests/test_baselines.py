@@ -12,7 +12,7 @@ not) for 3 steps with 2 micro-batches and clipping, in fp32:
   order (PLATFORM_NOTES, "Equality tests"); the losses stay within 1e-4.
 
 A second job runs ``benchmarks/run.py``'s ``main`` on 2 gloo ranks (tiny
-sizes, autoshard + both FSDP2 configs, forced plans) and checks the JSON and
+sizes, two forced autoshard plans, FSDP2, Megatron and DeepSpeed skipped) and checks the JSON and
 markdown it writes.
 """
 
@@ -25,9 +25,8 @@ import pytest
 import torch
 
 from _harness import run_gloo, run_gloo_cases
-from _runtime_cases import reassemble
+from _runtime_cases import graph_of, reassemble
 from autoshard.models import build
-from autoshard.passes import capture
 from autoshard.plan import Mesh
 from autoshard.runtime.optimizer import OptimizerConfig
 from benchmarks.baselines.autoshard_trainer import AutoshardTrainer, uniform_plan
@@ -46,7 +45,7 @@ def _spec(model: str, optimizer: OptimizerConfig) -> RunSpec:
 
 def _autoshard_case(rank, world_size, model, optimizer):
     spec = _spec(model, optimizer)
-    graph = capture(build(model), seq_lens=(8, 16))
+    graph = graph_of(model)
     plan = uniform_plan(graph, Mesh(dp_shard=world_size), state="zero3", num_micro_batches=2, global_batch=8,
                         seq_len=8, precision="fp32", optimizer=optimizer.name)
     trainer = AutoshardTrainer(spec, torch.device("cpu"), graph, plan)
@@ -72,8 +71,8 @@ CASES = {
     "autoshard_sgd": functools.partial(_autoshard_case, model="gpt:tiny", optimizer=SGD),
     "fsdp2_sgd": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=SGD, reshard=True),
     "fsdp2_noreshard_sgd": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=SGD, reshard=False),
-    "autoshard_adamw": functools.partial(_autoshard_case, model="llama:tiny", optimizer=ADAMW),
-    "fsdp2_adamw": functools.partial(_fsdp2_case, model="llama:tiny", optimizer=ADAMW, reshard=True),
+    "autoshard_adamw": functools.partial(_autoshard_case, model="gpt:tiny", optimizer=ADAMW),
+    "fsdp2_adamw": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=ADAMW, reshard=True),
 }
 
 
@@ -121,3 +120,50 @@ def test_run_spec_rejects_bad_values():
         RunSpec(model="gpt:tiny", global_batch=2, seq_len=8, precision="fp16")
     with pytest.raises(BaselineError, match="device='tpu'"):
         RunSpec(model="gpt:tiny", global_batch=2, seq_len=8, device="tpu")
+
+
+# --------------------------------------------------------------------------- benchmarks/run.py smoke
+
+
+def _run_main(rank, world_size, out, calibration):
+    from benchmarks import run
+
+    argv = ["--device", "cpu", "--model", "gpt:tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "1",
+            "--precision", "fp32", "--plans", "forced", "--max-plans", "2", "--calibration", calibration,
+            "--configs", "autoshard,fsdp2,megatron-tp,deepspeed-z3", "--out", out]
+    return run.main(argv)
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("bench")
+    calibration = tmp / "cal.json"
+    calibration.write_text(json.dumps({"matmul_efficiency": 0.05, "hbm_efficiency": 0.5}))
+    run_gloo(_run_main, 2, str(tmp / "out"), str(calibration), timeout_s=240)
+    return json.loads((tmp / "out" / "results.json").read_text()), (tmp / "out" / "results.md").read_text()
+
+
+def test_run_measures_forced_plans_and_baselines(bench):
+    data, _ = bench
+    rows = {r["config"]: r for r in data["rows"]}
+    autoshard = [r for r in data["rows"] if r["config"].startswith("autoshard")]
+    assert len(autoshard) == 2 and len({r["plan"] for r in autoshard}) == 2
+    for row in autoshard + [rows["fsdp2"]]:
+        assert row["status"] == "ok", row["status"]
+        assert len(row["losses"]) == 2 and len(row["step_times_s"]) == 1
+        assert row["tokens_per_s"] == pytest.approx(4 * 16 / row["median_step_s"])
+        assert row["predicted"]["step_time_s"] > 0 and row["predicted_step_error"] is not None
+    # Same weights and batches: every config starts from the same step-1 loss.
+    first = [r["losses"][0] for r in autoshard + [rows["fsdp2"]]]
+    assert max(first) - min(first) < 1e-4 * abs(first[0])
+    assert rows["megatron-tp"]["status"].startswith("skipped")
+    assert rows["deepspeed-z3"]["status"].startswith(("skipped", "ok"))
+
+
+def test_run_reports_calibrated_predictions(bench):
+    data, text = bench
+    row = data["rows"][0]
+    # matmul_efficiency 0.05 makes the calibrated cluster slower: a longer predicted step.
+    assert row["predicted_calibrated"]["step_time_s"] > row["predicted"]["step_time_s"]
+    assert data["meta"]["world_size"] == 2 and data["meta"]["calibration"].endswith("cal.json")
+    assert "| autoshard |" in text and "mean |error| (calibrated)" in text

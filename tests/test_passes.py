@@ -20,7 +20,7 @@ TRAIN = TrainSpec(global_batch=8, seq_len=8, precision="fp32")
 
 
 def test_pass_order():
-    assert [p.NAME for p in PASSES] == ["shard_parameters", "insert_collectives", "split_pipeline", "recompute", "schedule_overlap"]
+    assert [p.NAME for p in PASSES] == ["shard_parameters", "insert_collectives", "split_pipeline", "recompute", "schedule_overlap", "quantize_comm"]
 
 
 @pytest.mark.parametrize(

@@ -2,10 +2,14 @@
 
 ``plan_constraints(graph, precision)`` restricts the search to what the runtime
 executes today (docs/runtime.md, "Partial"): one pipeline stage, no context or
-expert parallelism, no recompute, no sequence parallelism, and communication in
-the compute dtype (the runtime ignores ``weight_comm``/``grad_comm``, so the
+expert parallelism, no recompute, no sequence parallelism, and uncompressed
+communication (the runtime ignores ``weight_comm``/``grad_comm``, so the
 prediction must not price a quantized collective that does not run). Every
-layer class gets the same pin. ``uniform_plan`` writes a hand-made plan (one
+layer class gets the same pin. ``grad_comm="bf16"`` is the strategy space's
+only uncompressed choice on every mesh (``"fp32"`` is offered only with dp > 1),
+so an fp32 run (the CPU smoke test) is priced with 2-byte gradient
+collectives while it moves 4-byte ones: a known under-estimate there, none in
+bf16 runs. ``uniform_plan`` writes a hand-made plan (one
 state for every layer, optional Megatron TP) for the baselines' "equivalent
 plan" predictions and the numerics test.
 """
@@ -32,8 +36,8 @@ def train_spec(spec: RunSpec, *, micro_batch: int | None = None) -> TrainSpec:
 
 def runtime_pin(precision: str, **fields: Any) -> dict[str, Any]:
     """The per-class pin keeping a searched plan inside what the runtime runs (module docstring)."""
-    return {"recompute": "none", "sp": False, "weight_comm": "bf16",
-            "grad_comm": "fp32" if precision == "fp32" else "bf16", **fields}
+    del precision  # see the module docstring: "bf16" names uncompressed communication in the strategy space
+    return {"recompute": "none", "sp": False, "weight_comm": "bf16", "grad_comm": "bf16", **fields}
 
 
 def plan_constraints(graph: ModelGraph, precision: str, *, mesh: dict[str, int] | None = None,
@@ -51,8 +55,7 @@ def uniform_plan(graph: ModelGraph, mesh: Mesh, *, state: str, tp: bool = False,
     from autoshard.search.space import is_tp_able
 
     layers = tuple(
-        LayerStrategy(layer=layer.name, state=state, tp="megatron" if tp and is_tp_able(layer) else "none",
-                      grad_comm="fp32" if precision == "fp32" else "bf16")
+        LayerStrategy(layer=layer.name, state=state, tp="megatron" if tp and is_tp_able(layer) else "none")
         for layer in graph.layers
     )
     micro_batch = max(1, global_batch // (mesh.dp * num_micro_batches))

@@ -1,0 +1,296 @@
+"""``autoshard cluster calibrate``: measure this machine and write the file ``Cluster.with_calibration`` reads.
+
+What is measured (medians of ``iters`` timed runs after one warm-up; CUDA
+synchronised around each):
+
+- **matmul efficiency**: ``n×n @ n×n`` in ``dtype`` (bf16 on GPUs, fp32 on the
+  CPU) for each ``n`` of ``matmul_sizes``; achieved FLOP/s = ``2n³ / t``;
+  ``matmul_efficiency`` = achieved at the largest ``n`` / ``device.peak_flops[dtype]``
+  (the cost model's "achieved / peak for large GEMMs").
+- **HBM bandwidth**: ``dst.copy_(src)`` of ``copy_bytes``; bytes moved = read +
+  written = ``2·copy_bytes``; ``hbm_efficiency`` = that / t / ``device.hbm_bandwidth``.
+- **collective α/β** (only with a process group of ≥ 2 ranks): all-reduce and
+  all-gather of each size in ``message_bytes`` over the world. With the ring
+  formulas of ``search/comm.py`` (``g`` ranks, ``n`` bytes of the full tensor,
+  ``k`` = 2 for all-reduce, 1 for all-gather)::
+
+      t = k(g−1)·α + k(g−1)/g · n · (1/β)
+
+  every sample is one linear equation in (α, 1/β); both are fitted by least
+  squares over all samples (α clamped at 0 and 1/β refitted when the
+  unconstrained fit makes it negative). The result is the ``intra_node`` link
+  when the world lies in one node, else ``inter_node`` (a ring across nodes
+  pays the slowest link).
+
+Efficiencies are clipped to (0, 1]: a CPU "peak" from a preset is only an
+estimate, and a measured value above it means the preset is low, not that
+the model should expect more than peak. The file holds only the keys
+``Cluster.with_calibration`` accepts (``device``, ``date``, ``matmul_efficiency``,
+``hbm_efficiency``, ``intra_node``/``inter_node``); the raw samples go to
+``--raw FILE`` when asked.
+
+Under torchrun every rank measures (collectives need them all); rank 0 writes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from autoshard.cluster import Cluster
+from autoshard.errors import AutoshardError
+
+_DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
+_RING_FACTOR = {"all_reduce": 2, "all_gather": 1}
+_MIN_EFFICIENCY = 1e-3
+# torch 2.13 renames all_gather_into_tensor (deprecated there); 2.11 has only the old name.
+_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+@dataclass(frozen=True, kw_only=True)
+class CalibrationSizes:
+    """What to measure. The defaults are GPU-sized; ``quick()`` is for CPUs and tests."""
+
+    matmul_sizes: tuple[int, ...] = (2048, 4096, 8192)
+    copy_bytes: int = 1 << 30
+    message_bytes: tuple[int, ...] = tuple(1 << k for k in range(16, 30, 2))  # 64 KiB … 256 MiB
+    iters: int = 10
+
+    @classmethod
+    def quick(cls) -> CalibrationSizes:
+        """Tiny sizes: seconds on a CPU."""
+        return cls(matmul_sizes=(64, 128, 256), copy_bytes=1 << 22, message_bytes=(1 << 12, 1 << 18, 1 << 22),
+                   iters=3)
+
+
+@dataclass(frozen=True)
+class CommSample:
+    """One timed collective: op, group size, bytes of the full tensor, median seconds."""
+
+    op: str
+    group_size: int
+    nbytes: int
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    """Measured figures and the samples behind them; ``to_file_dict`` is what the file holds."""
+
+    device: str
+    date: str
+    matmul_efficiency: float
+    hbm_efficiency: float
+    link_level: str | None = None  # "intra_node" | "inter_node" | None (single rank)
+    latency_s: float | None = None
+    bandwidth: float | None = None
+    matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
+    copy_bytes_per_s: float = 0.0
+    comm: tuple[CommSample, ...] = ()
+
+    def to_file_dict(self) -> dict[str, Any]:
+        """The calibration file (``Cluster.with_calibration`` format)."""
+        out: dict[str, Any] = {"device": self.device, "date": self.date, "matmul_efficiency": self.matmul_efficiency,
+                               "hbm_efficiency": self.hbm_efficiency}
+        if self.link_level is not None:
+            out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
+        return out
+
+    def to_raw_dict(self) -> dict[str, Any]:
+        """Everything measured, for ``--raw``."""
+        return {**self.to_file_dict(), "matmul_flops_per_s": {str(k): v for k, v in self.matmul.items()},
+                "copy_bytes_per_s": self.copy_bytes_per_s, "comm": [asdict(s) for s in self.comm]}
+
+
+# --------------------------------------------------------------------------- timing
+
+
+def _median_seconds(fn: Callable[[], Any], iters: int, device: torch.device) -> float:
+    """Median wall seconds of ``fn`` over ``iters`` runs after one warm-up (synchronised on CUDA)."""
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    sync()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def measure_matmul(sizes: Sequence[int], dtype: torch.dtype, device: torch.device, iters: int) -> dict[int, float]:
+    """Achieved FLOP/s of an ``n×n @ n×n`` matmul for each ``n`` (``2n³`` FLOP)."""
+    out = {}
+    for n in sizes:
+        a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
+        out[n] = 2.0 * n**3 / _median_seconds(lambda: a @ b, iters, device)
+    return out
+
+
+def measure_copy(nbytes: int, device: torch.device, iters: int) -> float:
+    """Bytes/s of a device copy, counting bytes read + written (``2·nbytes`` per copy)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device).fill_(1)
+    dst = torch.empty_like(src)
+    return 2.0 * nbytes / _median_seconds(lambda: dst.copy_(src), iters, device)
+
+
+def measure_collectives(message_bytes: Sequence[int], device: torch.device, iters: int,
+                        group: Any = None) -> tuple[CommSample, ...]:
+    """All-reduce and all-gather of each size over ``group``; each sample is the slowest rank's median."""
+    size = dist.get_world_size(group)
+    samples = []
+    for nbytes in message_bytes:
+        numel = max(size, nbytes // 4 // size * size)  # fp32, a multiple of the group size
+        full = torch.ones(numel, dtype=torch.float32, device=device)
+        shard = torch.ones(numel // size, dtype=torch.float32, device=device)
+        ops = {"all_reduce": lambda: dist.all_reduce(full, group=group),
+               "all_gather": lambda: _all_gather(full, shard, group=group)}
+        for op, run in ops.items():
+            seconds = torch.tensor([_median_seconds(run, iters, device)], dtype=torch.float64, device=device)
+            dist.all_reduce(seconds, op=dist.ReduceOp.MAX, group=group)
+            samples.append(CommSample(op, size, numel * 4, float(seconds.item())))
+    return tuple(samples)
+
+
+def fit_alpha_beta(samples: Sequence[CommSample]) -> tuple[float, float]:
+    """Least-squares (α seconds, β bytes/s) of the ring model (module docstring) over ``samples``.
+
+    Raises ``AutoshardError`` when the samples do not determine a positive bandwidth
+    (too few sizes, or times that do not grow with the message).
+    """
+    rows, times = [], []
+    for s in samples:
+        k, g = _RING_FACTOR[s.op], s.group_size
+        rows.append((k * (g - 1), k * (g - 1) / g * s.nbytes))
+        times.append(s.seconds)
+    if len({r[1] for r in rows}) < 2:
+        raise AutoshardError(f"fit_alpha_beta needs ≥ 2 distinct message sizes, got {len(samples)} sample(s); "
+                             "measure more message_bytes")
+    a = torch.tensor(rows, dtype=torch.float64)
+    t = torch.tensor(times, dtype=torch.float64)[:, None]
+    alpha, inv_beta = torch.linalg.lstsq(a, t).solution[:, 0].tolist()
+    if alpha < 0:  # refit the bandwidth alone through the origin
+        alpha = 0.0
+        x = a[:, 1:]
+        inv_beta = float((x.T @ t / (x.T @ x)).item())
+    if inv_beta <= 0:
+        raise AutoshardError(f"collective times do not grow with the message size (1/β = {inv_beta:.3g}); "
+                             "measure larger message_bytes")
+    return alpha, 1.0 / inv_beta
+
+
+# --------------------------------------------------------------------------- calibrate
+
+
+def _clip(value: float) -> float:
+    return min(1.0, max(_MIN_EFFICIENCY, value))
+
+
+def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = CalibrationSizes(),
+              dtype: str | None = None) -> Calibration:
+    """Measure ``device`` (and the world's collectives, if any) against ``cluster``'s figures."""
+    dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
+    if dtype not in _DTYPES or dtype not in cluster.device.peak_flops:
+        raise AutoshardError(f"calibrate dtype={dtype!r}: allowed {sorted(set(_DTYPES) & set(cluster.device.peak_flops))}")
+    matmul = measure_matmul(sizes.matmul_sizes, _DTYPES[dtype], device, sizes.iters)
+    copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
+    level = latency = bandwidth = None
+    comm: tuple[CommSample, ...] = ()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        comm = measure_collectives(sizes.message_bytes, device, sizes.iters)
+        latency, bandwidth = fit_alpha_beta(comm)
+        level = "inter_node" if dist.get_world_size() > cluster.devices_per_node else "intra_node"
+    return Calibration(
+        device=cluster.device.name,
+        date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        matmul_efficiency=_clip(matmul[max(matmul)] / cluster.device.peak_flops[dtype]),
+        hbm_efficiency=_clip(copy / cluster.device.hbm_bandwidth),
+        link_level=level, latency_s=latency, bandwidth=bandwidth,
+        matmul=matmul, copy_bytes_per_s=copy, comm=comm,
+    )
+
+
+# --------------------------------------------------------------------------- CLI
+
+
+def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of ``autoshard cluster calibrate``."""
+    parser.add_argument("--out", type=Path, default=Path("calibration.json"), metavar="FILE",
+                        help="calibration file to write (read by Cluster.with_calibration / --calibration)")
+    parser.add_argument("--raw", type=Path, metavar="FILE", help="also write every measured sample here")
+    parser.add_argument("--dtype", choices=sorted(_DTYPES), help="matmul dtype (default bf16 on GPUs, fp32 on CPUs)")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for CPUs and tests)")
+    parser.add_argument("--iters", type=int, help="timed runs per measurement (median reported)")
+
+
+def _join_world() -> bool:
+    """Join torchrun's process group when launched by it; True when this call created the group."""
+    if dist.is_initialized() or int(os.environ.get("WORLD_SIZE", "1")) < 2:
+        return False
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(minutes=5))
+    return True
+
+
+def calibrate_main(args: argparse.Namespace, console: Any = None) -> int:
+    """Run ``autoshard cluster calibrate`` (a CLI handler: ``(args, console) -> exit code``)."""
+    owns_group = _join_world()
+    try:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        sizes = CalibrationSizes.quick() if args.quick else CalibrationSizes()
+        if args.iters:
+            sizes = CalibrationSizes(**{**asdict(sizes), "iters": args.iters})
+        result = calibrate(Cluster.detect(), device, sizes, args.dtype)
+        if not dist.is_initialized() or dist.get_rank() == 0:
+            _write(args, result, console)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return 0
+
+
+def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result.to_file_dict(), indent=2) + "\n")
+    if args.raw:
+        args.raw.write_text(json.dumps(result.to_raw_dict(), indent=2) + "\n")
+    link = (f", {result.link_level}: α={result.latency_s * 1e6:.1f} µs β={result.bandwidth / 1e9:.1f} GB/s"
+            if result.link_level else "")
+    line = (f"{result.device}: matmul efficiency {result.matmul_efficiency:.2f}, "
+            f"HBM efficiency {result.hbm_efficiency:.2f}{link} → {args.out}")
+    (console.print if console is not None else print)(line)
+
+
+__all__ = [
+    "Calibration",
+    "CalibrationSizes",
+    "CommSample",
+    "add_calibrate_arguments",
+    "calibrate",
+    "calibrate_main",
+    "fit_alpha_beta",
+    "measure_collectives",
+    "measure_copy",
+    "measure_matmul",
+]
+
+
+if __name__ == "__main__":  # `python -m autoshard.calibrate` (what benchmarks/gpu_run.sh runs under torchrun)
+    _parser = argparse.ArgumentParser(prog="python -m autoshard.calibrate", description=__doc__.split("\n\n")[0])
+    add_calibrate_arguments(_parser)
+    raise SystemExit(calibrate_main(_parser.parse_args()))

@@ -1,0 +1,212 @@
+"""The training commands of the CLI: ``autoshard ppo`` and ``autoshard plot``.
+
+``autoshard ppo MODEL[:SIZE] --cluster PRESET:NODESxDEVICES --task NAME --steps N
+[--plan plan.json] [--metrics out.jsonl] [--checkpoint DIR] [--resume] [--seed S]
+[--plot curves.png]`` does, in order:
+
+1. the plan: ``--plan`` loads one (checked against the model by the runtime);
+   otherwise capture the policy (the reference model with the task
+   vocabulary, ``ppo_program.build_policy_model``) and search it for the
+   cluster with what the runtime implements fixed: ``pp = ep = cp = 1`` and
+   ``recompute = none`` everywhere; on a ``cpu`` cluster also unquantized
+   communication (``weight_comm = grad_comm = bf16``, i.e. the compute
+   dtype: the quantized paths would run the Triton interpreter there, and
+   4-bit gradients of a tiny model are a poor default). Precision fp32.
+2. the ranks:
+   - under an existing torchrun (``RANK`` and ``WORLD_SIZE`` set) this
+     process joins the job and trains (every rank runs the command; the
+     search is deterministic, so every rank gets the same plan);
+   - otherwise, on one node, it writes the plan next to the metrics file (or
+     the checkpoint, or a temporary directory) and starts the plan's world
+     size of ranks through torchrun (``runtime/launch.py``) running
+     ``python -m autoshard.runtime.ppo_program``; its exit code is returned;
+   - several nodes: refused, with the ``autoshard run`` line to use instead.
+3. rank 0 prints the live line per step, writes ``--metrics`` JSON lines and,
+   at the end, the ``--plot`` PNG and its path.
+
+``autoshard plot METRICS.jsonl -o curves.png`` draws the curves of a metrics
+file (``autoshard/plot.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from autoshard.errors import AutoshardError
+
+DEFAULT_STEPS = 150
+SEARCH_TIME_LIMIT_S = 30.0
+
+
+def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``autoshard ppo``."""
+    parser.add_argument("model", metavar="MODEL[:SIZE]", help="reference policy, e.g. 'llama:tiny', built with the task's vocabulary")
+    parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES", help="where to train, e.g. 'cpu:1x2' (two gloo ranks on this machine)")
+    parser.add_argument("--task", default="arithmetic", metavar="NAME", help="reward task: arithmetic, addition or sorting (default arithmetic, the reference run's)")
+    parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, metavar="N", help=f"PPO steps in total; a resumed run continues up to N (default {DEFAULT_STEPS})")
+    parser.add_argument("--plan", type=Path, metavar="PLAN.json", help="train under this plan instead of searching one")
+    parser.add_argument("--metrics", type=Path, metavar="OUT.jsonl", help="JSON lines of per-step metrics (rank 0)")
+    parser.add_argument("--checkpoint", type=Path, metavar="DIR", help="save the PPO state here at the end (and every --save-every steps)")
+    parser.add_argument("--save-every", type=_positive_int, default=None, metavar="K", help="also checkpoint every K steps")
+    parser.add_argument("--resume", action="store_true", help="resume from --checkpoint (saved under any plan or world size)")
+    parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the model, prompts and sampling (default 0)")
+    parser.add_argument("--batch", type=_positive_int, default=64, metavar="B", help="prompts per step over all data-parallel ranks (default 64)")
+    parser.add_argument("--plot", type=Path, metavar="CURVES.png", help="write the training curves here at the end (needs --metrics)")
+    parser.add_argument("--quiet", action="store_true", help="no per-step line")
+
+
+def add_plot_command_arguments(parser: argparse.ArgumentParser) -> None:
+    """Arguments of ``autoshard plot`` (``autoshard/plot.py``)."""
+    from autoshard.plot import add_plot_arguments
+
+    add_plot_arguments(parser)
+
+
+def cmd_plot(args: argparse.Namespace, console: Any) -> int:
+    """``autoshard plot METRICS.jsonl [-o OUT.png]``."""
+    from autoshard.plot import plot_main
+
+    return plot_main(args)
+
+
+def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
+    """``autoshard ppo``: plan (search or load), then train here or through torchrun (module docstring)."""
+    from autoshard.cli_search import reference_spec
+    from autoshard.cluster import Cluster
+
+    from autoshard.runtime.tasks import get_task
+
+    _check_flags(args)
+    get_task(args.task)  # TaskError naming the registered tasks, before any search or launch
+    spec = reference_spec(args.model)
+    cluster = Cluster.load(args.cluster)
+    plan = _resolve_plan(args, spec, cluster, console)
+    if _under_torchrun():
+        return _train_here(args, spec, plan)
+    if cluster.nodes > 1:
+        raise AutoshardError(
+            f"cluster {args.cluster!r} has {cluster.nodes} nodes; start every node with "
+            "`autoshard run PLAN.json --nnodes N --rdzv-endpoint HOST:PORT -- -m autoshard.runtime.ppo_program "
+            "--plan PLAN.json ...` (write the plan with `autoshard plan` first)"
+        )
+    plan_path = _plan_file(args, plan)
+    return _launch(args, spec, plan_path, console)
+
+
+def _check_flags(args: argparse.Namespace) -> None:
+    if args.resume and args.checkpoint is None:
+        raise AutoshardError("--resume needs --checkpoint DIR (the directory a previous run saved to)")
+    if args.plot is not None and args.metrics is None:
+        raise AutoshardError(f"--plot {str(args.plot)!r} plots the metrics file; also pass --metrics OUT.jsonl")
+    if args.save_every is not None and args.checkpoint is None:
+        raise AutoshardError("--save-every needs --checkpoint DIR to save to")
+
+
+def _under_torchrun() -> bool:
+    return "RANK" in os.environ and "WORLD_SIZE" in os.environ
+
+
+def _resolve_plan(args: argparse.Namespace, spec: str, cluster: Any, console: Any) -> Any:
+    """The plan of ``--plan``, or one searched for ``cluster`` with the runtime's limits pinned."""
+    from autoshard.plan import Plan
+
+    if args.plan is not None:
+        return Plan.load(args.plan)
+    from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN, build_policy_model, capture_policy
+    from autoshard.search import solve
+    from autoshard.search.space import Constraints
+    from autoshard.train import TrainSpec
+
+    graph = capture_policy(build_policy_model(spec, args.seed, "meta"), spec)
+    pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
+    constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
+    train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision="fp32")
+    plan = solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S)
+    if os.environ.get("RANK", "0") == "0":
+        console.print(plan.to_rich())
+    return plan
+
+
+def _runtime_pins(cluster: Any) -> dict[str, Any]:
+    pins: dict[str, Any] = {"recompute": "none", "ep": False}
+    if cluster.device.name.lower().startswith("cpu"):
+        pins.update(weight_comm="bf16", grad_comm="bf16")
+    return pins
+
+
+def _plan_file(args: argparse.Namespace, plan: Any) -> Path:
+    """Where the workers read the plan: ``--plan`` itself, else a file next to the run's outputs."""
+    if args.plan is not None:
+        return args.plan.absolute()
+    for anchor in (args.metrics, args.checkpoint):
+        if anchor is not None:
+            path = anchor.absolute().parent / f"{anchor.stem}.plan.json"
+            break
+    else:
+        path = Path(tempfile.mkdtemp(prefix="autoshard-ppo-")) / "plan.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    plan.save(path)
+    return path
+
+
+def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[str]:
+    flags = ["--plan", str(plan_path), "--model", spec, "--task", args.task, "--steps", str(args.steps),
+             "--seed", str(args.seed), "--batch", str(args.batch)]
+    for flag, value in (("--metrics", args.metrics), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
+        if value is not None:
+            flags += [flag, str(Path(value).absolute())]
+    if args.save_every is not None:
+        flags += ["--save-every", str(args.save_every)]
+    if args.resume:
+        flags.append("--resume")
+    if args.quiet:
+        flags.append("--no-live")
+    return flags
+
+
+def _launch(args: argparse.Namespace, spec: str, plan_path: Path, console: Any) -> int:
+    """Start the plan's ranks on this node through torchrun; returns torchrun's exit code."""
+    from autoshard.runtime.launch import build_launch, launch
+
+    command = ["-m", "autoshard.runtime.ppo_program", *_worker_flags(args, spec, plan_path)]
+    launch_spec = build_launch(plan_path, command)
+    console.print(f"starting {launch_spec.nproc_per_node} ranks: {subprocess.list2cmdline(launch_spec.argv)}",
+                  markup=False, highlight=False, soft_wrap=True)
+    return launch(launch_spec)
+
+
+def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
+    """Join the surrounding torchrun job and train on this rank."""
+    import torch.distributed as dist
+
+    from autoshard.runtime import ppo_program as P
+
+    flags = _worker_flags(args, spec, Path("-"))
+    parser = argparse.ArgumentParser(add_help=False)
+    P.worker_arguments(parser)
+    run = P.run_from_args(parser.parse_args(flags))
+    created = P.init_distributed(plan)
+    try:
+        P.run_ppo(run, plan, device=P.worker_device())
+    finally:
+        if created:
+            dist.destroy_process_group()
+    return 0
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
+    return value
+
+
+__all__ = ["add_plot_command_arguments", "add_ppo_arguments", "cmd_plot", "cmd_ppo"]

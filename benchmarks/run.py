@@ -1,0 +1,251 @@
+"""Benchmark autoshard's plans against hand-written FSDP2 / Megatron-Core / DeepSpeed baselines.
+
+Under torchrun, one process per GPU (docs/benchmarks.md)::
+
+    torchrun --standalone --nproc-per-node 8 benchmarks/run.py --model llama:350m --batch 16 --seq 2048 \\
+        --configs autoshard,fsdp2,fsdp2-noreshard,megatron-tp,deepspeed-z2,deepspeed-z3 --out results/bench
+
+On the CPU (gloo, tiny sizes; what CI runs): ``--device cpu --model gpt:tiny --batch 4 --seq 16``.
+
+Steps, in one process group:
+
+1. ``Cluster.detect()`` describes the machine; ``--calibration FILE`` (written by
+   ``autoshard cluster calibrate``) gives a calibrated copy, which then drives the search;
+2. capture the model (meta device, compute dtype) and search: ``--plans best``
+   (the ``autoshard`` config) or ``--plans forced`` (best + forced alternatives,
+   ``baselines/plans.py``); rank 0 searches and broadcasts;
+3. each config in turn from the same seeded weights and batches: build,
+   ``--steps`` steps of which ``--warmup`` untimed, measure (``baselines/common.py``:
+   median step time of the slowest rank, tokens/s, MFU, CUDA peak memory reset
+   between configs), free;
+4. rank 0 writes ``OUT/results.json`` and ``OUT/results.md`` after every config
+   (a crash keeps what was measured).
+
+Predictions next to measurements: an autoshard plan's own predicted step time and
+peak memory (``search.cost_model.predict`` on the detected cluster, and on the
+calibrated one when given; error = (predicted − measured) / measured). A
+baseline row shows the prediction of its nearest autoshard plan (FSDP2 and
+DeepSpeed ZeRO-3 → ``zero3`` on every layer; FSDP2 without resharding and
+ZeRO-2 → ``zero2``; Megatron TP → ``replicate`` with Megatron TP over the whole
+world), so the cost model is judged on the baselines too.
+
+A config whose package or hardware is missing (Megatron without CUDA,
+DeepSpeed not installed) is reported as ``skipped``; one that raises is
+reported as ``failed`` with the error, and the run goes on (``--stop-on-error``
+re-raises instead).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+import traceback
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))  # appended: an installed autoshard (or the GPU shim) stays first
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from autoshard.cluster import Cluster  # noqa: E402
+from autoshard.errors import AutoshardError  # noqa: E402
+from autoshard.plan import Mesh, Plan  # noqa: E402
+from autoshard.runtime.optimizer import OptimizerConfig  # noqa: E402
+from benchmarks.baselines import report  # noqa: E402
+from benchmarks.baselines.autoshard_trainer import AutoshardTrainer, train_spec, uniform_plan  # noqa: E402
+from benchmarks.baselines.common import (  # noqa: E402
+    BaselineUnavailable,
+    RunSpec,
+    make_batches,
+    measure,
+    model_flops_per_step,
+    rank_device,
+    reset_memory,
+)
+from benchmarks.baselines.plans import MODES, broadcast_plans, search_plans  # noqa: E402
+
+log = logging.getLogger("benchmarks.run")
+
+BASELINES = ("fsdp2", "fsdp2-noreshard", "megatron-tp", "megatron-tp-sp", "deepspeed-z2", "deepspeed-z3")
+CONFIGS = ("autoshard", *BASELINES)
+# Nearest autoshard plan of each baseline: (state, Megatron TP over the world).
+EQUIVALENT = {"fsdp2": ("zero3", False), "fsdp2-noreshard": ("zero2", False), "megatron-tp": ("replicate", True),
+              "megatron-tp-sp": ("replicate", True), "deepspeed-z2": ("zero2", False),
+              "deepspeed-z3": ("zero3", False)}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line (module docstring)."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="llama:350m", help="reference model spec (see `autoshard models`)")
+    p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
+    p.add_argument("--seq", type=int, default=2048, help="sequence length")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step (baselines)")
+    p.add_argument("--configs", default="autoshard,fsdp2,fsdp2-noreshard,megatron-tp,deepspeed-z2,deepspeed-z3",
+                   help=f"comma-separated, from {','.join(CONFIGS)}")
+    p.add_argument("--plans", choices=MODES, default="best", help="autoshard plans: the search's best, or best + forced")
+    p.add_argument("--max-plans", type=int, default=12, help="cap on autoshard plans with --plans forced")
+    p.add_argument("--steps", type=int, default=12, help="steps per config, warm-up included")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps per config")
+    p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--calibration", type=Path, help="calibration JSON (`autoshard cluster calibrate`)")
+    p.add_argument("--out", type=Path, required=True, help="output folder for results.json and results.md")
+    p.add_argument("--stop-on-error", action="store_true", help="re-raise a failing config instead of going on")
+    args = p.parse_args(argv)
+    args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
+    unknown = [c for c in args.configs if c not in CONFIGS]
+    if unknown:
+        p.error(f"--configs {unknown}: allowed {list(CONFIGS)}")
+    return args
+
+
+def _init_distributed(device: str) -> bool:
+    """Join torchrun's process group unless one exists; True when this call created it."""
+    if dist.is_initialized():
+        return False
+    if "RANK" not in os.environ:  # plain `python benchmarks/run.py`: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                          MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29511"))
+    backend = "nccl" if device == "cuda" else "gloo"
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend, timeout=timedelta(minutes=10))
+    return True
+
+
+def _capture(spec: RunSpec):
+    from autoshard.passes.capture import capture_reference
+
+    seq_lens = (max(2, spec.seq_len // 2), spec.seq_len)
+    return capture_reference(spec.model, seq_lens=seq_lens, dtype=spec.compute_dtype)
+
+
+def _baseline_factory(name: str) -> Callable[..., Any]:
+    """``factory(spec, device)`` for a baseline config (imports its package lazily)."""
+    if name.startswith("fsdp2"):
+        from benchmarks.baselines.fsdp2 import FSDP2Options, FSDP2Trainer
+
+        options = FSDP2Options(reshard_after_forward=name == "fsdp2")
+        return lambda spec, device: FSDP2Trainer(spec, device, options, name=name)
+    if name.startswith("megatron"):
+        from benchmarks.baselines.megatron import MegatronOptions, MegatronTPTrainer
+
+        options = MegatronOptions(sequence_parallel=name.endswith("-sp"))
+        return lambda spec, device: MegatronTPTrainer(spec, device, options, name=name)
+    from benchmarks.baselines.deepspeed_zero import DeepSpeedTrainer
+
+    return lambda spec, device: DeepSpeedTrainer(spec, device, stage=int(name[-1]), name=name)
+
+
+def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, stop_on_error: bool) -> dict:
+    """Build and measure one config; a row with ``status`` ok / skipped / failed."""
+    reset_memory(device)
+    trainer = None
+    try:
+        trainer = build()
+        result = measure(trainer.step, batches, warmup, device)
+        return {"config": name, "status": "ok", "losses": list(result.losses),
+                "step_times_s": list(result.step_times_s), "median_step_s": result.median_step_s,
+                "peak_memory_bytes": result.peak_memory_bytes}
+    except BaselineUnavailable as err:
+        return {"config": name, "status": f"skipped: {err}"}
+    except Exception as err:  # noqa: BLE001 - one failing config must not lose the others' numbers
+        if stop_on_error:
+            raise
+        log.error("config %s failed:\n%s", name, traceback.format_exc())
+        return {"config": name, "status": f"failed: {type(err).__name__}: {err}"}
+    finally:
+        if trainer is not None:
+            trainer.close()
+        del trainer
+        reset_memory(device)
+
+
+def _predict(graph, plan: Plan, cluster: Cluster | None, spec: RunSpec) -> dict | None:
+    from autoshard.search.cost_model import predict
+
+    if cluster is None:
+        return None
+    try:
+        p = predict(graph, plan, cluster, train_spec(spec, micro_batch=plan.schedule.micro_batch))
+    except AutoshardError as err:
+        return {"error": str(err)}
+    return {"step_time_s": p.step_time_s, "peak_memory_bytes": p.peak_memory_bytes}
+
+
+def _equivalent_plan(name: str, graph, spec: RunSpec, world: int) -> Plan:
+    state, tp = EQUIVALENT[name]
+    mesh = Mesh(tp=world) if tp else Mesh(dp_shard=world)
+    micro = 1 if tp else spec.num_micro_batches
+    return uniform_plan(graph, mesh, state=state, tp=tp, num_micro_batches=micro, global_batch=spec.global_batch,
+                        seq_len=spec.seq_len, precision=spec.precision, optimizer=spec.optimizer.name)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the benchmark (module docstring); returns 0."""
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    owns_group = _init_distributed(args.device)
+    try:
+        _benchmark(args)
+    finally:
+        if owns_group:
+            dist.destroy_process_group()
+    return 0
+
+
+def _benchmark(args: argparse.Namespace) -> None:
+    device = rank_device(args.device)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    # Cluster.detect reads torchrun's variables; a group made another way (tests) is one host.
+    os.environ.setdefault("WORLD_SIZE", str(world))
+    os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
+    spec = RunSpec(model=args.model, global_batch=args.batch, seq_len=args.seq, num_micro_batches=args.micro_batches,
+                   precision=args.precision, optimizer=OptimizerConfig(name="adamw", lr=args.lr), device=args.device)
+    detected = Cluster.detect()
+    calibrated = detected.with_calibration(args.calibration) if args.calibration else None
+    graph = _capture(spec)
+    plans = _plans(graph, calibrated or detected, spec, args, world, rank) if "autoshard" in args.configs else []
+    batches = make_batches(graph.vocab, spec, args.steps)
+    meta = report.run_meta(args, spec, detected, world, model_flops_per_step(graph, spec))
+    rows: list[dict] = []
+
+    def record(row: dict, plan: Plan) -> None:
+        row["plan"] = report.plan_summary(plan)
+        row["predicted"] = _predict(graph, plan, detected, spec)
+        row["predicted_calibrated"] = _predict(graph, plan, calibrated, spec)
+        rows.append(report.finish_row(row, meta))
+        if rank == 0:
+            report.write(args.out, meta, rows)
+
+    for named in plans:
+        build = lambda plan=named.plan, name=named.name: AutoshardTrainer(spec, device, graph, plan, detected, name=name)  # noqa: E731
+        record(_run_one(named.name, build, batches, args.warmup, device, args.stop_on_error), named.plan)
+    for name in (c for c in args.configs if c != "autoshard"):
+        build = lambda name=name: _baseline_factory(name)(spec, device)  # noqa: E731
+        row = _run_one(name, build, batches, args.warmup, device, args.stop_on_error)
+        record(row, _equivalent_plan(name, graph, spec, world))
+    if rank == 0:
+        print(report.markdown(meta, rows))
+
+
+def _plans(graph, cluster: Cluster, spec: RunSpec, args: argparse.Namespace, world: int, rank: int):
+    found: Any = None
+    if rank == 0:
+        try:
+            found = search_plans(graph, cluster, spec, args.plans, max_plans=args.max_plans, world=world)
+        except AutoshardError as err:
+            found = err
+    return broadcast_plans(found)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

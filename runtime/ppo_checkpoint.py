@@ -1,0 +1,121 @@
+"""Checkpoint and resume of a sharded PPO run, under any plan (``runtime/checkpoint.py`` underneath).
+
+What one checkpoint holds (DCP keys; every tensor by its GLOBAL shape, so a
+run saved under one plan or world size resumes under another):
+
+| key | value |
+| --- | --- |
+| ``model.policy.<fqn>`` | policy fp32 master, at its ``ParamPlacement`` |
+| ``model.reference.<fqn>`` | frozen reference fp32 master |
+| ``optim.policy.<fqn>.exp_avg`` / ``.exp_avg_sq`` | AdamW moments, re-assembled at the parameter's local shape |
+| ``rng.cpu.<rank>`` | torch's global CPU generator per rank (``checkpoint.py``) |
+| sidecar ``step`` | PPO steps done |
+| sidecar ``extras`` | ``optimizer_steps`` (Adam's bias-correction counter), ``seed``, ``dp`` (the saving run's dp size) |
+
+The trainer's own generators are not saved: ``ppo_program.train_loop``
+re-seeds them from (seed, dp rank, step) before each step, so a resumed run
+draws exactly what an uninterrupted one draws when the dp size is the same
+(with another dp size the prompts are split differently: the run continues
+from the same weights and optimizer state, on a different random stream).
+
+Moments: the optimizer keeps ZeRO-1/2/offload moments as flat per-rank
+chunks of the flattened parameter. ``_moments`` all-gathers them over dp into
+the parameter's local shape (as ``_Slot.full_master`` does for the master),
+so they carry the parameter's placement; on load each rank keeps its own
+chunk again. [This belongs in ``checkpoint.program_state`` once the
+optimizer exposes a local-shape view of its moments; it lives here until then.]
+
+Every rank calls ``save_ppo`` / ``load_ppo`` (DCP collectives plus one
+device-mesh build).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime import collectives
+
+_ENGINES = ("policy", "reference")
+_MOMENTS = ("exp_avg", "exp_avg_sq")
+
+
+def _moment_local(slot: Any, name: str) -> torch.Tensor:
+    """Moment ``name`` of ``slot`` at the parameter's local shape (all-gather of flat chunks over dp)."""
+    value = getattr(slot, name)
+    if not slot.flat:
+        return value.detach().clone()
+    full = collectives.all_gather(value.to(slot.param.device), 0, slot.ctx.group("dp"))
+    return full[: slot.numel].view(slot.param.shape).to(torch.float32).clone()
+
+
+def _set_moment(slot: Any, name: str, local: torch.Tensor) -> None:
+    """Inverse of ``_moment_local``: keep this rank's flat chunk (or the whole local tensor)."""
+    local = local.detach().to(torch.float32)
+    if slot.flat:
+        dp = slot.ctx.size("dp")
+        padded = F.pad(local.reshape(-1), (0, slot.chunk * dp - slot.numel))
+        local = padded.view(dp, slot.chunk)[slot.ctx.coord("dp")]
+    setattr(slot, name, local.to(slot.host).clone())
+
+
+def _state(trainer: Any, graph: Any, mesh: Any) -> ckpt.CheckpointState:
+    """This rank's ``CheckpointState`` of ``trainer`` (tensors are fresh copies: save source or load target)."""
+    model: dict[str, Any] = {}
+    optimizer: dict[str, dict[str, Any]] = {}
+    for name in _ENGINES:
+        program = getattr(trainer, name).program
+        masters = program.local_state_dict()
+        for fqn, placement in program.param_placements.items():
+            model[f"{name}.{fqn}"] = ckpt.LocalShard.of(masters[fqn], placement)
+    policy = trainer.policy.program
+    for fqn, slot in policy.optimizer.slots.items():
+        placement = policy.param_placements[fqn]
+        optimizer[f"policy.{fqn}"] = {m: ckpt.LocalShard.of(_moment_local(slot, m), placement) for m in _MOMENTS}
+    extras = {"optimizer_steps": int(policy.optimizer.steps), "seed": int(trainer.config.seed), "dp": trainer.dp.world_size}
+    return ckpt.CheckpointState(
+        model=model, optimizer=optimizer, step=int(trainer.step_count), extras=extras, mesh=mesh,
+        model_fingerprint=graph.fingerprint(), plan=policy.plan,
+    )
+
+
+def _device_mesh(trainer: Any) -> Any:
+    from autoshard.runtime.mesh import build_device_mesh
+
+    program = trainer.policy.program
+    return build_device_mesh(program.plan.mesh, torch.device(program.ctx.device).type)
+
+
+def save_ppo(path: str | os.PathLike, trainer: Any, graph: Any) -> Path:
+    """Save the whole PPO state of ``trainer`` (module table) to the directory ``path`` (atomic, collective)."""
+    return ckpt.save(path, _state(trainer, graph, _device_mesh(trainer)))
+
+
+def load_ppo(path: str | os.PathLike, trainer: Any, graph: Any) -> ckpt.CheckpointState:
+    """Load a PPO checkpoint saved under any plan into ``trainer`` (collective); returns the loaded state.
+
+    Sets the policy and reference weights, the AdamW moments and step
+    counter, and ``trainer.step_count``; refuses (``CheckpointError``) a
+    checkpoint of another model before any collective.
+    """
+    template = _state(trainer, graph, _device_mesh(trainer))
+    loaded = ckpt.load(path, template)
+    for name in _ENGINES:
+        prefix = f"{name}."
+        engine = getattr(trainer, name)
+        engine.load_state_dict({k[len(prefix):]: e.local for k, e in loaded.model.items() if k.startswith(prefix)})
+    optimizer = trainer.policy.program.optimizer
+    for fqn, slot in optimizer.slots.items():
+        for moment, entry in loaded.optimizer[f"policy.{fqn}"].items():
+            _set_moment(slot, moment, entry.local)
+    optimizer.steps = int(loaded.extras["optimizer_steps"])
+    trainer.step_count = int(loaded.step)
+    return loaded
+
+
+__all__ = ["load_ppo", "save_ppo"]

@@ -1,0 +1,488 @@
+"""PPO on sharded programs: a ``PolicyEngine`` over a per-rank ``Program``, and the worker entry point.
+
+``ProgramEngine(program, vocab_size=..., max_seq_len=...)`` implements the
+``runtime/ppo_engine.py`` protocol over this rank's ``Program``:
+
+| member | over the program |
+| --- | --- |
+| ``forward(tokens)`` | ``Program.forward`` (ZeRO-3 gathers, Megatron TP with all-gathered logits): (logits [B, S, V], values [B, S]) on every rank of the tp group; under ``no_grad`` the ZeRO-3 re-gather records are dropped at once |
+| ``new_cache`` | None: rollout recomputes the prefix each decode step (quadratic in the response length; fine for the short responses of the reference tasks) |
+| ``backward(loss)`` | ``(D · loss).backward()`` with D = dp size, then the re-gather cache reset |
+| ``step()`` | ``ShardedOptimizer.step()``: gradient sync over dp, global-norm clip, update, write back |
+| ``dp`` | ``GroupReducer`` over the plan's combined ``"dp"`` group (dp_replicate × dp_shard) |
+
+[Note: SUM over dp from an averaging optimizer]
+PPO divides each rank's loss by the GLOBAL token count, so the engine must
+SUM gradients over dp (``ppo_engine`` note). The runtime's gradient sync
+averages (all-reduce / reduce-scatter with ``avg``, in the optimizer for
+DDP/ZeRO-1/2/offload and inside the graph's backward for ZeRO-3 and HSDP).
+Back-propagating D · loss makes every rank's gradient D × its share, and the
+average over D ranks of D × share is the sum of the shares: exact for every
+ZeRO state without touching ``runtime/program.py``. Clipping sees the synced
+(summed) gradient, so the global norm is the single-process one. tp ranks
+back-propagate the same replicated loss; the Megatron f/g ops keep their
+gradients equal to single-device ones, so no tp factor enters.
+
+[Note: rank-consistent sampling]
+``PPOTrainer`` seeds its prompt and sampling generators with
+``seed + 7919 · dp.rank``; ``dp.rank`` here is the rank's coordinate in the
+dp group, so all ranks of one tp group (same dp coordinate) draw the same
+prompts and, given bitwise-equal logits (all-gathered vocab shards;
+``reduce_from_tp`` sums in the same order on every rank), the same tokens.
+Different dp ranks get different prompts. ``train_loop`` re-seeds both
+generators from (seed, dp rank, step) before every step, so the random
+stream of step k does not depend on how the run got there: a resumed run
+draws what an uninterrupted one draws.
+
+[Note: the frozen reference]
+The reference policy is a second ``Program`` built from the same initial
+weights, sharded by its own plan (default: the policy's) on the policy's
+``RankContext`` (same mesh and groups; a reference plan must have the
+policy's mesh). Its parameters get ``requires_grad=False`` and the engine
+refuses ``backward``/``step``. ``build_program`` always builds an optimizer;
+the reference's is built as SGD and never stepped (its fp32 masters and zero
+moments are dead memory, a known cost of this simple design; a weights-only
+program build would remove it).
+
+Partial: pipeline plans (pp > 1) are refused (``Program.forward`` has no
+autograd with pp > 1); the plan's ``num_micro_batches`` is not used (PPO
+micro-batches itself, ``PPOConfig.micro_batch``).
+
+The worker entry point ``python -m autoshard.runtime.ppo_program`` (started by
+``autoshard ppo`` through torchrun, ``autoshard/cli_ppo.py``) joins the
+process group, builds both programs from ``--plan``, trains ``--steps`` PPO
+steps and, on rank 0, writes metric JSON lines, the live line and the plot.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Callable, Sequence
+
+import torch
+
+from autoshard.errors import AutoshardError, PlanError
+from autoshard.runtime import collectives
+from autoshard.runtime.ppo_engine import EngineError
+
+
+class GroupReducer:
+    """``Reducer`` over a named process group of the runtime (SUM all-reduce, in place)."""
+
+    def __init__(self, group_name: str, rank: int, world_size: int) -> None:
+        self.group_name, self.rank, self.world_size = group_name, rank, world_size
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the group in place and return it (identity for a group of one)."""
+        if self.world_size > 1:
+            tensor.copy_(collectives.all_reduce(tensor, self.group_name, "sum"))
+        return tensor
+
+
+class ProgramEngine:
+    """``PolicyEngine`` over a sharded ``Program`` (module docstring: members, SUM note, reference note).
+
+    ``frozen=True`` makes a reference engine: parameters do not require grad
+    and ``zero_grad``/``backward``/``step`` raise ``EngineError``.
+    """
+
+    def __init__(self, program: Any, *, vocab_size: int, max_seq_len: int, frozen: bool = False) -> None:
+        if program.pipeline is not None:
+            raise PlanError(
+                f"plan mesh {program.plan.mesh} has pp={program.plan.mesh.pp}: PPO on pipeline-parallel programs "
+                "is not implemented (no autograd through Program.forward with pp > 1); search with --mesh pp=1"
+            )
+        self.program, self.frozen = program, frozen
+        self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
+        ctx = program.ctx
+        self.device = torch.device(ctx.device)
+        self.dp = GroupReducer(ctx.group("dp"), ctx.coord("dp"), ctx.size("dp"))
+        if frozen:
+            program.gm.requires_grad_(False)
+
+    # ------------------------------------------------------------------ forward
+
+    def forward(self, tokens: torch.Tensor, *, cache: Any = None, start_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """tokens [B, S] → (logits [B, S, V], values [B, S]), identical on every rank of a tp group."""
+        if cache is not None or start_pos:
+            raise EngineError("ProgramEngine has no KV cache (new_cache returns None); call forward(tokens) on the whole prefix")
+        logits, values = self.program.forward(tokens)
+        if not torch.is_grad_enabled():
+            self._reset_regather()  # no backward will consume the ZeRO-3 records of this forward
+        return logits, values
+
+    def new_cache(self, batch: int, max_len: int) -> None:
+        """No KV cache: rollout recomputes the prefix (module docstring)."""
+        return None
+
+    def train_mode(self) -> None:
+        self._set_mode(True)
+
+    def eval_mode(self) -> None:
+        self._set_mode(False)
+
+    def _set_mode(self, training: bool) -> None:
+        try:
+            self.program.gm.train(training)
+        except NotImplementedError:
+            # Exported modules refuse train()/eval() in some torch versions; the reference policies
+            # have no dropout by default, so the exported graph is already mode-free.
+            pass
+
+    def _reset_regather(self) -> None:
+        if self.program.regather is not None:
+            self.program.regather.reset()
+
+    # ------------------------------------------------------------------ update
+
+    def _require_trainable(self, what: str) -> None:
+        if self.frozen:
+            raise EngineError(f"cannot {what} a frozen reference engine (built with frozen=True); use the policy engine")
+
+    def zero_grad(self) -> None:
+        self._require_trainable("zero_grad")
+        for param in self.program.gm.parameters():
+            param.grad = None
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """Back-propagate D · ``loss`` (D = dp size; module note: SUM over dp from an averaging optimizer)."""
+        self._require_trainable("backward through")
+        (loss * self.dp.world_size).backward()
+        self._reset_regather()
+
+    def step(self) -> float:
+        """Sync (sum) gradients over dp, clip by global norm, update; the pre-clip global norm."""
+        self._require_trainable("step")
+        return float(self.program.optimizer.step())
+
+    # ------------------------------------------------------------------ state
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        """fp32 master shards at their local shapes (``Program.local_state_dict``; collective for ZeRO-1/2)."""
+        return self.program.local_state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        self.program.load_local_state_dict(state)
+
+
+# --------------------------------------------------------------------------- building a sharded PPO run
+
+MODEL_MAX_SEQ_LEN = 32  # the reference run's context (ppo_demo); prompts + responses of every task fit
+TASK_PRESETS: dict[str, dict[str, Any]] = {"arithmetic": {"max_step": 1}}  # ppo_demo's reference task
+
+
+@dataclass(frozen=True, kw_only=True)
+class PPORun:
+    """What one sharded PPO run trains; the worker's arguments (``autoshard ppo`` flags)."""
+
+    model: str = "llama:tiny"
+    """Reference model spec, built with the task vocabulary and ``MODEL_MAX_SEQ_LEN``."""
+    task: str = "arithmetic"
+    """Task name (``runtime/tasks``); ``TASK_PRESETS`` holds its options."""
+    steps: int = 150
+    """PPO steps to run in total (a resumed run continues up to this count)."""
+    seed: int = 0
+    """Model initialisation, prompts, sampling and shuffles."""
+    global_batch: int = 64
+    """Prompts per step over all dp ranks; each dp rank samples global_batch / dp."""
+    mini_batches: int = 2
+    """Optimizer steps per PPO step (as the reference run)."""
+    lr: float = 1e-3
+    """AdamW learning rate (betas 0.9, 0.99, no weight decay, clip 1.0: the reference run)."""
+    kl_coef: float = 0.05
+    """β of the k1 KL penalty in the reward."""
+    metrics: str | None = None
+    """JSON-lines metrics file written by rank 0 (appended on resume)."""
+    checkpoint: str | None = None
+    """Directory of the PPO checkpoint, saved at the end of the run (and every ``save_every`` steps)."""
+    save_every: int = 0
+    """Save a checkpoint every this many steps (0: only at the end)."""
+    resume: bool = False
+    """Resume from ``checkpoint`` (any plan, any world size)."""
+    plot: str | None = None
+    """PNG of the training curves written by rank 0 at the end (needs ``metrics``)."""
+    live: bool = True
+    """Rank 0 prints one summary line per step."""
+
+
+def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu") -> torch.nn.Module:
+    """The reference model ``spec`` with the task vocabulary and ``MODEL_MAX_SEQ_LEN``, initialised from ``seed``."""
+    from autoshard.models import build
+    from autoshard.runtime.tasks import VOCAB
+
+    return build(spec, seed=seed, device=device, vocab_size=len(VOCAB), max_seq_len=MODEL_MAX_SEQ_LEN)
+
+
+def capture_policy(model: torch.nn.Module, spec: str) -> Any:
+    """The ``ModelGraph`` plans for ``model`` are searched against (short sequences: the model is small)."""
+    from autoshard.passes.capture import capture
+
+    return capture(model, name=spec, seq_lens=(8, 16))
+
+
+def build_engines(
+    model: torch.nn.Module,
+    graph: Any,
+    plan: Any,
+    *,
+    lr: float,
+    reference_plan: Any = None,
+    device: str = "cpu",
+) -> tuple[ProgramEngine, ProgramEngine]:
+    """(policy, frozen reference) engines over ``plan`` (and ``reference_plan``, default ``plan``).
+
+    Both programs start from ``model``'s weights; the reference reuses the
+    policy's ``RankContext`` (module note: the frozen reference).
+    """
+    from autoshard.runtime.optimizer import OptimizerConfig
+    from autoshard.runtime.program import build_program
+    from autoshard.train import TrainSpec
+
+    reference_plan = plan if reference_plan is None else reference_plan
+    if reference_plan.mesh != plan.mesh:
+        raise PlanError(
+            f"reference plan mesh {reference_plan.mesh} differs from the policy plan mesh {plan.mesh}; "
+            "the reference shares the policy's process groups: search it with --mesh matching the policy"
+        )
+    train = TrainSpec(global_batch=plan.global_batch, seq_len=plan.seq_len, precision=plan.precision)
+    adamw = OptimizerConfig(name="adamw", lr=lr, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0)
+    policy_program = build_program(model, graph, plan, None, train, optimizer=adamw, device=device)
+    reference_program = build_program(
+        model, graph, reference_plan, None, train, ctx=policy_program.ctx,
+        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device,
+    )
+    config = model.config
+    policy = ProgramEngine(policy_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len)
+    reference = ProgramEngine(reference_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len, frozen=True)
+    return policy, reference
+
+
+def ppo_config(run: PPORun, dp: int, max_new_tokens: int) -> Any:
+    """The reference run's ``PPOConfig`` with ``run.global_batch`` split over ``dp`` ranks."""
+    from autoshard.runtime.ppo import PPOConfig
+    from autoshard.runtime.rollout import SamplingConfig
+
+    if run.global_batch % dp:
+        raise PlanError(
+            f"global batch {run.global_batch} is not divisible by the plan's dp={dp}; "
+            f"use a multiple of {dp} (--batch)"
+        )
+    return PPOConfig(
+        rollout_batch=run.global_batch // dp, mini_batches=run.mini_batches, kl_coef=run.kl_coef,
+        sampling=SamplingConfig(max_new_tokens=max_new_tokens), seed=run.seed,
+    )
+
+
+def sharded_trainer(
+    run: PPORun,
+    plan: Any,
+    *,
+    graph: Any = None,
+    reference_plan: Any = None,
+    device: str = "cpu",
+    on_metrics: Callable[[dict[str, float]], None] | None = None,
+) -> Any:
+    """A ``PPOTrainer`` over ``ProgramEngine``s of ``plan`` for ``run`` (every rank calls it)."""
+    from autoshard.runtime.ppo import PPOTrainer
+    from autoshard.runtime.tasks import get_task
+
+    model = build_policy_model(run.model, run.seed, device)
+    graph = graph if graph is not None else capture_policy(model, run.model)
+    policy, reference = build_engines(model, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device)
+    task = get_task(run.task, **TASK_PRESETS.get(run.task, {}))
+    config = ppo_config(run, policy.dp.world_size, task.max_response_len)
+    flops_per_token = 6.0 * sum(p.numel() for p in model.parameters())
+    return PPOTrainer(policy, reference, task, config, flops_per_token=flops_per_token, on_metrics=on_metrics)
+
+
+def reseed(trainer: Any, step: int) -> None:
+    """Seed the trainer's prompt and sampling generators from (seed, dp rank, ``step``) (rank-consistent note)."""
+    base = trainer.config.seed + 7919 * trainer.dp.rank + 1_000_003 * step
+    trainer.cpu_generator.manual_seed(base)
+    trainer.sample_generator.manual_seed(base + 1)
+
+
+def train_loop(trainer: Any, steps: int, *, on_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+    """Run PPO steps ``trainer.step_count + 1 .. steps``, re-seeding before each; returns their metrics.
+
+    ``on_step(step)`` runs after each step (e.g. a periodic checkpoint).
+    """
+    history = []
+    while trainer.step_count < steps:
+        reseed(trainer, trainer.step_count)
+        history.append(trainer.step())
+        if on_step is not None:
+            on_step(trainer.step_count)
+    return history
+
+
+# --------------------------------------------------------------------------- one run on this rank
+
+
+def _reporter(run: PPORun, rank: int) -> tuple[Callable[[dict[str, float]], None] | None, Callable[[], None]]:
+    """(on_metrics, close) for this rank: rank 0 writes JSON lines and the live line, others nothing."""
+    if rank != 0:
+        return None, lambda: None
+    from autoshard.runtime.metrics import LiveSummary, MetricsWriter
+
+    writer = MetricsWriter(run.metrics) if run.metrics else None
+    summary = LiveSummary() if run.live else None
+
+    def report(metrics: dict[str, float]) -> None:
+        if writer is not None:
+            writer.write(metrics)
+        if summary is not None:
+            summary(metrics)
+
+    return report, (writer.close if writer is not None else (lambda: None))
+
+
+def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -> list[dict[str, float]]:
+    """Train ``run`` under ``plan`` on this rank (every rank of an initialised process group calls it).
+
+    Resumes from ``run.checkpoint`` when ``run.resume``; saves there every
+    ``run.save_every`` steps and at the end; rank 0 reports metrics and, with
+    ``run.plot``, writes the curves PNG and prints its path. Returns this
+    run's per-step metrics (the steps it ran, not the resumed ones).
+    """
+    import torch.distributed as dist
+
+    from autoshard.runtime.ppo_checkpoint import load_ppo, save_ppo
+
+    if run.resume and not run.checkpoint:
+        raise AutoshardError("resume=True needs a checkpoint directory; pass --checkpoint DIR")
+    if run.plot and not run.metrics:
+        raise AutoshardError(f"plot {run.plot!r} needs a metrics file to plot from; pass --metrics FILE.jsonl")
+    rank = dist.get_rank()
+    report, close = _reporter(run, rank)
+    model = build_policy_model(run.model, run.seed, device)
+    graph = graph if graph is not None else capture_policy(model, run.model)
+    trainer = sharded_trainer(run, plan, graph=graph, device=device, on_metrics=report)
+    if run.resume:
+        loaded = load_ppo(run.checkpoint, trainer, graph)
+        if rank == 0:
+            print(f"resumed from {run.checkpoint} at step {loaded.step} (saved with dp={loaded.extras.get('dp')})")
+
+    def checkpoint(step: int) -> None:
+        if run.checkpoint and run.save_every and step % run.save_every == 0 and step < run.steps:
+            save_ppo(run.checkpoint, trainer, graph)
+
+    try:
+        history = train_loop(trainer, run.steps, on_step=checkpoint)
+    finally:
+        close()
+    if run.checkpoint:
+        save_ppo(run.checkpoint, trainer, graph)
+    if rank == 0 and run.plot:
+        from autoshard.plot import plot_metrics
+
+        print(f"training curves: {plot_metrics(run.metrics, run.plot)}")
+    return history
+
+
+# --------------------------------------------------------------------------- worker entry point (torchrun)
+
+
+def worker_device() -> str:
+    """This rank's device: ``cuda:LOCAL_RANK`` (made current) when CUDA is available, else ``cpu``."""
+    if torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_RANK", "0"))
+        torch.cuda.set_device(local)
+        return f"cuda:{local}"
+    return "cpu"
+
+
+def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
+    """Join the torchrun job (env ``RANK``/``WORLD_SIZE``) unless a process group exists; True when it created one.
+
+    Checks the plan's world size against ``WORLD_SIZE`` first, so a mismatch
+    fails here instead of hanging in a collective.
+    """
+    import torch.distributed as dist
+
+    from autoshard.runtime.launch import check_world
+
+    if dist.is_initialized():
+        check_world(plan)
+        return False
+    check_world(plan)
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    return True
+
+
+def worker_arguments(parser: argparse.ArgumentParser) -> None:
+    """The worker's flags (``autoshard ppo`` passes them through torchrun)."""
+    parser.add_argument("--plan", required=True, help="plan JSON for this model and world size")
+    parser.add_argument("--model", default=PPORun.model, help="reference model spec (default %(default)s)")
+    parser.add_argument("--task", default=PPORun.task, help="task name (default %(default)s)")
+    parser.add_argument("--steps", type=int, default=PPORun.steps)
+    parser.add_argument("--seed", type=int, default=PPORun.seed)
+    parser.add_argument("--batch", type=int, default=PPORun.global_batch, help="prompts per step over all dp ranks")
+    parser.add_argument("--metrics", default=None)
+    parser.add_argument("--checkpoint", default=None)
+    parser.add_argument("--save-every", type=int, default=0)
+    parser.add_argument("--resume", action="store_true")
+    parser.add_argument("--plot", default=None)
+    parser.add_argument("--no-live", action="store_true")
+
+
+def run_from_args(args: argparse.Namespace) -> PPORun:
+    """The ``PPORun`` of parsed worker flags."""
+    return PPORun(
+        model=args.model, task=args.task, steps=args.steps, seed=args.seed, global_batch=args.batch,
+        metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every, resume=args.resume,
+        plot=args.plot, live=not args.no_live,
+    )
+
+
+def worker_main(argv: Sequence[str] | None = None) -> int:
+    """``python -m autoshard.runtime.ppo_program --plan PLAN.json ...`` on every torchrun rank."""
+    from autoshard.plan import Plan
+
+    parser = argparse.ArgumentParser(prog="python -m autoshard.runtime.ppo_program", description=__doc__.split("\n\n")[0])
+    worker_arguments(parser)
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    plan = Plan.load(args.plan)
+    created = init_distributed(plan)
+    try:
+        run_ppo(run_from_args(args), plan, device=worker_device())
+    except AutoshardError as err:
+        print(f"autoshard: error (rank {os.environ.get('RANK', '?')}): {err}", file=sys.stderr)
+        return 2
+    finally:
+        if created:
+            import torch.distributed as dist
+
+            dist.destroy_process_group()
+    return 0
+
+
+__all__ = [
+    "MODEL_MAX_SEQ_LEN",
+    "TASK_PRESETS",
+    "GroupReducer",
+    "PPORun",
+    "ProgramEngine",
+    "build_engines",
+    "build_policy_model",
+    "capture_policy",
+    "init_distributed",
+    "ppo_config",
+    "reseed",
+    "run_from_args",
+    "run_ppo",
+    "sharded_trainer",
+    "train_loop",
+    "worker_arguments",
+    "worker_device",
+    "worker_main",
+]
+
+
+if __name__ == "__main__":
+    sys.exit(worker_main())

@@ -1,0 +1,85 @@
+"""``autoshard/calibrate.py``: the α-β fit, a CPU calibration, its file read back by ``Cluster.with_calibration``."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from _harness import run_gloo
+from autoshard.calibrate import (
+    CalibrationSizes,
+    CommSample,
+    add_calibrate_arguments,
+    calibrate,
+    calibrate_main,
+    fit_alpha_beta,
+)
+from autoshard.cluster import Cluster
+from autoshard.errors import AutoshardError
+
+
+def _ring_time(op: str, g: int, n: int, alpha: float, beta: float) -> float:
+    k = 2 if op == "all_reduce" else 1
+    return k * (g - 1) * (alpha + n / g / beta)
+
+
+def test_fit_recovers_alpha_and_beta():
+    alpha, beta = 7e-6, 2.5e11
+    samples = [CommSample(op, g, n, _ring_time(op, g, n, alpha, beta))
+               for op in ("all_reduce", "all_gather") for g in (2, 8) for n in (1 << 16, 1 << 22, 1 << 28)]
+    fitted_alpha, fitted_beta = fit_alpha_beta(samples)
+    assert fitted_alpha == pytest.approx(alpha, rel=1e-6)
+    assert fitted_beta == pytest.approx(beta, rel=1e-6)
+
+
+def test_fit_clamps_negative_latency():
+    # Times proportional to size with a negative intercept: α clamps to 0, β stays positive.
+    samples = [CommSample("all_gather", 2, n, n / 2 / 1e9 - 1e-6) for n in (1 << 20, 1 << 22, 1 << 24)]
+    alpha, beta = fit_alpha_beta(samples)
+    assert alpha == 0.0 and 0.9e9 < beta < 1.1e9
+
+
+def test_fit_refuses_one_size():
+    with pytest.raises(AutoshardError, match="distinct message sizes"):
+        fit_alpha_beta([CommSample("all_reduce", 2, 1024, 1e-5)] * 3)
+
+
+def test_cpu_calibration_file_is_read_by_cluster(tmp_path):
+    cluster = Cluster.detect()
+    result = calibrate(cluster, torch.device("cpu"), CalibrationSizes.quick())
+    assert 0 < result.matmul_efficiency <= 1 and 0 < result.hbm_efficiency <= 1
+    assert set(result.matmul) == set(CalibrationSizes.quick().matmul_sizes) and result.copy_bytes_per_s > 0
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps(result.to_file_dict()))
+    applied = cluster.with_calibration(path)
+    assert applied.device.matmul_efficiency == pytest.approx(result.matmul_efficiency)
+    assert applied.device.hbm_efficiency == pytest.approx(result.hbm_efficiency)
+
+
+def test_calibrate_main_writes_file_and_raw(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_calibrate_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path / "c.json"), "--raw", str(tmp_path / "raw.json"), "--quick",
+                              "--iters", "2"])
+    assert calibrate_main(args) == 0
+    written = json.loads((tmp_path / "c.json").read_text())
+    assert {"device", "date", "matmul_efficiency", "hbm_efficiency"} <= set(written)
+    raw = json.loads((tmp_path / "raw.json").read_text())
+    assert raw["copy_bytes_per_s"] > 0 and len(raw["matmul_flops_per_s"]) == 3
+
+
+def _calibrate_world(rank, world_size):
+    result = calibrate(Cluster.detect(), torch.device("cpu"), CalibrationSizes.quick())
+    return result.to_file_dict(), len(result.comm)
+
+
+def test_gloo_world2_fits_a_link():
+    (file_dict, samples), _ = run_gloo(_calibrate_world, 2, timeout_s=120)
+    level = "intra_node" if "intra_node" in file_dict else "inter_node"
+    assert samples == 6  # 3 sizes × (all-reduce, all-gather)
+    assert file_dict[level]["bandwidth"] > 0 and file_dict[level]["latency"] >= 0
+    applied = Cluster.detect().with_calibration(file_dict)
+    assert getattr(applied, level).bandwidth == pytest.approx(file_dict[level]["bandwidth"])
