@@ -239,6 +239,18 @@ def _cmd_run(args: argparse.Namespace, console: Any) -> int:
     return run_main(args)
 
 
+def _args_calibrate(parser: argparse.ArgumentParser) -> None:
+    from autoshard.calibrate import add_calibrate_arguments
+
+    add_calibrate_arguments(parser)
+
+
+def _cmd_calibrate(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.calibrate import calibrate_main
+
+    return calibrate_main(args, console)
+
+
 def _print_text(console: Any, value: Any) -> None:
     """Print a string verbatim (no markup, no highlighting) or any rich renderable."""
     if isinstance(value, str):
@@ -303,6 +315,12 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(("cluster", "show"), "describe a cluster preset or cluster file", _cmd_cluster_show, _args_cluster_show),
     Command(("cluster", "detect"), "detect this machine's devices and describe them as a cluster", _cmd_cluster_detect),
+    Command(
+        ("cluster", "calibrate"),
+        "measure matmul/HBM efficiency and collective alpha/beta on this machine; write a calibration file",
+        _cmd_calibrate,
+        _args_calibrate,
+    ),
     Command(
         ("inspect",),
         "show a plan file: mesh, per-layer strategies, predicted memory per rank and step time",

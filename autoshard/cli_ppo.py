@@ -31,6 +31,7 @@ file (``autoshard/plot.py``).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import subprocess
 import tempfile
@@ -175,6 +176,8 @@ def _launch(args: argparse.Namespace, spec: str, plan_path: Path, console: Any) 
 
     command = ["-m", "autoshard.runtime.ppo_program", *_worker_flags(args, spec, plan_path)]
     launch_spec = build_launch(plan_path, command)
+    # rank 0's live line must reach a pipe as it is printed, not when a block buffer fills
+    launch_spec = dataclasses.replace(launch_spec, env={**launch_spec.env, "PYTHONUNBUFFERED": "1"})
     console.print(f"starting {launch_spec.nproc_per_node} ranks: {subprocess.list2cmdline(launch_spec.argv)}",
                   markup=False, highlight=False, soft_wrap=True)
     return launch(launch_spec)

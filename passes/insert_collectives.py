@@ -63,6 +63,10 @@ ZeRO-3: for each layer whose parameters are split over dp_shard one
 ``Zero3Gather`` submodule is inserted before the first use (``passes/_zero3.py``:
 one all-gather per layer forward, one reduce-scatter per layer backward).
 
+Expert parallelism (layers with ``ep=True``, mesh ep > 1): all-to-all
+dispatch before and combine after the expert matmuls of ep-split weights
+(``passes/_expert_parallel.py``).
+
 Gradient reductions of DDP / ZeRO-1/2 / HSDP's replicate axis are not graph
 nodes: they act on ``.grad`` after backward, in the runtime's optimizer
 (``runtime/optimizer.py``), bucketed per parameter.
@@ -81,6 +85,7 @@ from torch import fx
 
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, rebuild, tag
+from autoshard.passes._expert_parallel import insert_expert_parallel
 from autoshard.passes._zero3 import GatherSpec, Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
@@ -153,6 +158,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         roles = {fqn: role for fqn, (_layer, role) in gm.meta[META_KEY]["params"].items()}
         sp_layers = frozenset(s.layer for s in plan.layers if s.sp)
         _TPRewriter(graph, placements, roles, ctx, sp_layers).run()
+    insert_expert_parallel(graph, placements, ctx, NAME)
     modules = _insert_zero3_gathers(graph, placements, ctx)
     graph.lint()
     out = rebuild(gm, graph, modules)

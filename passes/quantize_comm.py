@@ -143,9 +143,12 @@ def _layer_records(plan: Plan, ctx: RankContext) -> dict[str, dict]:
         if s.weight_comm == "bf16" and s.grad_comm == "bf16":
             continue
         gathers = s.state == "zero3" and ctx.size("dp_shard") > 1
+        paths = ["graph: backward of the ZeRO-3 gather over dp_shard"] if gathers else []
+        if not gathers or ctx.size("dp_replicate") > 1:
+            paths.append("optimizer: gradient sync after backward")
         out[s.layer] = {
             "weight_comm": s.weight_comm if gathers else "bf16 (no ZeRO-3 gather on this mesh)",
             "grad_comm": s.grad_comm,
-            "grad_path": "graph (ZeRO-3 gather backward)" if gathers else "optimizer sync",
+            "grad_paths": paths,
         }
     return out

@@ -1,49 +1,208 @@
-"""Pass ``schedule_overlap``: issue ZeRO-3 all-gathers ahead of their layer (prefetch).
+"""Pass ``schedule_overlap``: ZeRO-3 forward all-gathers split into start + wait, started ahead (prefetch).
 
-Pre-conditions: ``insert_collectives`` ran (``Zero3Gather`` call nodes exist for
-ZeRO-3 layers). Post-conditions: the gather of the k-th ZeRO-3 layer (in
-execution order) is moved to right after the gather of layer
-``k - plan.schedule.prefetch``, so at most
-``prefetch + 1`` layers' full parameters are alive in forward; each moved node
-records why in ``node.meta["autoshard"]``. ``prefetch = 0`` leaves the graph
-as it is.
+Pre-conditions: ``insert_collectives`` and ``recompute`` ran (``Zero3Gather``
+call nodes exist for ZeRO-3 layers; a ``Regather`` may be installed);
+``quantize_comm`` and ``split_pipeline`` have not. Post-conditions, with
+``p = plan.schedule.prefetch > 0``:
 
-Partial: the ``autoshard::`` collectives are blocking, so moving a gather earlier
-changes the order and peak memory but does not yet overlap it with compute
-(that needs async collectives + wait nodes); gradient bucketing
-(``schedule.bucket_bytes``) is not applied (the optimizer reduces per parameter).
+* each top-level ``Zero3Gather`` call of a layer whose communication is not
+  quantized becomes two call nodes: ``GatherStart`` (copy-in + async
+  ``autoshard::all_gather_start``, ``runtime/async_collectives.py``) and
+  ``GatherWait`` (``autoshard::all_gather_wait`` + copy-out, at the old node's
+  place: the first use). The parameters' ``getitem`` nodes read the wait;
+* the start of the k-th such gather of a pipeline stage (graph order) is placed
+  right after the wait of the (k−p)-th, so layer k's gather is in flight while
+  layers k−p … k−1 compute; the first p starts of a stage go right before the
+  stage's first wait. At most ``p + 1`` layers' gathered buffers are alive;
+* every start has exactly one wait, after it (``check_waits``); both nodes record
+  why in ``node.meta["autoshard"]`` (``pass``, ``why``, ``layer``, and for the
+  start ``issued_after``: the node it follows).
+
+``prefetch = 0`` returns the graph unchanged (blocking gathers at first use):
+the A/B switch of ``benchmarks/overlap_bench.py``.
+
+[Note: overlap order]
+Why start k right after wait k−p (FSDP2's forward prefetch order), and not
+earlier: the process group runs collectives in issue order on one stream
+(NCCL) or queue (gloo), so issuing start k before wait k−p cannot make k−p
+arrive sooner, and it would keep one more buffer alive. On NCCL the compute
+stream only waits at ``GatherWait``; the host runs ahead, so the gather of
+layer k+1 runs during layer k's kernels (p = 1).
+
+Decisions and limits (partial, stated):
+
+* Forward only. The backward reduce-scatter (the start's autograd) and the
+  ``Regather`` re-gather in backward (``passes/recompute.py``) stay blocking.
+* Layers with ``weight_comm``/``grad_comm`` other than ``bf16`` keep their
+  blocking ``Zero3Gather`` at first use: ``quantize_comm`` (a later pass)
+  rewrites those modules, and the quantized gather has no async form yet.
+* Gathers inside an activation-checkpoint region (``recompute="full"``) are in
+  the region's body, not the top-level graph, and stay blocking there.
+* No bucketing: one all-gather per layer already (the ZeRO-3 copy-in flattens a
+  layer's parameters into one buffer); gradient bucketing
+  (``schedule.bucket_bytes``) is not applied (the optimizer reduces per parameter).
+* The copy-in/copy-out layout is that of ``[Note: ZeRO-3 gather layout]``
+  (``passes/_zero3.py``), restated in ``GatherStart``/``GatherWait`` (the
+  numerics test compares the two paths bit for bit).
 """
 
 from __future__ import annotations
 
-import copy
+import math
 
-from torch import fx
+import torch
+import torch.nn.functional as F
+from torch import fx, nn
 
-from autoshard.passes._graph_utils import rebuild, tag
+from autoshard.passes._graph_utils import META_KEY, copy_module, tag
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
+from autoshard.runtime import async_collectives
 
 NAME = "schedule_overlap"
 
 
+class GatherStart(nn.Module):
+    """Graph module: local shards of one layer → copy-in (L,) → async all-gather; returns the (n·L,) buffer."""
+
+    def __init__(self, gather: Zero3Gather) -> None:
+        super().__init__()
+        self.gather = gather  # holds the GatherSpec; the Regather re-gathers through it in backward
+
+    def forward(self, *shards: torch.Tensor) -> torch.Tensor:
+        spec = self.gather.spec
+        pieces = []
+        for i, shard in enumerate(shards):  # pad shard_i (c_i', *rest_i) to (c_i, *rest_i), flatten
+            pad_rows = spec.padded_dim0(i) - shard.shape[0]
+            flat = shard.reshape(-1)
+            pieces.append(F.pad(flat, (0, pad_rows * math.prod(spec.rest_shapes[i]))) if pad_rows else flat)
+        flat_local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (L,)
+        return async_collectives.all_gather_start(flat_local, spec.group_name, spec.grad_op)  # (n·L,), in flight
+
+
+class GatherWait(nn.Module):
+    """Graph module: wait for a ``GatherStart`` buffer → full parameters (as ``Zero3Gather.forward`` returns)."""
+
+    def __init__(self, gather: Zero3Gather) -> None:
+        super().__init__()
+        self.gather = gather
+
+    def forward(self, pending: torch.Tensor, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        spec = self.gather.spec
+        rows = async_collectives.all_gather_wait(pending, spec.num_ranks, spec.flat_sizes())  # (n, c_i·|rest_i|) each
+        roots = [r.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, r in enumerate(rows)]
+        if self.gather.on_gather is not None:  # Regather: backward re-gathers through the blocking module
+            self.gather.on_gather(self.gather, shards, roots)
+        return tuple(root.narrow(0, 0, d) for root, d in zip(roots, spec.global_dim0))
+
+
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
-    """Hoist ZeRO-3 gathers by ``plan.schedule.prefetch`` layers (module docstring)."""
+    """Split ZeRO-3 gathers into start + wait and start them ``plan.schedule.prefetch`` layers ahead."""
     prefetch = plan.schedule.prefetch
-    graph = copy.deepcopy(gm.graph)
-    gathers = [n for n in graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), Zero3Gather)]
-    if prefetch <= 0 or len(gathers) < 2:
+    if prefetch <= 0:
         return gm
-    for k in range(prefetch, len(gathers)):
-        node, earlier = gathers[k], gathers[k - prefetch]
-        items = list(node.users)  # the getitem nodes of the gathered parameters
-        anchor = list(earlier.users)[-1]
-        anchor.append(node)
-        for item in reversed(items):
-            node.append(item)
-        tag(node, NAME, f"prefetch: all-gather issued {prefetch} layer(s) ahead of use", layer=gm.get_submodule(node.target).spec.layer)
-    graph.lint()
-    out = rebuild(gm, graph)
+    gathers = _async_gathers(gm, plan)
+    if not gathers:
+        return gm
+    out = copy_module(gm)
+    nodes = {n.name: n for n in out.graph.nodes}
+    stage_of = {s.layer: s.stage for s in plan.layers}
+    by_stage: dict[int, list[fx.Node]] = {}
+    for name in gathers:
+        node = nodes[name]
+        by_stage.setdefault(stage_of[out.get_submodule(node.target).spec.layer], []).append(node)
+    for stage_nodes in by_stage.values():
+        _split_stage(out, stage_nodes, prefetch)
+    out.graph.eliminate_dead_code()
+    out.graph.lint()
+    check_waits(out.graph, out)
     out.recompile()
     return out
+
+
+def _async_gathers(gm: fx.GraphModule, plan: Plan) -> list[str]:
+    """Names of the top-level ``Zero3Gather`` call nodes to make asynchronous (unquantized layers only)."""
+    strategies = {s.layer: s for s in plan.layers}
+    names = []
+    for node in gm.graph.nodes:
+        module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        if isinstance(module, Zero3Gather) and not module.spec.quantized:
+            s = strategies[module.spec.layer]
+            if s.weight_comm == "bf16" and s.grad_comm == "bf16":
+                names.append(node.name)
+    return names
+
+
+def _split_stage(gm: fx.GraphModule, gathers: list[fx.Node], prefetch: int) -> None:
+    """Replace each gather of one stage by start + wait (module docstring placement rule), in place."""
+    waits = [_replace_with_wait(gm, g) for g in gathers]
+    prev_start = None
+    for k, wait in enumerate(waits):
+        anchor = waits[k - prefetch] if k >= prefetch else prev_start
+        start = _insert_start(gm, wait, anchor, waits[0])
+        layer = gm.get_submodule(wait.target).gather.spec.layer
+        if k >= prefetch:
+            why = f"prefetch: layer {layer}'s all-gather issued after layer {_layer(gm, anchor)}'s wait, in flight during {prefetch} layer(s) of compute"
+        else:
+            why = f"prefetch: among the first {prefetch} gather(s) of the stage, issued before the stage's first wait"
+        tag(start, NAME, why, layer=layer, issued_after=anchor.name if anchor is not None else None, prefetch=prefetch)
+        prev_start = start
+
+
+def _layer(gm: fx.GraphModule, wait: fx.Node) -> str:
+    return gm.get_submodule(wait.target).gather.spec.layer
+
+
+def _replace_with_wait(gm: fx.GraphModule, gather: fx.Node) -> fx.Node:
+    """A ``GatherWait`` call at ``gather``'s place (its first use) taking over its users; ``gather`` erased."""
+    module = gm.get_submodule(gather.target)
+    target = gather.target + "_wait"
+    gm.add_submodule(target, GatherWait(module))
+    with gm.graph.inserting_before(gather):
+        # args[0] (the pending buffer) is set once the start node exists
+        wait = gm.graph.call_module(target, (None, *gather.args))
+    gather.replace_all_uses_with(wait)
+    tag(wait, NAME, "wait for the layer's prefetched all-gather at its first use, then copy-out",
+        layer=module.spec.layer, earlier=gather.meta.get(META_KEY))
+    wait.meta["nn_module_stack"] = gather.meta.get("nn_module_stack", {})
+    gm.graph.erase_node(gather)
+    gm.delete_submodule(gather.target)  # now reached only through the start/wait modules
+    return wait
+
+
+def _insert_start(gm: fx.GraphModule, wait: fx.Node, anchor: fx.Node | None, first_wait: fx.Node) -> fx.Node:
+    """A ``GatherStart`` call after ``anchor`` (or before ``first_wait``); wires it into ``wait``."""
+    target = wait.target.removesuffix("_wait") + "_start"
+    gm.add_submodule(target, GatherStart(gm.get_submodule(wait.target).gather))
+    shards = wait.args[1:]
+    where = gm.graph.inserting_after(anchor) if anchor is not None else gm.graph.inserting_before(first_wait)
+    with where:
+        start = gm.graph.call_module(target, shards)
+    _hoist_inputs(gm.graph, start)
+    wait.update_arg(0, start)
+    start.meta["nn_module_stack"] = wait.meta.get("nn_module_stack", {})
+    return start
+
+
+def _hoist_inputs(graph: fx.Graph, node: fx.Node) -> None:
+    """Move ``get_attr`` inputs defined after ``node`` to just before it (they have no inputs themselves)."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    for arg in node.all_input_nodes:
+        if index[arg] > index[node]:
+            assert arg.op == "get_attr", f"start input {arg.name} ({arg.op}) is defined after the start"
+            node.prepend(arg)
+
+
+def check_waits(graph: fx.Graph, gm: fx.GraphModule) -> None:
+    """Every ``GatherStart`` node has exactly one user, a ``GatherWait`` after it (internal invariant)."""
+    index = {n: i for i, n in enumerate(graph.nodes)}
+    for node in graph.nodes:
+        if node.op == "call_module" and isinstance(gm.get_submodule(node.target), GatherStart):
+            users = list(node.users)
+            assert len(users) == 1 and isinstance(gm.get_submodule(users[0].target), GatherWait), \
+                f"{node.name}: a started all-gather must be waited exactly once, users={users}"
+            assert index[users[0]] > index[node], f"{node.name}: its wait comes before it"
+
+
+__all__ = ["GatherStart", "GatherWait", "NAME", "check_waits", "run"]

@@ -327,10 +327,12 @@ def _reporter(run: PPORun, rank: int) -> tuple[Callable[[dict[str, float]], None
     """(on_metrics, close) for this rank: rank 0 writes JSON lines and the live line, others nothing."""
     if rank != 0:
         return None, lambda: None
+    from rich.console import Console
+
     from autoshard.runtime.metrics import LiveSummary, MetricsWriter
 
     writer = MetricsWriter(run.metrics) if run.metrics else None
-    summary = LiveSummary() if run.live else None
+    summary = LiveSummary(Console(highlight=False, soft_wrap=True)) if run.live else None  # one line per step
 
     def report(metrics: dict[str, float]) -> None:
         if writer is not None:

@@ -5,7 +5,7 @@
 1. checks, before any collective: the plan matches the model
    (``plan.check_compatible(graph=...)``), the live world size equals the
    mesh's, every pipeline stage has a layer, and the plan asks only for what
-   the runtime implements (cp = 1, no EP; ``PlanError`` otherwise);
+   the runtime implements (cp = 1; ``PlanError`` otherwise);
 2. builds the device mesh and ``RankContext`` (``runtime/mesh.py``);
 3. exports a *copy* of the model (``ep.module()`` shares Parameter objects
    with its input) with dynamic batch and sequence dims;
@@ -175,11 +175,10 @@ def build_program(
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:
     plan.check_compatible(graph=graph)
     _check_stages(plan)
-    unsupported = [(axis, getattr(plan.mesh, axis)) for axis in ("cp", "ep") if getattr(plan.mesh, axis) > 1]
-    if unsupported or any(s.ep for s in plan.layers):
+    # EP is implemented (passes/_expert_parallel.py); context parallelism is not.
+    if plan.mesh.cp > 1:
         raise PlanError(
-            f"plan uses {unsupported or 'ep=True layers'}: context and expert parallelism are not implemented "
-            "by the runtime yet; search with cp=1, ep=1 and ep=False"
+            f"plan uses cp={plan.mesh.cp}: context parallelism is not implemented by the runtime yet; search with cp=1"
         )
 
 

@@ -199,12 +199,8 @@ class _Builder:
             self.block_stage_fixed = fixed
             return
         self.block_stage_fixed = None
-        width = max(2, math.ceil(B / p))
-        centres = [round(k * B / p) for k in range(1, p)]
         self.y, self.st = [], []
-        for b in range(B):
-            lo = max(sum(1 for c in centres if c + width <= b), p - (B - b), 0)
-            hi = min(sum(1 for c in centres if c - width <= b), b, p - 1)
+        for b, (lo, hi) in enumerate(stage_windows(B, p)):
             if lo == hi:
                 self.y.append({lo: True})
                 self.st.append(lo)
@@ -311,6 +307,19 @@ class _Builder:
             for st, stage in zip(self.st, self.inp.hint_block_stage):
                 if not isinstance(st, int):
                     self.model.add_hint(st, stage)
+
+
+def stage_windows(num_blocks: int, pp: int) -> list[tuple[int, int]]:
+    """Per anchor block, the (lowest, highest) stage CP-SAT may place it on (non-interleaved).
+
+    Boundary k (the first block of stage k) lies within ``max(2, ⌈B/p⌉)`` blocks of
+    ``round(k·B/p)``; block b sits on a stage ≤ b and leaves ≥ 1 block for every later stage.
+    """
+    B, p = num_blocks, pp
+    width = max(2, math.ceil(B / p))
+    centres = [round(k * B / p) for k in range(1, p)]
+    return [(max(sum(1 for c in centres if c + width <= b), p - (B - b), 0),
+             min(sum(1 for c in centres if c - width <= b), b, p - 1)) for b in range(B)]
 
 
 def build(inp: ModelInput) -> _Builder:

@@ -78,13 +78,12 @@ from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError, InfeasibleError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions, Schedule, SolverStats
-from autoshard.search import cost_model, incumbent
+from autoshard.search import bounds, cost_model, incumbent
 from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, solve_model
 from autoshard.search.evaluate import (
     CostFn, CostTable, Option, anchor_blocks, chain_flags, evaluate, fallback_predictions, layer_stages,
     num_anchor_blocks, prune_dominated,
 )
-from autoshard.search.pipeline import in_flight
 from autoshard.search.space import (
     RECOMPUTE, Constraints, PruneRecord, SolverClass, admissible_strategies, enumerate_meshes, resolve_pins,
     schedule_candidates, solver_classes, strategy_key, validate_constraints,
@@ -132,6 +131,7 @@ class _Search:
     statuses: list = dataclasses.field(default_factory=list)
     upper_s: float = math.inf  # heuristic incumbent U (incumbent.py): some plan is at least this fast
     mesh_bound_s: float | None = None  # cost_model.lower_bound_step_time (depends on the world size only)
+    rows: dict = dataclasses.field(default_factory=dict)  # bounds.MemoryRows per (pp, schedule kind, m)
 
 
 def without_wall_time(plan: Plan) -> Plan:
@@ -339,64 +339,48 @@ def _class_options(search: _Search, cand: Candidate) -> tuple[tuple[Option, ...]
     )
 
 
-LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-4, 4, 49)])  # × (time scale / memory scale)
-
-
 def _table_bounds(search: _Search, cand: Candidate, options) -> tuple[float, float]:
-    """(step-time lower bound, per-rank memory lower bound) from the full cost table.
+    """(step-time, per-rank memory) lower bounds from the full cost table (``bounds.py``)."""
+    return bounds.table_bounds(options, _layer_counts(search), _memory_rows(search, cand), cand.mesh,
+                               cand.schedule, float(search.cap_bytes))
 
-    Time: step = slots·T_max + max_r tail_r ≥ Σ_l (slots·t_l + tail_l)/p, minimised per class
-    jointly over (t, tail). Memory couples the classes: summing the per-rank rows gives
-    Σ_l (S_l + f_min·min(A_l, A'_l)) + (1 + prefetch)·max_c min G_c ≤ p·M, and for every λ ≥ 0
-    the Lagrangian Σ_c n_c·min_s(cost_s + λ·mem_s) + λ·(buffers − p·M) is a lower bound of the
-    constrained minimum (weak duality); the bound is its maximum over ``LAMBDA_GRID``. Both are
-    taken per global ``sp`` value, then the smaller.
-    """
-    mesh, schedule = cand.mesh, cand.schedule
-    flight = min(in_flight(schedule, mesh.pp, k) for k in range(mesh.pp))
-    slots, p, cap = _slots(mesh, schedule), mesh.pp, float(search.cap_bytes)
-    buffers = (1 + schedule.prefetch) * max(min(o.buffer_bytes for o in opts) for opts in options)
-    time_lb, mem_lb = math.inf, math.inf
-    for sp in (False, True):
-        rows = []
-        for c, opts in zip(search.classes, options):
-            mine = [o for o in opts if o.strategy.sp == sp]
-            if not mine:
-                break
-            cost = np.array([(slots * o.time_s + o.tail_s) / p for o in mine])  # (n_s,)
-            mem = np.array([o.static_bytes + flight * min(o.activation_bytes, o.chain_bytes) for o in mine])
-            rows.append((len(c.layers), cost, mem))
-        else:
-            need = sum(n * mem.min() for n, _, mem in rows) + buffers
-            mem_lb = min(mem_lb, need / p)
-            scale = max(sum(n * cost.min() for n, cost, _ in rows), 1e-30) / max(need, 1.0)
-            lam = LAMBDA_GRID * scale  # (L,)
-            dual = sum(n * (cost[None, :] + lam[:, None] * mem[None, :]).min(axis=1) for n, cost, mem in rows)
-            time_lb = min(time_lb, float(np.max(dual + lam * (buffers - p * cap))))
-    return time_lb, mem_lb
+
+def _layer_counts(search: _Search) -> np.ndarray:
+    return np.bincount(np.asarray(search.class_of_layer), minlength=len(search.classes)).astype(float)  # (C,)
+
+
+def _memory_rows(search: _Search, cand: Candidate) -> bounds.MemoryRows:
+    """``bounds.memory_rows`` of the candidate, memoised per (pp, schedule kind, m)."""
+    s = cand.schedule
+    key = (cand.mesh.pp, s.name, s.virtual_stages, s.num_micro_batches)
+    if key not in search.rows:
+        search.rows[key] = bounds.memory_rows(search.class_of_layer, anchor_blocks(search.graph),
+                                              num_anchor_blocks(search.graph), len(search.classes), cand.mesh, s)
+    return search.rows[key]
 
 
 def _probe_memory(search: _Search, cand: Candidate) -> float:
-    """Per-rank memory lower bound from the most frugal strategies (module docstring, step 3)."""
-    flight = min(in_flight(cand.schedule, cand.mesh.pp, k) for k in range(cand.mesh.pp))
+    """Per-rank memory lower bound from the most frugal strategies (module docstring, step 3), over the
+    prefix rows of ``bounds.py`` (the first ranks hold the most micro-batches in flight)."""
+    rows = _memory_rows(search, cand)
     per_sp = []
     for sp in (False, True):
-        total = 0.0
+        frugal_bytes = []  # per class: (R,) least S + φ_j·min(A, A') over the probes
         for c, strategies in zip(search.classes, cand.admissible):
             mine = [s for s in strategies if s.sp == sp]
             if not mine:
-                total = math.inf
                 break
             deepest = max(RECOMPUTE.index(s.recompute) for s in mine)
             frugal = [s for s in mine if RECOMPUTE.index(s.recompute) == deepest]
             sharded = [s for s in frugal if s.state in ("zero3", "offload")] or frugal
             probes = {s.state: s for s in sorted(sharded, key=strategy_key, reverse=True)}.values()
-            total += len(c.layers) * min(
-                o.static_bytes + flight * o.activation_bytes
-                for o in (search.table.option(c.representative, s, cand.mesh, cand.schedule) for s in probes)
-            )
-        per_sp.append(total)
-    return min(per_sp) / cand.mesh.pp
+            options = [search.table.option(c.representative, s, cand.mesh, cand.schedule) for s in probes]
+            frugal_bytes.append(np.min([o.static_bytes + rows.flight * min(o.activation_bytes, o.chain_bytes)
+                                        for o in options], axis=0))
+        else:
+            need = (rows.counts * np.stack(frugal_bytes, axis=1)).sum(axis=1)  # (R,)
+            per_sp.append(float(np.max(need / rows.ranks)))
+    return min(per_sp, default=math.inf)
 
 
 def _note_memory(search: _Search, cand: Candidate, need: float) -> None:

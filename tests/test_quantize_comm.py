@@ -12,7 +12,7 @@ clipping at 1.0, tiny GPT / Llama, world 2 and 4). Measured deviations are
 | weight_comm int8 | 5e-3 | 5e-3 |
 | weight_comm fp8 | 3e-2 | 3e-2 |
 | grad_comm int8 | 2e-3 | 3e-3 |
-| grad_comm int4 | 1e-2 | 3e-2 |
+| weight_comm int8 + grad_comm int4 | 1e-2 | 3e-2 |
 | grad_comm fp32 / bf16 (fp32 run) | 1e-5 (exact path) | 1e-5 |
 
 The 200-step acceptance run (marked ``slow``; in CI) trains the tiny GPT with
@@ -55,18 +55,21 @@ RESULTS = Path(__file__).resolve().parent.parent / "benchmarks" / "results" / "q
 
 # name → (spec, mesh, strategy fields, (loss rtol, param atol)); bound None = must equal single device.
 CASES_2 = {
-    "g32_mixed": (GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3" if "attn" in l else "zero2", "grad_comm": "fp32"}, None),
+    "g32_mixed": (GPT, Mesh(dp_shard=2), lambda l: {"state": _mixed_state(l), "grad_comm": "fp32"}, None),
     "w8": (GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8"}, (5e-3, 5e-3)),
     "wf8": (GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "fp8"}, (3e-2, 3e-2)),
     "g8_zero2": (LLAMA, Mesh(dp_shard=2), lambda l: {"state": "zero2", "grad_comm": "int8"}, (2e-3, 3e-3)),
-    "w8_g4_zero3": (LLAMA, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8", "grad_comm": "int4"}, (1e-2, 3e-2)),
 }
 CASES_4 = {
     "hsdp_w8_g8": (GPT, Mesh(dp_replicate=2, dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8", "grad_comm": "int8"}, (5e-3, 5e-3)),
-    "uneven_g4": (LLAMA, Mesh(dp_shard=4), lambda l: {"state": "zero3", "grad_comm": "int4"}, (1e-2, 3e-2)),
-    "hsdp_g32": (GPT, Mesh(dp_replicate=2, dp_shard=2), lambda l: {"state": "zero3", "grad_comm": "fp32"}, None),
+    "uneven_w8_g4": (LLAMA, Mesh(dp_shard=4), lambda l: {"state": "zero3", "weight_comm": "int8", "grad_comm": "int4"}, (1e-2, 3e-2)),
 }
 
+
+def _mixed_state(layer: str) -> str:
+    """Every reduction path once: ZeRO-3 graph reduce-scatter, zero2 reduce-scatter, zero1 / DDP all-reduces."""
+    kind = layer.split(".")[-1]
+    return {"attn": "zero3", "mlp": "zero2", "attn_norm": "zero1"}.get(kind, "replicate")
 
 # --------------------------------------------------------------------------- counting wrapper
 
@@ -214,7 +217,7 @@ def test_world4_within_bound(results4, references, name):
 def test_masters_stay_exact(results2):
     """Quantization error of the gathered weights (~1e-3) never reaches the masters: they move by ≤ lr·‖g‖."""
     for r in results2["masters"]:
-        moved = max(float((r["after"][k] - r["before"][k]).abs().max()) for k in r["before"])
+        moved = max(float((r["after"][k] - r["before"][k]).abs().max()) for k in r["before"] if r["before"][k].numel())
         assert moved <= 2e-6, moved
         for fqn, value in r["compute"].items():  # compute shards = masters (fp32 run), never dequantized copies
             torch.testing.assert_close(value, r["after"][fqn], rtol=0, atol=0)
@@ -238,12 +241,12 @@ def test_int8_weight_gathers_replace_plain_gathers(results2):
     assert "quantized_reduce_scatter" not in counts
 
 
-def test_quantized_grads_use_qgz(results2):
+def test_quantized_grads_use_qgz(results2, results4):
     llama = _layers_with_params(LLAMA)
     zero2 = results2["g8_zero2"][0]["counts"]  # one qgZ per parameter after accumulation, then param all-gathers
     num_params = len(results2["g8_zero2"][0]["placements"])
     assert zero2["quantized_reduce_scatter"] == num_params and "reduce_scatter" not in zero2
-    zero3 = results2["w8_g4_zero3"][0]["counts"]  # one qgZ per layer and micro-batch, in backward
+    zero3 = results4["uneven_w8_g4"][0]["counts"]  # one qgZ per layer and micro-batch, in backward
     assert zero3["quantized_reduce_scatter"] == 2 * llama and "reduce_scatter" not in zero3
 
 

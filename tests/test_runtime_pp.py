@@ -173,3 +173,28 @@ def test_each_rank_holds_only_its_stages(results2):
     assert not rank0 & rank1
     assert {"embed.weight", "blocks.0.attn.q.weight", "blocks.2.attn.q.weight"} <= rank0
     assert {"blocks.1.attn.q.weight", "blocks.3.attn.q.weight", "head.weight", "value_head.bias"} <= rank1
+
+
+# --------------------------------------------------------------------------- build only (fake process group)
+
+
+def test_rank_builds_only_its_stage():
+    """pp rank 1 of pp2×dp2 (ZeRO-3): one stage, the second half's parameters, one boundary tensor in."""
+    plan = make_plan(Mesh(pp=2, dp_shard=2), "1f1b", state="zero3")
+    with fake_world(4, 2):
+        program = build_program(_model(), _graph(), plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))
+    layout = program.pipeline.layout
+    assert (layout.num_stages, layout.local_stages, layout.input_names) == (2, (1,), ("tokens",))
+    assert len(layout.boundaries[1]) == 1  # the residual stream; RoPE tables are recomputed from tokens
+    expected = {f for f, _ in _model().named_parameters() if not f.startswith(("embed.", "blocks.0.", "blocks.1."))}
+    assert set(program.param_placements) == set(program.optimizer.slots) == expected
+    assert not any(p.is_meta for p in program.gm.local_parameters().values())
+
+
+def test_tied_embedding_on_two_pp_ranks_is_refused():
+    graph = capture(build("gpt:tiny"), seq_lens=(8, 16))
+    names = [l.name for l in graph.layers]
+    layers = tuple(LayerStrategy(layer=n, stage=int(i >= len(names) // 2)) for i, n in enumerate(names))
+    plan = Plan(model_name=graph.model_name, mesh=Mesh(pp=2), layers=layers, schedule=Schedule(num_micro_batches=2))
+    with fake_world(2, 0), pytest.raises(PlanError, match=r"embed\.weight.* pp ranks \[0, 1\].*tie_embeddings=False"):
+        build_program(build("gpt:tiny"), graph, plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))

@@ -96,7 +96,8 @@ class DeepSpeedTrainer:
 
     def close(self) -> None:
         """Release the engine's partitioned parameters and optimizer state."""
-        self.engine.destroy() if hasattr(self.engine, "destroy") else None
+        if hasattr(self.engine, "destroy"):  # DeepSpeed >= 0.14 frees ZeRO-3 hooks and buffers
+            self.engine.destroy()
         del self.engine
 
 

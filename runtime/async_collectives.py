@@ -1,0 +1,251 @@
+"""Asynchronous all-gather: ``autoshard::all_gather_start`` + ``autoshard::all_gather_wait``.
+
+The blocking ``autoshard::all_gather`` (``runtime/collectives.py``) returns only
+when the data has arrived, so nothing can run beside it. These two ops split it
+so that a graph can issue the collective early and wait only where the result
+is first used (the ``schedule_overlap`` pass does so for ZeRO-3 gathers):
+
+    pending = autoshard::all_gather_start(x, group_name, grad_op)   # (n·s0, ...) buffer, filling
+    ...  compute that does not read ``pending``  ...
+    pieces  = autoshard::all_gather_wait(pending, n, split_sizes)    # [(n, s_i)] fresh tensors
+
+| op | forward | backward |
+| --- | --- | --- |
+| ``all_gather_start(x, g, grad_op)`` | launch ``all_gather_into_tensor(out, x, async_op=True)``, return ``out`` (rank-major along dim 0) | blocking ``reduce_scatter(grad, 0, g, grad_op)``: per-rank-losses convention, as ``autoshard::all_gather`` (``"avg"`` = FSDP's mean) |
+| ``all_gather_wait(pending, n, split_sizes)`` | wait for ``pending``'s collective, then ``pending.view(n, -1).split(split_sizes, 1)``, each piece copied contiguous ``(n, s_i)`` | ``cat(grads, 1).reshape(pending.shape)`` (an absent grad is zeros) |
+
+The wait does the split-and-copy itself because a custom op may not return
+an alias of its input: returning the waited buffer would need a full copy, and
+the ZeRO-3 copy-out (``passes/_zero3.py``) copies each parameter's rank-major
+pieces anyway. ``split_sizes=[s]`` with ``s = numel / n`` is a plain
+"wait and copy" of the whole buffer, shape ``(n, s)``.
+
+Where it overlaps: on NCCL, ``async_op=True`` runs the collective on the
+process group's internal stream, which first waits for the current stream (so
+``x`` is complete); ``Work.wait()`` makes the *current stream* wait for that
+stream's event and returns at once on the host, so kernels queued between start
+and wait run concurrently with the all-gather. The work object keeps ``x`` and
+``out`` alive until it is waited, so the caching allocator cannot hand their
+memory to another stream meanwhile. On gloo (CPU), the collective runs on
+gloo's worker thread and ``wait`` blocks the caller until it is done: the same
+values, with whatever overlap two CPU threads give.
+
+[Note: pending collectives]
+A custom op's schema carries only tensors and scalars, so the ``Work`` handle
+of a started collective cannot travel in the graph. It is kept in one
+process-wide table keyed by the storage of the output buffer (the StorageImpl
+address: unique while the table holds the buffer alive, including for empty
+buffers); ``all_gather_wait`` removes it. PyTorch's own functional collectives
+keep the same kind of table in C++. An un-waited collective makes processes
+abort at exit (docs: PLATFORM_NOTES), so: waiting twice or waiting a tensor
+that was never started raises ``CollectiveError``; ``pending_count()`` tells
+how many are in flight (tests assert 0 after every step); ``wait_all()``
+drains the table (for error paths, before a process group is destroyed).
+
+Under ``FakeTensorMode`` (``torch.export``, ``make_fx``) only the fake kernels
+run: shapes propagate, nothing is registered. Under ``LocalTensorMode`` (one
+process simulating every rank) ``start`` runs the blocking gather and
+registers a finished entry, so the ``wait`` works unchanged.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from autoshard.runtime import collectives as _collectives
+from autoshard.runtime.collectives import CollectiveError, group_name_of
+
+_all_gather_single = _collectives._all_gather_single
+
+
+class _PendingTable:
+    """Process-wide table of started, not yet waited collectives (module note "pending collectives")."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # gloo completion runs on other threads; the table is touched only here
+        self._entries: dict[int, tuple[Tensor, object | None]] = {}
+
+    @staticmethod
+    def key(t: Tensor) -> int:
+        return t.untyped_storage()._cdata  # StorageImpl address: unique while the entry holds ``t``
+
+    def add(self, out: Tensor, work) -> None:
+        with self._lock:
+            assert self.key(out) not in self._entries, "a buffer was registered twice"
+            self._entries[self.key(out)] = (out, work)
+
+    def pop(self, t: Tensor):
+        with self._lock:
+            entry = self._entries.pop(self.key(t), None)
+        if entry is None:
+            raise CollectiveError(
+                "all_gather_wait: this tensor has no pending collective (it was already waited, or it was not "
+                "produced by all_gather_start); wait exactly once on each all_gather_start output"
+            )
+        return entry[1]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def drain(self) -> int:
+        with self._lock:
+            works = [w for _t, w in self._entries.values()]
+            self._entries.clear()
+        for work in works:
+            if work is not None:
+                work.wait()
+        return len(works)
+
+
+_PENDING = _PendingTable()
+
+
+def pending_count() -> int:
+    """How many ``all_gather_start`` collectives of this process have not been waited yet."""
+    return len(_PENDING)
+
+
+def wait_all() -> int:
+    """Wait for every pending collective and forget them (error paths); returns how many there were."""
+    return _PENDING.drain()
+
+
+# --------------------------------------------------------------------------- op definitions
+
+
+def _check_grad_op(grad_op: str) -> None:
+    _collectives._check_reduce_op(grad_op, "all_gather_start grad_op")
+
+
+def _check_splits(pending: Tensor, num_ranks: int, split_sizes: Sequence[int]) -> None:
+    if num_ranks < 1 or pending.numel() % num_ranks:
+        raise CollectiveError(
+            f"all_gather_wait: num_ranks={num_ranks} must be >= 1 and divide the buffer's {pending.numel()} "
+            "elements; pass the group size the start used"
+        )
+    if any(s < 0 for s in split_sizes) or sum(split_sizes) != pending.numel() // num_ranks:
+        raise CollectiveError(
+            f"all_gather_wait: split_sizes={list(split_sizes)} must be non-negative and sum to "
+            f"{pending.numel() // num_ranks} (one rank's share); split one rank's row exactly"
+        )
+
+
+def _start_kernel(x: Tensor, group_name: str, grad_op: str = "sum") -> Tensor:
+    _collectives._normalize_dim(0, x.dim(), "all_gather_start")
+    _check_grad_op(grad_op)
+    pg = _collectives._group(group_name)
+    x = x.contiguous()
+    out = x.new_empty((pg.size() * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
+    work = _all_gather_single(out, x, group=pg, async_op=True)
+    _PENDING.add(out, work)
+    return out
+
+
+_start_op = torch.library.custom_op("autoshard::all_gather_start", _start_kernel, mutates_args=())
+
+
+@_start_op.register_fake
+def _(x, group_name, grad_op="sum"):
+    _collectives._normalize_dim(0, x.dim(), "all_gather_start")
+    _check_grad_op(grad_op)
+    n = _collectives._group(group_name).size()
+    return x.new_empty((n * x.shape[0], *x.shape[1:]))
+
+
+def _wait_kernel(pending: Tensor, num_ranks: int, split_sizes: list[int]) -> list[Tensor]:
+    _check_splits(pending, num_ranks, split_sizes)
+    work = _PENDING.pop(pending)
+    if work is not None:
+        work.wait()  # NCCL: the current stream waits for the collective's stream; gloo: blocks
+    rows = pending.view(num_ranks, -1)  # (n, L)
+    return [piece.contiguous() for piece in rows.split(list(split_sizes), dim=1)]  # (n, s_i) each
+
+
+_wait_op = torch.library.custom_op("autoshard::all_gather_wait", _wait_kernel, mutates_args=())
+
+
+@_wait_op.register_fake
+def _(pending, num_ranks, split_sizes):
+    _check_splits(pending, num_ranks, split_sizes)
+    return [pending.new_empty((num_ranks, s)) for s in split_sizes]
+
+
+# --------------------------------------------------------------------------- autograd
+
+
+def _start_setup(ctx, inputs, output):
+    _x, ctx.group_name, ctx.grad_op = inputs
+
+
+def _start_bwd(ctx, grad):
+    # The same convention as autoshard::all_gather: d(Σ_r L_r)/dx_j = Σ_r (dL_r/dy)[chunk j] ("avg": ÷ n).
+    return torch.ops.autoshard.reduce_scatter(grad, 0, ctx.group_name, ctx.grad_op), None, None
+
+
+def _wait_setup(ctx, inputs, output):
+    pending, ctx.num_ranks, ctx.split_sizes = inputs
+    ctx.shape = pending.shape
+
+
+def _wait_bwd(ctx, grads):
+    # grads: one (n, s_i) gradient per piece, None where a piece was unused.
+    like = next(g for g in grads if g is not None)
+    rows = [g if g is not None else like.new_zeros((ctx.num_ranks, s)) for g, s in zip(grads, ctx.split_sizes)]
+    return torch.cat(rows, dim=1).reshape(ctx.shape), None, None  # (n, L) -> pending's shape
+
+
+torch.library.register_autograd("autoshard::all_gather_start", _start_bwd, setup_context=_start_setup)
+torch.library.register_autograd("autoshard::all_gather_wait", _wait_bwd, setup_context=_wait_setup)
+
+
+# --------------------------------------------------------------------------- one-process simulation
+
+
+def _register_local_tensor_rules() -> None:
+    """``LocalTensorMode``: start = the blocking gather, registered as already finished (module docstring)."""
+    try:
+        from torch.distributed._local_tensor import LocalTensorMode
+    except ImportError:  # pragma: no cover - a torch without LocalTensorMode
+        return
+
+    def start_rule(mode, func, types, args, kwargs):
+        x, group_name, *rest = args
+        with LocalTensorMode(mode.ranks):
+            out = _collectives._all_gather_kernel(x, 0, group_name, *rest)
+        _PENDING.add(out, None)
+        return out
+
+    def wait_rule(mode, func, types, args, kwargs):
+        with LocalTensorMode(mode.ranks):
+            return _wait_kernel(*args, **(kwargs or {}))
+
+    torch.library.register_torch_dispatch("autoshard::all_gather_start", LocalTensorMode, start_rule)
+    torch.library.register_torch_dispatch("autoshard::all_gather_wait", LocalTensorMode, wait_rule)
+
+
+_register_local_tensor_rules()
+
+
+# --------------------------------------------------------------------------- public wrappers
+
+
+def all_gather_start(x: Tensor, group: str | dist.ProcessGroup | None = None, grad_op: str = "sum") -> Tensor:
+    """Launch an all-gather of ``x`` along dim 0 and return its output buffer (n·s0, ...) at once.
+
+    The buffer must not be read before ``all_gather_wait`` on it (module
+    docstring). Backward: blocking reduce-scatter of the gradient with ``grad_op``.
+    """
+    return torch.ops.autoshard.all_gather_start(x, group_name_of(group), grad_op)
+
+
+def all_gather_wait(pending: Tensor, num_ranks: int, split_sizes: Sequence[int]) -> list[Tensor]:
+    """Wait for ``pending``'s all-gather; return its rank-major rows split into ``(num_ranks, s_i)`` copies."""
+    return torch.ops.autoshard.all_gather_wait(pending, num_ranks, list(split_sizes))
+
+
+__all__ = ["all_gather_start", "all_gather_wait", "pending_count", "wait_all"]

@@ -1,0 +1,137 @@
+r"""Lower bounds of one candidate (mesh, schedule) from its cost table: step time and per-rank memory.
+
+Notation as in ``solver.py``: p pipeline ranks, ``slots = m + (p−1)/v``,
+classes c with ``n_c`` layers, options s with time t, tail, static bytes S,
+activations A (A' inside a checkpoint region), gather buffers G; ``f_k`` is
+``pipeline.in_flight(k)`` and ``M`` the per-rank limit.
+
+Time. The step is ``slots·T_max + max_k tail_k ≥ Σ_l (slots·t_l + tail_l)/p``;
+minimised per class jointly over (t, tail).
+
+Memory rows (prefix rows). For ``j = 1…p`` let ``L_j`` be the layers that sit
+on a rank ``< j`` in *every* placement CP-SAT may choose (``cpsat_model.stage_windows``;
+interleaved schedules have fixed chunks) and ``φ_j = min_{k<j} f_k``. Summing
+the memory rows of ranks ``0…j−1``:
+
+    Σ_{l∈L_j} (S_l + φ_j·min(A_l, A'_l)) + (1 + prefetch)·max_{c∈L_j} min_s G_c  ≤  j·M        (row j)
+
+Row ``p`` is the summed row of every rank with the least in-flight count;
+rows ``j < p`` see the first stages, which hold up to ``min(p, m)``
+micro-batches of activations (1F1B), so deep pipelines do not look roomier
+than they are. Every row is implied by the CP-SAT memory rows (strategies
+are shared by all stages; every term is non-negative).
+
+Lagrangian. For a row and any λ ≥ 0,
+
+    Σ_c min_s [n_c·(slots·t_s + tail_s)/p + λ·n_{c,j}·(S_s + φ_j·A_s)] − λ·(j·M − buffers_j)
+
+is ≤ the constrained minimum (weak duality); the time bound is the largest
+value over the rows and ``LAMBDA_GRID``. Both bounds are taken per global
+``sp`` value, then the smaller (the plan picks one ``sp``). The memory bound
+is ``max_j need_j / j`` with ``need_j`` the smallest left side of row j: some
+rank among the first j needs at least that much.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Sequence
+
+import numpy as np
+
+from autoshard.plan import Mesh, Schedule
+from autoshard.search.cpsat_model import stage_windows
+from autoshard.search.evaluate import Option, interleaved_block_stages
+from autoshard.search.pipeline import in_flight, virtual_stages
+
+LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-4, 4, 49)])  # × (time scale / memory scale)
+MAX_PREFIX_ROWS = 12  # rows j < p evaluated (spread geometrically over 1…p−1), besides row p
+
+
+@dataclass(frozen=True)
+class MemoryRows:
+    """Prefix rows of the module docstring, one per entry: ranks j, φ_j and per-class counts n_{c,j}."""
+
+    ranks: np.ndarray  # (R,) j
+    flight: np.ndarray  # (R,) φ_j
+    counts: np.ndarray  # (R, C) layers of class c surely on a rank < j
+
+
+def _sure_rank(num_blocks: int, mesh: Mesh, schedule: Schedule) -> list[int]:
+    """Per anchor block, the highest pipeline rank CP-SAT may put it on."""
+    p, v = mesh.pp, virtual_stages(schedule)
+    if p == 1:
+        return [0] * num_blocks
+    if v > 1:
+        return [stage % p for stage in interleaved_block_stages(num_blocks, p, v)]
+    return [hi for _, hi in stage_windows(num_blocks, p)]
+
+
+def _row_ranks(p: int) -> list[int]:
+    """j values: p, plus up to ``MAX_PREFIX_ROWS`` of 1…p−1 spread geometrically."""
+    if p <= MAX_PREFIX_ROWS + 1:
+        return list(range(1, p + 1))
+    picks = {int(round(x)) for x in np.geomspace(1, p - 1, MAX_PREFIX_ROWS)}
+    return sorted(picks | {p})
+
+
+def memory_rows(class_of_layer: Sequence[int], anchors: Sequence[int], num_blocks: int, num_classes: int,
+                mesh: Mesh, schedule: Schedule, prefix: bool = True) -> MemoryRows:
+    """Rows of the module docstring (only row p when ``prefix`` is False or p = 1)."""
+    p = mesh.pp
+    flights = [in_flight(schedule, p, k) for k in range(p)]
+    sure = _sure_rank(num_blocks, mesh, schedule)
+    ranks = _row_ranks(p) if prefix else [p]
+    layer_rank = np.array([sure[a] for a in anchors])  # (L,)
+    classes = np.asarray(class_of_layer)  # (L,)
+    counts = np.zeros((len(ranks), num_classes))
+    for r, j in enumerate(ranks):
+        np.add.at(counts[r], classes[layer_rank < j], 1.0)
+    flight = np.array([min(flights[:j]) for j in ranks], dtype=float)
+    return MemoryRows(np.array(ranks, dtype=float), flight, counts)
+
+
+def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int):
+    """(cost, static, activation) arrays (C, S) of the options with ``sp``; cost +inf where padded."""
+    mine = [[o for o in opts if o.strategy.sp == sp] for opts in options]
+    if any(not m for m in mine):
+        return None
+    width = max(len(m) for m in mine)
+    cost = np.full((len(mine), width), np.inf)
+    static, act = np.zeros((len(mine), width)), np.zeros((len(mine), width))
+    for c, opts in enumerate(mine):
+        cost[c, :len(opts)] = [(slots * o.time_s + o.tail_s) / p for o in opts]
+        static[c, :len(opts)] = [o.static_bytes for o in opts]
+        act[c, :len(opts)] = [min(o.activation_bytes, o.chain_bytes) for o in opts]
+    return cost, static, act
+
+
+def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, rows: MemoryRows,
+                 mesh: Mesh, schedule: Schedule, cap_bytes: float) -> tuple[float, float]:
+    """(step-time lower bound, per-rank memory lower bound) of the module docstring.
+
+    options: per class, the dominance-pruned options; layer_counts: (C,) n_c.
+    """
+    p = mesh.pp
+    slots = schedule.num_micro_batches + (p - 1) / virtual_stages(schedule)
+    min_buffer = np.array([min(o.buffer_bytes for o in opts) for opts in options])  # (C,)
+    buffers = (1 + schedule.prefetch) * np.where(rows.counts > 0, min_buffer[None, :], 0.0).max(axis=1)  # (R,)
+    time_lb, mem_lb = math.inf, math.inf
+    for sp in (False, True):
+        padded = _padded(options, sp, slots, p)
+        if padded is None:
+            continue
+        cost, static, act = padded
+        valid = np.isfinite(cost)
+        mem = static[None] + rows.flight[:, None, None] * act[None]  # (R, C, S)
+        need = (rows.counts * np.where(valid[None], mem, np.inf).min(axis=2)).sum(axis=1) + buffers  # (R,)
+        mem_lb = min(mem_lb, float(np.max(need / rows.ranks)))
+        base = float(layer_counts @ cost.min(axis=1))
+        lam = LAMBDA_GRID[None, :] * (max(base, 1e-30) / np.maximum(need, 1.0))[:, None]  # (R, Λ)
+        weighted = rows.counts[:, :, None] * mem  # (R, C, S)
+        value = (layer_counts[None, None, :, None] * cost[None, None]
+                 + lam[:, :, None, None] * weighted[:, None])  # (R, Λ, C, S)
+        dual = value.min(axis=3).sum(axis=2) + lam * (buffers - rows.ranks * cap_bytes)[:, None]  # (R, Λ)
+        time_lb = min(time_lb, float(dual.max()))
+    return time_lb, mem_lb
