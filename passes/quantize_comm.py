@@ -1,13 +1,14 @@
 """Pass ``quantize_comm``: move each layer's parameter gathers and gradient reductions in its chosen dtype.
 
 Pre-conditions: ``insert_collectives``, ``recompute`` and ``schedule_overlap``
-ran (``Zero3Gather`` call nodes exist for ZeRO-3 layers; a ``Regather`` may be
-installed). Post-conditions:
+ran (``Zero3Gather`` call nodes exist for ZeRO-3 layers, at top level or
+inside ``CheckpointRegion`` bodies; a ``Regather`` may be installed;
+``schedule_overlap`` left quantized layers' gathers blocking). Post-conditions:
 
 * every ``Zero3Gather`` of a layer whose ``weight_comm`` or ``grad_comm`` is not
-  the default is replaced by one whose ``GatherSpec`` carries the wire dtypes
-  (``passes/_zero3.py``); its call node records why in
-  ``node.meta["autoshard"]`` (the earlier record, e.g. a prefetch move, is kept
+  the default, including those inside checkpoint regions, is replaced by one
+  whose ``GatherSpec`` carries the wire dtypes (``passes/_zero3.py``); its call
+  node records why in ``node.meta["autoshard"]`` (the earlier record is kept
   under ``"earlier"``);
 * ``gm.meta["autoshard"]["grad_comm"]`` maps each parameter whose layer
   reduces gradients in a non-default dtype to that dtype; the runtime hands it
@@ -53,6 +54,7 @@ from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, copy_module
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.passes.context import RankContext
+from autoshard.passes.recompute import CheckpointRegion
 from autoshard.plan import LayerStrategy, Plan
 
 NAME = "quantize_comm"
@@ -70,11 +72,9 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         check_strategy(s)
     if all(s.weight_comm == "bf16" and s.grad_comm == "bf16" for s in plan.layers):
         return gm
-    replace, records = _quantized_gathers(gm, strategies)
-    out = copy_module(gm, replace)
-    for node in out.graph.nodes:
-        if node.op == "call_module" and node.target in replace:
-            node.meta[META_KEY] = {**records[node.target], "earlier": node.meta.get(META_KEY)}
+    out = _rewrite(gm, strategies)
+    if out is gm:
+        out = copy_module(gm)  # the meta below is this pass's output, not gm's
     placements = out.meta[META_KEY]["placements"]
     out.meta[META_KEY]["grad_comm"] = {
         fqn: GRAD_WIRE[strategies[p.layer].grad_comm]
@@ -99,28 +99,43 @@ def check_strategy(s: LayerStrategy) -> None:
         )
 
 
-def _quantized_gathers(gm: fx.GraphModule, strategies: dict[str, LayerStrategy]) -> tuple[dict, dict]:
-    """Replacement ``Zero3Gather`` modules (by target) and the node record of each."""
+def _rewrite(gm: fx.GraphModule, strategies: dict[str, LayerStrategy]) -> fx.GraphModule:
+    """``gm`` with each quantized layer's ``Zero3Gather`` replaced, recursing into checkpoint regions.
+
+    A ``recompute="full"`` region (``passes/recompute.py``) holds its layers'
+    gathers in its own body graph, so the recompute in backward gathers through
+    the same (quantized) module. Returns ``gm`` itself when nothing changes.
+    """
     replace, records = {}, {}
     for node in gm.graph.nodes:
         if node.op != "call_module":
             continue
         module = gm.get_submodule(node.target)
-        if not isinstance(module, Zero3Gather):
-            continue
-        s = strategies[module.spec.layer]
-        spec = dataclasses.replace(module.spec, qdtype=WEIGHT_QDTYPE[s.weight_comm], grad_comm=GRAD_WIRE[s.grad_comm])
-        if not spec.quantized:
-            continue
-        replace[node.target] = Zero3Gather(spec, on_gather=module.on_gather)
-        records[node.target] = {
-            "pass": NAME,
-            "why": _why(s),
-            "layer": s.layer,
-            "weight_comm": s.weight_comm,
-            "grad_comm": s.grad_comm,
-        }
-    return replace, records
+        if isinstance(module, Zero3Gather):
+            new = _quantized_gather(module, strategies[module.spec.layer])
+            if new is not None:
+                replace[node.target], records[node.target] = new, _record(strategies[module.spec.layer])
+        elif isinstance(module, CheckpointRegion):
+            body = _rewrite(module.body, strategies)
+            if body is not module.body:
+                replace[node.target] = CheckpointRegion(body, module.kind, module.layers)
+    if not replace:
+        return gm
+    out = copy_module(gm, replace)
+    for node in out.graph.nodes:
+        if node.op == "call_module" and node.target in records:
+            node.meta[META_KEY] = {**records[node.target], "earlier": node.meta.get(META_KEY)}
+    return out
+
+
+def _quantized_gather(module: Zero3Gather, s: LayerStrategy) -> Zero3Gather | None:
+    """A copy of ``module`` whose spec carries the layer's wire dtypes, or ``None`` if they are the defaults."""
+    spec = dataclasses.replace(module.spec, qdtype=WEIGHT_QDTYPE[s.weight_comm], grad_comm=GRAD_WIRE[s.grad_comm])
+    return Zero3Gather(spec, on_gather=module.on_gather) if spec.quantized else None
+
+
+def _record(s: LayerStrategy) -> dict:
+    return {"pass": NAME, "why": _why(s), "layer": s.layer, "weight_comm": s.weight_comm, "grad_comm": s.grad_comm}
 
 
 def _why(s: LayerStrategy) -> str:

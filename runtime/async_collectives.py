@@ -163,7 +163,8 @@ def _wait_kernel(pending: Tensor, num_ranks: int, split_sizes: list[int]) -> lis
     if work is not None:
         work.wait()  # NCCL: the current stream waits for the collective's stream; gloo: blocks
     rows = pending.view(num_ranks, -1)  # (n, L)
-    return [piece.contiguous() for piece in rows.split(list(split_sizes), dim=1)]  # (n, s_i) each
+    # clone, not contiguous(): a full-width piece is already contiguous and would alias ``pending``
+    return [piece.clone(memory_format=torch.contiguous_format) for piece in rows.split(list(split_sizes), dim=1)]
 
 
 _wait_op = torch.library.custom_op("autoshard::all_gather_wait", _wait_kernel, mutates_args=())

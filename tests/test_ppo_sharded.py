@@ -17,16 +17,24 @@ One spawned job runs every case (``_harness`` note "spawned jobs are expensive")
 * ``resume``: 2 steps under the mixed plan, checkpoint, resume under the DDP
   plan (another plan, same dp size): steps 3–4 equal the uninterrupted mixed
   run's (policy, reference, AdamW moments, step and RNG restored).
+* ``cli_join``: ``autoshard ppo ... --plan`` inside an existing job (``RANK``
+  and ``WORLD_SIZE`` set) joins it instead of launching torchrun; rank 0
+  writes the metrics and the plot.
+
+The CLI's argument errors are checked in process (no ranks).
 """
 
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
 
 from _harness import run_gloo_cases
+from autoshard.cli import main as cli_main
+from autoshard.runtime.metrics import MetricsWriter, read_metrics
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime.ppo_program import PPORun, build_policy_model, capture_policy, sharded_trainer, train_loop
 
@@ -72,6 +80,16 @@ def _resume(rank, world_size, first_plan, second_plan, graph, root):
     return {"loaded_step": loaded.step, "metrics": train_loop(second, 4)}
 
 
+def _cli_join(rank, world_size, plan_path, out):
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size))
+    argv = ["ppo", "llama:tiny", "--cluster", "cpu:1x2", "--plan", plan_path, "--steps", "2", "--quiet",
+            "--metrics", f"{out}/m.jsonl", "--plot", f"{out}/curves.png"]
+    try:
+        return cli_main(argv)
+    finally:
+        del os.environ["RANK"], os.environ["WORLD_SIZE"]
+
+
 @pytest.fixture(scope="module")
 def graph():
     return capture_policy(build_policy_model("llama:tiny", 0), "llama:tiny")
@@ -85,13 +103,15 @@ def results(graph, tmp_path_factory):
         "tp": _plan(graph, Mesh(tp=2), _tp),
     }
     root = str(tmp_path_factory.mktemp("ppo_ckpt"))
+    plans["ddp"].save(f"{root}/ddp.json")
     cases = {
+        "cli_join": functools.partial(_cli_join, plan_path=f"{root}/ddp.json", out=root),
         "tp": functools.partial(_train, plan=plans["tp"], graph=graph, steps=TP_STEPS),
         "resume": functools.partial(_resume, first_plan=plans["mixed"], second_plan=plans["ddp"], graph=graph, root=root),
         "mixed": functools.partial(_train, plan=plans["mixed"], graph=graph, steps=STEPS),
         "ddp": functools.partial(_train, plan=plans["ddp"], graph=graph, steps=STEPS),
     }
-    return run_gloo_cases(cases, 2, timeout_s=600)
+    return {**run_gloo_cases(cases, 2, timeout_s=600), "root": root}
 
 
 def _series(history, key, steps=None):
@@ -145,3 +165,51 @@ def test_resume_under_another_plan_continues_the_run(results):
     for key in COMPARED:
         torch.testing.assert_close(_series(continued, key), _series(uninterrupted, key), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{key}: {m}")
+
+
+def test_cli_joins_an_existing_job(results):
+    assert results["cli_join"] == [0, 0]
+    rows = read_metrics(f"{results['root']}/m.jsonl")
+    assert [row["step"] for row in rows] == [1.0, 2.0]  # rank 0 only wrote
+    ddp = results["ddp"][0]
+    assert [row["reward/mean"] for row in rows] == pytest.approx([m["reward/mean"] for m in ddp[:2]], rel=1e-4)
+    assert os.path.getsize(f"{results['root']}/curves.png") > 0
+
+
+# --------------------------------------------------------------------------- CLI, in process
+
+
+@pytest.mark.parametrize(
+    "extra, needles",
+    [
+        (["--resume"], ["--resume needs --checkpoint"]),
+        (["--plot", "c.png"], ["--plot", "--metrics"]),
+        (["--save-every", "5"], ["--save-every needs --checkpoint"]),
+        (["--task", "poetry"], ["unknown task 'poetry'", "arithmetic"]),
+    ],
+)
+def test_ppo_flag_errors_are_one_line(capsys, extra, needles):
+    code = cli_main(["ppo", "llama:tiny", "--cluster", "cpu:1x2", *extra])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert len(err.splitlines()) == 1 and err.startswith("autoshard: error: "), err
+    for needle in needles:
+        assert needle in err
+
+
+def test_ppo_refuses_a_multi_node_cluster_outside_torchrun(capsys, tmp_path, graph):
+    plan = _plan(graph, Mesh(dp_shard=4), _ddp)
+    plan.save(tmp_path / "p.json")
+    code = cli_main(["ppo", "llama:tiny", "--cluster", "cpu:2x2", "--plan", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert code == 2 and "has 2 nodes" in err and "autoshard run" in err
+
+
+def test_plot_command_writes_a_png(tmp_path, capsys):
+    with MetricsWriter(tmp_path / "m.jsonl") as writer:
+        for step in (1, 2, 3):
+            writer.write({"step": float(step), "reward/mean": 0.1 * step, "kl/k1": 0.01 * step})
+    code = cli_main(["plot", str(tmp_path / "m.jsonl"), "-o", str(tmp_path / "c.png")])
+    assert code == 0
+    assert (tmp_path / "c.png").stat().st_size > 0
+    assert str(tmp_path / "c.png") in capsys.readouterr().out

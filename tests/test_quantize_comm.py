@@ -43,6 +43,7 @@ from autoshard.errors import PlanError
 from autoshard.kernels.layout import QuantLayout
 from autoshard.models import build
 from autoshard.passes import quantize_comm
+from autoshard.passes._zero3 import Zero3Gather
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.runtime import build_program
 from autoshard.runtime import collectives as collectives_module
@@ -59,6 +60,8 @@ CASES_2 = {
     "w8": (GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8"}, (5e-3, 5e-3)),
     "wf8": (GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "fp8"}, (3e-2, 3e-2)),
     "g8_zero2": (LLAMA, Mesh(dp_shard=2), lambda l: {"state": "zero2", "grad_comm": "int8"}, (2e-3, 3e-3)),
+    "w8_full_recompute": (GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8",
+                                                            "recompute": "full" if "blocks" in l else "none"}, (5e-3, 5e-3)),
 }
 CASES_4 = {
     "hsdp_w8_g8": (GPT, Mesh(dp_replicate=2, dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8", "grad_comm": "int8"}, (5e-3, 5e-3)),
@@ -277,6 +280,18 @@ def test_pass_records_and_grad_comm_map():
     expected = {fqn for fqn, p in program.param_placements.items() if "attn" not in p.layer}
     assert set(grad_comm) == expected and set(grad_comm.values()) == {"int4"}
     assert {s.grad_comm for fqn, s in program.optimizer.slots.items() if fqn in expected} == {"int4"}
+
+
+def test_gathers_inside_checkpoint_regions_are_quantized():
+    """recompute='full' outlines the layers' gathers into region bodies; the pass rewrites them there too."""
+    plan = make_plan(GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8",
+                                                      "recompute": "full" if "blocks" in l else "none"})
+    with fake_world(2, 0):
+        program = build_program(build(GPT), graph_of(GPT), plan, None, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
+    gathers = [m for m in program.gm.modules() if isinstance(m, Zero3Gather)]
+    nested = [m for name, m in program.gm.named_modules() if isinstance(m, Zero3Gather) and ".body." in f".{name}."]
+    assert len(gathers) == _layers_with_params(GPT) and nested
+    assert {m.spec.qdtype for m in gathers} == {"int8"}
 
 
 @pytest.mark.parametrize(
