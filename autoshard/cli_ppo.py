@@ -189,10 +189,11 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
 
     from autoshard.runtime import ppo_program as P
 
-    flags = _worker_flags(args, spec, Path("-"))
-    parser = argparse.ArgumentParser(add_help=False)
-    P.worker_arguments(parser)
-    run = P.run_from_args(parser.parse_args(flags))
+    run = P.PPORun(
+        model=spec, task=args.task, steps=args.steps, seed=args.seed, global_batch=args.batch,
+        metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
+        resume=args.resume, plot=_text(args.plot), live=not args.quiet,
+    )
     created = P.init_distributed(plan)
     try:
         P.run_ppo(run, plan, device=P.worker_device())
@@ -200,6 +201,10 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
         if created:
             dist.destroy_process_group()
     return 0
+
+
+def _text(path: Path | None) -> str | None:
+    return None if path is None else str(path)
 
 
 def _positive_int(text: str) -> int:

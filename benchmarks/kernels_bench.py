@@ -61,63 +61,112 @@ def _bench(fn, device: torch.device) -> float:
     return statistics.median(times)
 
 
-def _kernel_cases(n: int, block: int, rows: int, device: torch.device):
-    """(name, layout, fn(tile, warps) -> output, bytes moved) per kernel at ``n`` elements."""
-    tk = triton_kernels()
-    x = torch.randn(n, device=device, dtype=torch.bfloat16)
-    for qd in QDTYPES:
-        lay = QuantLayout(qd, block, n, 1)
-        q = tk.quantize_triton(x, lay)
-        row_lay = QuantLayout(qd, block, n, rows)  # rows sources of n/rows each
-        q_rows = tk.quantize_triton(x, row_lay)
-        yield (f"quantize/{qd}", lambda tile, lay=lay: tk.quantize_triton(x, lay, tile), 2 * n + q.numel())
-        yield (f"dequantize/{qd}", lambda tile, lay=lay, q=q: tk.dequantize_triton(q, lay, torch.bfloat16, tile),
-               q.numel() + 2 * n)
-        yield (f"dequantize_reduce/{qd}",
-               lambda tile, lay=row_lay, q=q_rows: tk.dequantize_reduce_triton(q, lay, torch.float32, tile),
-               q_rows.numel() + 4 * row_lay.shard_numel)
+def _config_name(cfg) -> str:
+    if cfg is None:
+        return "default"
+    loop = f"/s{cfg.stages}x{cfg.progs_per_sm}" if cfg.stages > 1 else ""
+    return f"{cfg.variant}/{cfg.elems}/w{cfg.num_warps}{loop}"
 
 
-def check_bit_exact(device: torch.device, block: int) -> dict[str, bool]:
-    """Triton kernels vs the reference on one awkward size (padding, NaN block, zero block)."""
-    tk = triton_kernels()
-    n, rows = 3 * block * 5 + 17, 3
-    x = torch.randn(n, device=device) * 3
-    x[5], x[block : 2 * block] = float("nan"), 0.0
-    out = {}
-    for qd in QDTYPES:
-        lay = QuantLayout(qd, block, n, rows)
-        ref_q = reference.quantize_ref(x, lay)
-        out[f"quantize/{qd}"] = torch.equal(tk.quantize_triton(x, lay), ref_q)
-        for od in (torch.bfloat16, torch.float32, torch.float16):
-            d = tk.dequantize_triton(ref_q, lay, od).nan_to_num(7)
-            r = tk.dequantize_reduce_triton(ref_q, lay, od).nan_to_num(7)
-            out[f"dequantize/{qd}/{od}"] = torch.equal(d, reference.dequantize_ref(ref_q, lay, od).nan_to_num(7))
-            want = reference.dequantize_reduce_ref(ref_q, lay, od).nan_to_num(7)
-            out[f"dequantize_reduce/{qd}/{od}"] = torch.equal(r, want)
-    return out
+def sweep_grid(block: int) -> dict[str, list]:
+    """Candidate launch configs per kernel for ``--sweep`` (the defaults are always timed first).
+
+    ``tile``: the element-tile kernels; ``pairs``: pair-word kernels (kernels/triton_kernels.py),
+    one tile per program or a persistent grid with software-pipelined loads (``stages`` > 1).
+    The grid is smaller at blocks above 512, where only the leading candidates are re-timed.
+    """
+    kc = triton_kernels().KernelConfig
+    if block > 512:
+        return {"quantize": [kc("pairs", 8192, 8), kc("pairs", 4 * block, 8)],
+                "dequantize": [kc("pairs", 4096, 4)], "dequantize_reduce": [kc("pairs", 4096, 4)]}
+    return {
+        "quantize": [kc("tile", 4096, 4), kc("pairs", 4096, 4), kc("pairs", 8192, 8), kc("pairs", 16384, 8),
+                     kc("pairs", 8192, 16), kc("pairs", 4096, 4, 3, 4), kc("pairs", 8192, 8, 2, 2)],
+        "dequantize": [kc("pairs", 2048, 4), kc("pairs", 4096, 4), kc("pairs", 8192, 8), kc("pairs", 4096, 4, 3, 4)],
+        "dequantize_reduce": [kc("pairs", 2048, 4), kc("pairs", 4096, 4), kc("pairs", 4096, 8),
+                              kc("pairs", 2048, 4, 3, 4)],
+    }
 
 
-def bench_kernels(sizes: list[int], block: int, rows: int, tiles: list[tuple[int, int] | None],
-                  device: torch.device) -> list[dict]:
-    """One record per (size, kernel, tile)."""
-    records = []
-    for n in sizes:
-        src = torch.randn(n, device=device, dtype=torch.bfloat16)
-        dst = torch.empty_like(src)
-        copy_s = _bench(lambda: dst.copy_(src), device)
-        copy_bw = 4 * n / copy_s
-        records.append({"n": n, "kernel": "copy", "seconds": copy_s, "gbps": copy_bw / 1e9, "ratio": 1.0})
-        del src, dst
-        for name, fn, nbytes in _kernel_cases(n, block, rows, device):
-            for tile in tiles:
-                secs = _bench(lambda: fn(tile), device)
-                elems, warps = tile if tile else ("default", "default")
-                records.append({"n": n, "kernel": name, "tile": elems, "num_warps": warps, "seconds": secs,
-                                "gbps": nbytes / secs / 1e9, "ratio": nbytes / secs / copy_bw})
+class _Inputs:
+    """Per element count: the bf16 input (one NaN, one zero block), its quantized buffers, copy time."""
+
+    def __init__(self, n: int, block: int, rows: int, device: torch.device):
+        tk = triton_kernels()
+        self.n, self.rows = n, rows
+        self.x = torch.randn(n, device=device, dtype=torch.bfloat16)
+        self.x[7], self.x[block : 2 * block] = float("nan"), 0.0  # exercised by the bit-exact checks
+        self.lay = {qd: QuantLayout(qd, block, n, 1) for qd in QDTYPES}
+        self.row_lay = {qd: QuantLayout(qd, block, n, rows) for qd in QDTYPES}  # rows sources of n/rows each
+        self.q = {qd: tk.quantize_triton(self.x, lay) for qd, lay in self.lay.items()}
+        self.q_rows = {qd: tk.quantize_triton(self.x, lay) for qd, lay in self.row_lay.items()}
+
+    def case(self, kernel: str, qd: str):
+        """(fn(config) -> output, bytes moved, fn() -> reference output)."""
+        tk, x, lay, q = triton_kernels(), self.x, self.lay[qd], self.q[qd]
+        if kernel == "quantize":
+            return (lambda c: tk.quantize_triton(x, lay, c), 2 * self.n + q.numel(),
+                    lambda: reference.quantize_ref(x, lay))
+        if kernel == "dequantize":
+            return (lambda c: tk.dequantize_triton(q, lay, torch.bfloat16, c), q.numel() + 2 * self.n,
+                    lambda: reference.dequantize_ref(q, lay, torch.bfloat16))
+        rl, qr = self.row_lay[qd], self.q_rows[qd]
+        return (lambda c: tk.dequantize_reduce_triton(qr, rl, torch.float32, c), qr.numel() + 4 * rl.shard_numel,
+                lambda: reference.dequantize_reduce_ref(qr, rl, torch.float32))
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bitwise equality, NaNs in the same places."""
+    return torch.equal(a.isnan(), b.isnan()) and torch.equal(a.nan_to_num(0.0), b.nan_to_num(0.0))
+
+
+def bench_kernels(sizes: list[int], blocks: list[int], rows: int, sweep: bool, device: torch.device,
+                  deadline_s: float = float("inf"), on_record=None) -> list[dict]:
+    """One record per (block, kernel, config, size); the defaults first, then the sweep grid.
+
+    Each config is checked bit for bit against the reference at the smallest size (the
+    input holds a NaN and an all-zero block) before it is timed. Configs are skipped once
+    ``deadline_s`` seconds have passed (records say how many were skipped).
+    """
+    start, records, skipped = time.perf_counter(), [], 0
+    for block in blocks:
+        inputs = [_Inputs(n, block, rows, device) for n in sizes]
+        copy_bw = {}
+        for inp in inputs:
+            dst = torch.empty_like(inp.x)
+            secs = _bench(lambda: dst.copy_(inp.x), device)
+            copy_bw[inp.n] = 4 * inp.n / secs
+            records.append({"block": block, "n": inp.n, "kernel": "copy", "seconds": secs,
+                            "gbps": copy_bw[inp.n] / 1e9, "ratio": 1.0})
+            del dst
+        grid = sweep_grid(block) if sweep else {}
+        for kernel in ("quantize", "dequantize", "dequantize_reduce"):
+            for cfg in [None, *grid.get(kernel, [])]:
+                for qd in QDTYPES:
+                    if time.perf_counter() - start > deadline_s:
+                        skipped += 1
+                        continue
+                    records += _time_config(inputs, kernel, qd, cfg, block, copy_bw, device)
+                    if on_record:
+                        on_record(records)
+        del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    if skipped:
+        records.append({"kernel": "skipped", "count": skipped, "deadline_s": deadline_s})
     return records
+
+
+def _time_config(inputs, kernel, qd, cfg, block, copy_bw, device) -> list[dict]:
+    out = []
+    for i, inp in enumerate(inputs):
+        fn, nbytes, ref = inp.case(kernel, qd)
+        exact = _same(fn(cfg), ref()) if i == 0 else None
+        secs = _bench(lambda: fn(cfg), device)
+        out.append({"block": block, "n": inp.n, "kernel": f"{kernel}/{qd}", "config": _config_name(cfg),
+                    "seconds": secs, "gbps": nbytes / secs / 1e9, "ratio": nbytes / secs / copy_bw[inp.n],
+                    **({"bit_exact": exact} if exact is not None else {})})
+    return out
 
 
 def _gather_worker(rank: int, world: int, numel: int, block: int, iters: int, init: str, result_path: str) -> None:

@@ -21,6 +21,8 @@ Offsets: per-program bases are int64 (tensors above 2**31 bytes); in-tile offset
 
 from __future__ import annotations
 
+from dataclasses import dataclass, replace
+
 import torch
 import triton
 import triton.language as tl
@@ -229,68 +231,310 @@ def _dequantize_reduce_kernel(
     tl.store(out_ptr + within, _cast_out(acc, OUT_KIND, HW_CAST), mask=within < shard_numel)
 
 
-# (elements per program, num_warps) per kernel on CUDA: the best of the
-# benchmarks/kernels_bench.py --sweep grid on an H200 (docs/kernels.md). Under the
-# interpreter, whose cost is per program, tiles are as large as possible.
-CUDA_TILES = {"quantize": (8192, 8), "dequantize": (4096, 4), "dequantize_reduce": (2048, 4)}
-INTERPRETER_TILE = (1 << 16, 4)
+
+# ---- pair-word kernels ---------------------------------------------------------------------
+# Elements 2j and 2j+1 travel as one word: the input is read as int32 (bf16/fp16) or int64
+# (fp32) words, int8/fp8 payloads as int16 words, int4 payloads as bytes, and outputs are
+# written as packed words. Even/odd pairing (int4 nibbles) is then integer arithmetic on one
+# register, with no layout shuffle, and every access is a contiguous (BPP, BLOCK // 2) tile
+# of words. Used when numel and the shard size are even (launcher check); tiles loop over a
+# persistent grid when ``STAGES > 1`` (software pipelining of the loads).
 
 
-def _tile(kernel: str, layout: QuantLayout, device: torch.device, tile: tuple[int, int] | None):
-    """(blocks per program, programs per rank, launch options) for ``kernel``."""
-    if tile is None:
-        tile = CUDA_TILES[kernel] if device.type == "cuda" else INTERPRETER_TILE
-    elems, num_warps = tile
-    bpp = max(1, min(elems // layout.block, triton.next_power_of_2(layout.num_blocks)))
-    opts = {"num_warps": num_warps, "enable_fp_fusion": False} if device.type == "cuda" else {}
-    return bpp, triton.cdiv(layout.num_blocks, bpp), opts
+@triton.jit
+def _unpack_input(w, IN_KIND: tl.constexpr):
+    """Input word -> fp32 (lo, hi) = elements (2j, 2j+1); IN_KIND 0 fp32 (int64 word), 1 bf16, 2 fp16."""
+    if IN_KIND == 0:
+        lo = w.to(tl.int32).to(tl.float32, bitcast=True)
+        hi = (w >> 32).to(tl.int32).to(tl.float32, bitcast=True)
+    elif IN_KIND == 1:  # bf16 bits are the top half of the exact fp32 value
+        lo = (w << 16).to(tl.float32, bitcast=True)
+        hi = (w & -65536).to(tl.float32, bitcast=True)
+    else:
+        lo = w.to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+        hi = (w >> 16).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
 
 
-def quantize_triton(x: torch.Tensor, layout: QuantLayout, tile: tuple[int, int] | None = None) -> torch.Tensor:
+@triton.jit
+def _out_bits(v, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """fp32 -> the output dtype's bits, zero-extended in int64 (fp32) or int32 (bf16/fp16)."""
+    if OUT_KIND == 0:
+        bits = v.to(tl.int32, bitcast=True).to(tl.int64) & 0xFFFFFFFF
+    elif OUT_KIND == 1 and not HW_CAST:
+        bits = (_round_bf16(v).to(tl.int32, bitcast=True) >> 16) & 0xFFFF
+    else:
+        bits = _cast_out(v, OUT_KIND, HW_CAST).to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+    return bits
+
+
+@triton.jit
+def _pack_out(lo, hi, OUT_KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """Two fp32 tiles -> one output word per pair (element 2j in the low half)."""
+    half = 32 if OUT_KIND == 0 else 16
+    return _out_bits(lo, OUT_KIND, HW_CAST) | (_out_bits(hi, OUT_KIND, HW_CAST) << half)
+
+
+@triton.jit
+def _decode_pairs(w, KIND: tl.constexpr):
+    """Payload word (int16 for int8/fp8, uint8 for int4) -> fp32 codes (lo, hi)."""
+    b = w.to(tl.int32)
+    if KIND == 2:
+        lo = ((b & 0xF) ^ 8) - 8
+        hi = (((b >> 4) & 0xF) ^ 8) - 8
+        return lo.to(tl.float32), hi.to(tl.float32)
+    lo_b = b & 0xFF
+    hi_b = (b >> 8) & 0xFF
+    if KIND == 0:
+        qlo = ((lo_b ^ 0x80) - 0x80).to(tl.float32)
+        qhi = ((hi_b ^ 0x80) - 0x80).to(tl.float32)
+    else:
+        qlo = lo_b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+        qhi = hi_b.to(tl.uint8).to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return qlo, qhi
+
+
+@triton.jit
+def _encode_pairs(ylo, yhi, QMAX: tl.constexpr, KIND: tl.constexpr, HW_CAST: tl.constexpr):
+    """Scaled fp32 (lo, hi) -> one payload word: int16 of two codes, or a byte of two nibbles."""
+    if KIND == 2:
+        qlo = _encode(ylo, QMAX, 0, HW_CAST).to(tl.int32)
+        qhi = _encode(yhi, QMAX, 0, HW_CAST).to(tl.int32)
+        word = ((qlo & 0xF) | ((qhi & 0xF) << 4)).to(tl.uint8)
+    else:
+        qlo = _encode(ylo, QMAX, KIND, HW_CAST).to(tl.int32)
+        qhi = _encode(yhi, QMAX, KIND, HW_CAST).to(tl.int32)
+        word = (qlo | (qhi << 8)).to(tl.int16)
+    return word
+
+
+@triton.jit
+def _quantize_pairs_kernel(
+    xw_ptr, pw_ptr, scale_ptr,  # input words; payload words (row stride row_words); fp32 scales
+    half_numel, half_shard, num_blocks, row_words, scale_row0, scale_stride,
+    QMAX: tl.constexpr, KIND: tl.constexpr, IN_KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr,
+    STAGES: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    rank = tl.program_id(1).to(tl.int64)
+    limit = tl.minimum(half_shard, half_numel - rank * half_shard)  # valid words of this shard
+    src = xw_ptr + rank * half_shard
+    row = pw_ptr + rank * row_words
+    scale_row = scale_ptr + scale_row0 + rank * scale_stride
+    n_tiles = tl.cdiv(num_blocks, BPP)
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        blk = t * BPP + tl.arange(0, BPP)  # (BPP,)
+        word = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # (BPP, BLOCK // 2)
+        lo, hi = _unpack_input(tl.load(src + word, mask=word < limit, other=0), IN_KIND)
+        lo, f_lo = _zero_nonfinite(lo)
+        hi, f_hi = _zero_nonfinite(hi)
+        absmax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))  # (BPP,)
+        bad = tl.min((f_lo & f_hi).to(tl.int32), axis=1) == 0
+        inv, scale = _block_scales(absmax, bad, QMAX)
+        payload = _encode_pairs(lo * inv[:, None], hi * inv[:, None], QMAX, KIND, HW_CAST)
+        block_ok = blk < num_blocks
+        tl.store(row + word, payload, mask=block_ok[:, None])
+        tl.store(scale_row + blk, scale, mask=block_ok)
+
+
+@triton.jit
+def _dequant_pairs(pw_row, scale_row, blk, word, block_ok, KIND: tl.constexpr):
+    """fp32 (lo, hi) dequantized values, each (BPP, BLOCK // 2), of blocks ``blk`` of one row."""
+    qlo, qhi = _decode_pairs(tl.load(pw_row + word, mask=block_ok[:, None], other=0), KIND)
+    s = tl.load(scale_row + blk, mask=block_ok, other=0.0)[:, None]
+    return qlo * s, qhi * s
+
+
+@triton.jit
+def _dequantize_pairs_kernel(
+    pw_ptr, scale_ptr, ow_ptr,  # payload words; fp32 scales; output words
+    half_numel, half_shard, num_blocks, row_words, scale_row0, scale_stride,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, OUT_KIND: tl.constexpr,
+    STAGES: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    rank = tl.program_id(1).to(tl.int64)
+    pw_row = pw_ptr + rank * row_words
+    scale_row = scale_ptr + scale_row0 + rank * scale_stride
+    dst = rank * half_shard
+    n_tiles = tl.cdiv(num_blocks, BPP)
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        blk = t * BPP + tl.arange(0, BPP)
+        word = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        lo, hi = _dequant_pairs(pw_row, scale_row, blk, word, blk < num_blocks, KIND)
+        mask = (word < half_shard) & (dst + word < half_numel)
+        tl.store(ow_ptr + dst + word, _pack_out(lo, hi, OUT_KIND, HW_CAST), mask=mask)
+
+
+@triton.jit
+def _dequantize_reduce_pairs_kernel(
+    pw_ptr, scale_ptr, ow_ptr,
+    world, half_shard, num_blocks, row_words, scale_row0, scale_stride,
+    KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr, OUT_KIND: tl.constexpr,
+    STAGES: tl.constexpr, HW_CAST: tl.constexpr,
+):
+    n_tiles = tl.cdiv(num_blocks, BPP)
+    for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
+        blk = t * BPP + tl.arange(0, BPP)
+        word = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]
+        block_ok = blk < num_blocks
+        acc_lo = tl.zeros((BPP, BLOCK // 2), dtype=tl.float32)
+        acc_hi = tl.zeros((BPP, BLOCK // 2), dtype=tl.float32)
+        pw_row = pw_ptr  # 64-bit pointers advance one row per source rank
+        scale_row = scale_ptr + scale_row0
+        for _ in range(0, world):  # rank order 0..world-1, as the reference
+            lo, hi = _dequant_pairs(pw_row, scale_row, blk, word, block_ok, KIND)
+            acc_lo += lo
+            acc_hi += hi
+            pw_row += row_words
+            scale_row += scale_stride
+        tl.store(ow_ptr + word, _pack_out(acc_lo, acc_hi, OUT_KIND, HW_CAST), mask=word < half_shard)
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    """How one kernel is launched on CUDA (the ``--sweep`` grid of benchmarks/kernels_bench.py).
+
+    ``variant``: ``"tile"`` (a ``(BPP, block)`` element tile per program) or ``"pairs"``
+    (pair-word kernels; they fall back to ``"tile"`` when numel or the shard size is odd or
+    the input is not word-aligned). ``elems``: elements per tile. ``stages`` > 1 (pairs
+    only): a persistent grid of ``progs_per_sm`` programs per SM loops over the tiles with
+    ``num_stages=stages`` software pipelining; ``stages`` = 1: one program per tile.
+    """
+
+    variant: str = "tile"
+    elems: int = 8192
+    num_warps: int = 8
+    stages: int = 1
+    progs_per_sm: int = 4
+
+    def __post_init__(self) -> None:
+        assert self.variant in ("tile", "pairs"), self.variant
+        assert self.elems >= 64 and self.num_warps in (1, 2, 4, 8, 16, 32) and self.stages >= 1
+
+
+# Per kernel on CUDA: the best of the benchmarks/kernels_bench.py --sweep grid
+# (docs/kernels.md, "Measured bandwidth"). Under the interpreter, whose cost is per program,
+# tiles are as large as possible.
+CUDA_CONFIGS = {
+    "quantize": KernelConfig("tile", 8192, 8),
+    "dequantize": KernelConfig("tile", 4096, 4),
+    "dequantize_reduce": KernelConfig("tile", 2048, 4),
+}
+INTERPRETER_CONFIG = KernelConfig("tile", 1 << 16, 4)
+
+
+def _resolve(kernel: str, device: torch.device, config: KernelConfig | None) -> KernelConfig:
+    if config is not None:
+        return config
+    return CUDA_CONFIGS[kernel] if device.type == "cuda" else INTERPRETER_CONFIG
+
+
+def _grid(layout: QuantLayout, device: torch.device, cfg: KernelConfig, world: int):
+    """(blocks per program, programs per rank, launch options)."""
+    bpp = max(1, min(cfg.elems // layout.block, triton.next_power_of_2(layout.num_blocks)))
+    progs = triton.cdiv(layout.num_blocks, bpp)
+    opts = {"num_warps": cfg.num_warps, "enable_fp_fusion": False} if device.type == "cuda" else {}
+    if cfg.stages > 1 and device.type == "cuda":
+        sms = torch.cuda.get_device_properties(device).multi_processor_count
+        progs = min(progs, max(1, cfg.progs_per_sm * sms // world))
+    return bpp, progs, opts
+
+
+def _pairs_ok(layout: QuantLayout, *tensors: torch.Tensor) -> bool:
+    """Pair-word kernels need even numel and shard size and word-aligned tensors."""
+    aligned = all(t.data_ptr() % (2 * t.element_size()) == 0 for t in tensors)
+    return layout.numel % 2 == 0 and layout.shard_numel % 2 == 0 and aligned
+
+
+def _payload_words(data: torch.Tensor, layout: QuantLayout) -> tuple[torch.Tensor, int]:
+    """(payload word view of ``data``, words per row): bytes for int4, int16 for int8/fp8."""
+    if layout.qdtype == "int4":
+        return data, layout.chunk_bytes
+    return data.view(torch.int16), layout.chunk_bytes // 2
+
+
+def _pair_args(data: torch.Tensor, layout: QuantLayout):
+    """Shared pair-kernel arguments: payload words, scales, and the per-row word offsets."""
+    words, row_words = _payload_words(data, layout)
+    sizes = (layout.num_blocks, row_words, layout.payload_bytes // 4, layout.chunk_bytes // 4)
+    return words, data.view(torch.float32), sizes
+
+
+_WORD = {torch.float32: torch.int64, torch.bfloat16: torch.int32, torch.float16: torch.int32}
+_IN_KIND = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def quantize_triton(x: torch.Tensor, layout: QuantLayout, config: KernelConfig | None = None) -> torch.Tensor:
     """Contiguous ``x`` -> ``uint8[world, chunk_bytes]`` (see ``reference.quantize_ref``).
 
-    ``tile`` = (elements per program, num_warps) overrides the per-device default.
+    ``config`` overrides the per-device default launch (``CUDA_CONFIGS``).
     """
     out = torch.empty(layout.world, layout.chunk_bytes, dtype=torch.uint8, device=x.device)
     if layout.num_blocks == 0:
         return out
-    bpp, progs, opts = _tile("quantize", layout, x.device, tile)
+    cfg = _resolve("quantize", x.device, config)
+    bpp, progs, opts = _grid(layout, x.device, cfg, layout.world)
+    consts = dict(QMAX=layout.fmt.qmax, KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
+                  HW_CAST=x.device.type == "cuda")
+    if cfg.variant == "pairs" and _pairs_ok(layout, x):
+        words, scales, sizes = _pair_args(out, layout)
+        _quantize_pairs_kernel[(progs, layout.world)](
+            x.view(-1).view(_WORD[x.dtype]), words, scales, layout.numel // 2, layout.shard_numel // 2, *sizes,
+            IN_KIND=_IN_KIND[x.dtype], STAGES=cfg.stages, **consts, **opts,
+        )
+        return out
+    bpp, progs, opts = _grid(layout, x.device, replace(cfg, stages=1), layout.world)
     _quantize_kernel[(progs, layout.world)](
         x, out, out.view(torch.float32), layout.numel, layout.shard_numel, layout.num_blocks,
-        layout.chunk_bytes, layout.payload_bytes,
-        QMAX=layout.fmt.qmax, KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
-        HW_CAST=x.device.type == "cuda", **opts,
+        layout.chunk_bytes, layout.payload_bytes, **consts, **opts,
     )
     return out
 
 
 def dequantize_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype,
-                      tile: tuple[int, int] | None = None) -> torch.Tensor:
+                      config: KernelConfig | None = None) -> torch.Tensor:
     """``uint8[world, chunk_bytes]`` -> flat ``out_dtype[numel]`` (see ``reference.dequantize_ref``)."""
     out = torch.empty(layout.numel, dtype=out_dtype, device=data.device)
     if layout.num_blocks == 0:
         return out
-    bpp, progs, opts = _tile("dequantize", layout, data.device, tile)
+    cfg = _resolve("dequantize", data.device, config)
+    bpp, progs, opts = _grid(layout, data.device, cfg, layout.world)
+    consts = dict(KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp, OUT_KIND=_OUT_KIND[out_dtype],
+                  HW_CAST=data.device.type == "cuda")
+    if cfg.variant == "pairs" and _pairs_ok(layout, out):
+        words, scales, sizes = _pair_args(data, layout)
+        _dequantize_pairs_kernel[(progs, layout.world)](
+            words, scales, out.view(_WORD[out_dtype]), layout.numel // 2, layout.shard_numel // 2, *sizes,
+            STAGES=cfg.stages, **consts, **opts,
+        )
+        return out
+    bpp, progs, opts = _grid(layout, data.device, replace(cfg, stages=1), layout.world)
     _dequantize_kernel[(progs, layout.world)](
         data, data.view(torch.float32), out, layout.numel, layout.shard_numel, layout.num_blocks,
-        layout.chunk_bytes, layout.payload_bytes,
-        KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
-        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda", **opts,
+        layout.chunk_bytes, layout.payload_bytes, **consts, **opts,
     )
     return out
 
 
 def dequantize_reduce_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.dtype,
-                             tile: tuple[int, int] | None = None) -> torch.Tensor:
+                             config: KernelConfig | None = None) -> torch.Tensor:
     """Sum over rows of ``uint8[world, chunk_bytes]`` -> ``out_dtype[shard_numel]``."""
     out = torch.empty(layout.shard_numel, dtype=out_dtype, device=data.device)
     if layout.num_blocks == 0:
         return out
-    bpp, progs, opts = _tile("dequantize_reduce", layout, data.device, tile)
+    cfg = _resolve("dequantize_reduce", data.device, config)
+    bpp, progs, opts = _grid(layout, data.device, cfg, 1)
+    consts = dict(KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp, OUT_KIND=_OUT_KIND[out_dtype],
+                  HW_CAST=data.device.type == "cuda")
+    if cfg.variant == "pairs" and layout.shard_numel % 2 == 0:
+        words, scales, sizes = _pair_args(data, layout)
+        _dequantize_reduce_pairs_kernel[(progs,)](
+            words, scales, out.view(_WORD[out_dtype]), layout.world, layout.shard_numel // 2, *sizes,
+            STAGES=cfg.stages, **consts, **opts,
+        )
+        return out
+    bpp, progs, opts = _grid(layout, data.device, replace(cfg, stages=1), 1)
     _dequantize_reduce_kernel[(progs,)](
         data, data.view(torch.float32), out, layout.world, layout.shard_numel, layout.num_blocks,
-        layout.chunk_bytes, layout.payload_bytes,
-        KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
-        OUT_KIND=_OUT_KIND[out_dtype], HW_CAST=data.device.type == "cuda", **opts,
+        layout.chunk_bytes, layout.payload_bytes, **consts, **opts,
     )
     return out

@@ -41,9 +41,10 @@ here and raise in backward. The group size ``n`` divides every split dimension.
 
 [Note: synchronous kernels]
 The eager kernels call plain, blocking ``torch.distributed`` collectives: simple
-and correct on gloo and NCCL. Overlap is the job of the ``schedule_overlap``
-pass, which may later switch these kernels to functional collectives plus an
-explicit wait node; the op signatures will not change. Every op returns a new
+and correct on gloo and NCCL. Overlap uses separate ops: the asynchronous
+``autoshard::all_gather_start`` / ``autoshard::all_gather_wait`` pair
+(``runtime/async_collectives.py``), which the ``schedule_overlap`` pass puts in
+place of ZeRO-3 forward gathers; the ops here keep their signatures. Every op returns a new
 tensor (custom ops may not alias their inputs), so ``copy_to_tp`` copies.
 
 Point-to-point ``send``/``recv`` are not here: pipeline stages communicate

@@ -281,16 +281,22 @@ def sharded_trainer(
     run: PPORun,
     plan: Any,
     *,
+    model: torch.nn.Module | None = None,
     graph: Any = None,
     reference_plan: Any = None,
     device: str = "cpu",
     on_metrics: Callable[[dict[str, float]], None] | None = None,
 ) -> Any:
-    """A ``PPOTrainer`` over ``ProgramEngine``s of ``plan`` for ``run`` (every rank calls it)."""
+    """A ``PPOTrainer`` over ``ProgramEngine``s of ``plan`` for ``run`` (every rank calls it).
+
+    ``model`` (default ``build_policy_model(run.model, run.seed)``) gives the
+    initial weights of policy and reference; ``graph`` (default: captured
+    from it) is what ``plan`` was searched against.
+    """
     from autoshard.runtime.ppo import PPOTrainer
     from autoshard.runtime.tasks import get_task
 
-    model = build_policy_model(run.model, run.seed, device)
+    model = model if model is not None else build_policy_model(run.model, run.seed, device)
     graph = graph if graph is not None else capture_policy(model, run.model)
     policy, reference = build_engines(model, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device)
     task = get_task(run.task, **TASK_PRESETS.get(run.task, {}))
@@ -363,7 +369,7 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     report, close = _reporter(run, rank)
     model = build_policy_model(run.model, run.seed, device)
     graph = graph if graph is not None else capture_policy(model, run.model)
-    trainer = sharded_trainer(run, plan, graph=graph, device=device, on_metrics=report)
+    trainer = sharded_trainer(run, plan, model=model, graph=graph, device=device, on_metrics=report)
     if run.resume:
         loaded = load_ppo(run.checkpoint, trainer, graph)
         if rank == 0:
@@ -408,10 +414,9 @@ def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
 
     from autoshard.runtime.launch import check_world
 
-    if dist.is_initialized():
-        check_world(plan)
-        return False
     check_world(plan)
+    if dist.is_initialized():
+        return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
     return True

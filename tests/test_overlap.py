@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch.export import Dim
 
-from _harness import fake_world, run_gloo_cases
+from _harness import fake_world, local_ranks, run_gloo_cases
 from _runtime_cases import BATCH, SEQ, batches, graph_of, loss_fn, make_plan, reassemble
 from autoshard.errors import AutoshardError
 from autoshard.models import build
@@ -200,6 +200,17 @@ def test_rewritten_graph_exports_with_fake_kernels():
     starts = sum("autoshard.all_gather_start" in t for t in targets)
     start_nodes = [n for n in gm.graph.nodes if n.op == "call_module" and isinstance(gm.get_submodule(n.target), GatherStart)]
     assert starts == sum("autoshard.all_gather_wait" in t for t in targets) == len(start_nodes) > 0
+
+
+def test_start_wait_under_local_tensor_mode():
+    with local_ranks(2) as ranks:
+        x = ranks.per_rank(lambda r: torch.arange(6.0) + 10 * r)
+        left, right = A.all_gather_wait(A.all_gather_start(x, None), 2, [2, 4])
+        assert A.pending_count() == 0
+        for shard in ranks.shards(left):
+            assert torch.equal(shard, torch.tensor([[0.0, 1.0], [10.0, 11.0]]))
+        for shard in ranks.shards(right):
+            assert torch.equal(shard, torch.tensor([[2.0, 3, 4, 5], [12, 13, 14, 15]]))
 
 
 def test_wait_argument_errors():

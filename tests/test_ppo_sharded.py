@@ -11,6 +11,10 @@ One spawned job runs every case (``_harness`` note "spawned jobs are expensive")
   (the first ``CLOSE_STEPS`` steps' metrics at rtol 1e-4; measured: identical
   to 4 decimals for ~60 steps, then sampling flips a token and the curves
   part), and the end reward loosely (above the threshold too).
+* ``module_ddp``: the existing data-parallel ``ModuleEngine`` (full replicas,
+  gradients all-reduced with a SUM) for ``CLOSE_STEPS`` steps: the sharded
+  programs must match it, which pins the SUM-over-dp convention (an engine
+  that averaged would halve every gradient).
 * ``tp``: Megatron TP on ``Mesh(tp=2)`` (dp = 1): both tp ranks must sample the
   same tokens (bitwise-equal metrics on both ranks), and the first steps equal
   single-process PPO (``ModuleEngine``) on the same 64 prompts.
@@ -26,6 +30,7 @@ The CLI's argument errors are checked in process (no ranks).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 
@@ -35,6 +40,7 @@ import torch
 from _harness import run_gloo_cases
 from autoshard.cli import main as cli_main
 from autoshard.runtime.metrics import MetricsWriter, read_metrics
+from autoshard.runtime.ppo_engine import EngineError
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime.ppo_program import PPORun, build_policy_model, capture_policy, sharded_trainer, train_loop
 
@@ -68,6 +74,16 @@ def _train(rank, world_size, plan, graph, steps):
     return train_loop(trainer, steps)
 
 
+def _module_ddp(rank, world_size, steps):
+    from autoshard.runtime.ppo_demo import demo_trainer
+    from autoshard.runtime.ppo_engine import DistReducer
+
+    torch.set_num_threads(1)
+    trainer = demo_trainer(seed=0, dp=DistReducer())
+    trainer.config = dataclasses.replace(trainer.config, rollout_batch=32)  # 64 prompts over 2 dp ranks
+    return train_loop(trainer, steps)
+
+
 def _resume(rank, world_size, first_plan, second_plan, graph, root):
     from autoshard.runtime.ppo_checkpoint import load_ppo, save_ppo
 
@@ -77,7 +93,12 @@ def _resume(rank, world_size, first_plan, second_plan, graph, root):
     save_ppo(f"{root}/ckpt", first, graph)
     second = sharded_trainer(PPORun(steps=4), second_plan, graph=graph)
     loaded = load_ppo(f"{root}/ckpt", second, graph)
-    return {"loaded_step": loaded.step, "metrics": train_loop(second, 4)}
+    try:
+        second.reference.step()
+        frozen_refused = False
+    except EngineError:
+        frozen_refused = True
+    return {"loaded_step": loaded.step, "metrics": train_loop(second, 4), "frozen_refused": frozen_refused}
 
 
 def _cli_join(rank, world_size, plan_path, out):
@@ -106,6 +127,7 @@ def results(graph, tmp_path_factory):
     plans["ddp"].save(f"{root}/ddp.json")
     cases = {
         "cli_join": functools.partial(_cli_join, plan_path=f"{root}/ddp.json", out=root),
+        "module_ddp": functools.partial(_module_ddp, steps=CLOSE_STEPS),
         "tp": functools.partial(_train, plan=plans["tp"], graph=graph, steps=TP_STEPS),
         "resume": functools.partial(_resume, first_plan=plans["mixed"], second_plan=plans["ddp"], graph=graph, root=root),
         "mixed": functools.partial(_train, plan=plans["mixed"], graph=graph, steps=STEPS),
@@ -138,6 +160,14 @@ def test_ddp_plan_gives_the_same_curve(results):
     assert abs(_last10(ddp) - _last10(mixed)) < 0.2
 
 
+def test_sharded_plans_sum_gradients_like_module_ddp(results):
+    module_ddp = results["module_ddp"][0]
+    for name in ("mixed", "ddp"):
+        for key in COMPARED:
+            torch.testing.assert_close(_series(results[name][0], key, CLOSE_STEPS), _series(module_ddp, key), rtol=1e-4,
+                                       atol=1e-5, msg=lambda m, key=key, name=name: f"{name} {key}: {m}")
+
+
 def test_ranks_report_the_same_global_metrics(results):
     for name in ("mixed", "ddp", "tp"):
         first, second = results[name]
@@ -159,6 +189,7 @@ def test_tp_plan_matches_single_process(results):
 def test_resume_under_another_plan_continues_the_run(results):
     resumed = results["resume"][0]
     assert resumed["loaded_step"] == 2
+    assert resumed["frozen_refused"]
     continued = resumed["metrics"]
     assert [m["step"] for m in continued] == [3.0, 4.0]
     uninterrupted = results["mixed"][0][2:4]
