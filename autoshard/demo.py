@@ -64,7 +64,7 @@ def ppo_step(console: Console, steps: int, out: Path) -> int:
     if code == 0:
         return 0
     console.print(f"[bold red]the sharded 2-rank PPO run failed (exit code {code}); falling back to the "
-                  "single-process reference run (runtime/ppo_demo.py), NOT the sharded runtime[/]")
+                  "single-process reference run (runtime/ppo_demo.py), NOT the sharded runtime[/]", soft_wrap=True)
     return _single_process(console, steps, out)
 
 
@@ -75,7 +75,8 @@ def _single_process(console: Console, steps: int, out: Path) -> int:
     metrics = out / "metrics_single_process.jsonl"
     metrics.unlink(missing_ok=True)
     run_demo(steps, metrics)
-    console.print(f"training curves (single process): {plot_metrics(metrics, out / 'curves_single_process.png')}")
+    curves = plot_metrics(metrics, out / "curves_single_process.png")
+    console.print(f"training curves (single process): {curves}", soft_wrap=True)
     return 1
 
 

@@ -15,7 +15,8 @@ What is measured, per element count ``n`` (bf16 input unless stated):
   ``--rows`` rows -> fp32): bytes = input bytes read + output bytes written (payload and
   scales counted), time = median of ``triton.testing.do_bench``; ratio = kernel GB/s over
   copy GB/s at the same ``n``. Goal: >= 0.9.
-- ``--sweep``: the same for several (elements per program, num_warps) tiles.
+- ``--sweep``: the same for the launch configs of ``sweep_grid`` (variant, tile, warps,
+  pipelining); each config is checked bit for bit at the smallest size before it is timed.
 - qwZ: all-gather of a ``--gather-bytes`` bf16 tensor over ``--world`` processes (NCCL on
   GPUs, gloo on CPU): bf16 ``all_gather_into_tensor`` against quantize + gather of
   quantized rows + dequantize, for int8 and fp8; median of ``--iters`` timed iterations.
@@ -51,7 +52,7 @@ def _bench(fn, device: torch.device) -> float:
     if device.type == "cuda":
         import triton.testing
 
-        return triton.testing.do_bench(fn, warmup=25, rep=200, return_mode="median") / 1e3
+        return triton.testing.do_bench(fn, warmup=25, rep=100, return_mode="median") / 1e3
     fn()
     times = []
     for _ in range(3):
@@ -65,7 +66,7 @@ def _config_name(cfg) -> str:
     if cfg is None:
         return "default"
     loop = f"/s{cfg.stages}x{cfg.progs_per_sm}" if cfg.stages > 1 else ""
-    return f"{cfg.variant}/{cfg.elems}/w{cfg.num_warps}{loop}"
+    return f"{cfg.variant}/{cfg.elems}/w{cfg.num_warps}{loop}{'/cs' if cfg.stream else ''}"
 
 
 def sweep_grid(block: int) -> dict[str, list]:
@@ -81,7 +82,8 @@ def sweep_grid(block: int) -> dict[str, list]:
                 "dequantize": [kc("pairs", 4096, 4)], "dequantize_reduce": [kc("pairs", 4096, 4)]}
     return {
         "quantize": [kc("tile", 4096, 4), kc("pairs", 4096, 4), kc("pairs", 8192, 8), kc("pairs", 16384, 8),
-                     kc("pairs", 8192, 16), kc("pairs", 4096, 4, 3, 4), kc("pairs", 8192, 8, 2, 2)],
+                     kc("pairs", 8192, 16), kc("pairs", 8192, 8, stream=True), kc("pairs", 4096, 4, 3, 4),
+                     kc("pairs", 8192, 8, 2, 2)],
         "dequantize": [kc("pairs", 2048, 4), kc("pairs", 4096, 4), kc("pairs", 8192, 8), kc("pairs", 4096, 4, 3, 4)],
         "dequantize_reduce": [kc("pairs", 2048, 4), kc("pairs", 4096, 4), kc("pairs", 4096, 8),
                               kc("pairs", 2048, 4, 3, 4)],
@@ -216,11 +218,20 @@ def bench_all_gather(world: int, nbytes: int, block: int, iters: int, workdir: P
 
 
 def markdown(records: list[dict], gather: dict | None) -> str:
-    """Markdown tables of the kernel records and the all-gather comparison."""
-    lines = ["| n | kernel | tile | warps | GB/s | / copy |", "| --- | --- | --- | --- | --- | --- |"]
+    """Markdown tables: ratio to copy per (block, kernel, config) across sizes; the all-gather comparison."""
+    sizes = sorted({r["n"] for r in records if "n" in r})
+    rows: dict[tuple, dict[int, float]] = {}
     for r in records:
-        lines.append(f"| {r['n']} | {r['kernel']} | {r.get('tile', '')} | {r.get('num_warps', '')} "
-                     f"| {r['gbps']:.1f} | {r['ratio']:.2f} |")
+        if "n" in r:
+            key = (r["block"], r["kernel"], r.get("config", ""))
+            rows.setdefault(key, {})[r["n"]] = r["gbps"] if r["kernel"] == "copy" else r["ratio"]
+    head = " | ".join(f"{n // (1 << 20)}M" for n in sizes)
+    lines = [f"| block | kernel | config | {head} | exact |", "| --- " * (4 + len(sizes)) + "|"]
+    exact = {(r["block"], r["kernel"], r.get("config", "")): r["bit_exact"] for r in records if "bit_exact" in r}
+    for key, by_n in rows.items():
+        cells = " | ".join(f"{by_n[n]:.{0 if key[1] == 'copy' else 3}f}" if n in by_n else "" for n in sizes)
+        lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells} | {exact.get(key, '')} |")
+    lines += [f"skipped (deadline): {r['count']}" for r in records if r["kernel"] == "skipped"]
     if gather:
         base = gather["bf16"]["seconds"]
         lines += ["", "| all-gather | bytes received / rank | ms | speed-up |", "| --- | --- | --- | --- |"]
@@ -235,9 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--out", type=Path, required=True, help="JSON results path")
     p.add_argument("--smoke", action="store_true", help="tiny sizes; runs on CPU under TRITON_INTERPRET=1")
     p.add_argument("--sizes", type=int, nargs="*", default=[1 << 26, 1 << 28, 1 << 30], help="elements")
-    p.add_argument("--block", type=int, default=512)
+    p.add_argument("--blocks", type=int, nargs="*", default=[512], help="quantization block sizes")
     p.add_argument("--rows", type=int, default=4, help="source ranks summed by dequantize_reduce")
-    p.add_argument("--sweep", action="store_true", help="also time several (tile, num_warps) configs")
+    p.add_argument("--sweep", action="store_true", help="also time the sweep_grid() launch configs")
+    p.add_argument("--deadline", type=float, default=float("inf"), help="seconds after which configs are skipped")
+    p.add_argument("--no-small-check", action="store_true", help="skip the awkward-size bit-exact check")
     p.add_argument("--world", type=int, default=2, help="processes for the all-gather (0: skip)")
     p.add_argument("--gather-bytes", type=int, default=GiB)
     p.add_argument("--iters", type=int, default=10)
@@ -247,20 +260,27 @@ def main(argv: list[str] | None = None) -> dict:
         args.sizes, args.gather_bytes, args.iters = [1 << 16], 1 << 17, 2
     if triton_kernels() is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         sys.exit("kernels_bench needs a CUDA device, or TRITON_INTERPRET=1 with --smoke on CPU")
-    tiles = [None]  # the launchers' per-kernel defaults
-    if args.sweep:
-        tiles += [(t, w) for t in (2048, 4096, 8192, 16384) for w in (4, 8, 16)]
+    import triton
+
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
-              "torch": torch.__version__, "block": args.block,
-              "bit_exact": check_bit_exact(device, args.block),
-              "kernels": bench_kernels(args.sizes, args.block, args.rows, tiles, device), "all_gather": None}
+              "torch": torch.__version__, "triton": triton.__version__, "blocks": args.blocks, "rows": args.rows,
+              "defaults": {k: _config_name(c) for k, c in triton_kernels().CUDA_CONFIGS.items()},
+              "bit_exact": {} if args.no_small_check else check_bit_exact(device, args.blocks[0]),
+              "kernels": [], "all_gather": None}
+
+    def save(records):
+        report["kernels"] = records
+        args.out.write_text(json.dumps(report, indent=1))
+
+    save(bench_kernels(args.sizes, args.blocks, args.rows, args.sweep, device, args.deadline, save))
     if args.world > 1:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        report["all_gather"] = bench_all_gather(args.world, args.gather_bytes, args.block, args.iters,
+        report["all_gather"] = bench_all_gather(args.world, args.gather_bytes, args.blocks[0], args.iters,
                                                 args.out.parent)
-    args.out.write_text(json.dumps(report, indent=1))
+    save(report["kernels"])
     print(markdown(report["kernels"], report["all_gather"]))
-    print("bit-exact vs reference:", all(report["bit_exact"].values()))
+    exact = list(report["bit_exact"].values()) + [r["bit_exact"] for r in report["kernels"] if "bit_exact" in r]
+    print("bit-exact vs reference:", all(exact))
     return report
 
 

@@ -313,7 +313,7 @@ def _quantize_pairs_kernel(
     xw_ptr, pw_ptr, scale_ptr,  # input words; payload words (row stride row_words); fp32 scales
     half_numel, half_shard, num_blocks, row_words, scale_row0, scale_stride,
     QMAX: tl.constexpr, KIND: tl.constexpr, IN_KIND: tl.constexpr, BLOCK: tl.constexpr, BPP: tl.constexpr,
-    STAGES: tl.constexpr, HW_CAST: tl.constexpr,
+    STAGES: tl.constexpr, HW_CAST: tl.constexpr, STREAM: tl.constexpr,
 ):
     rank = tl.program_id(1).to(tl.int64)
     limit = tl.minimum(half_shard, half_numel - rank * half_shard)  # valid words of this shard
@@ -324,7 +324,8 @@ def _quantize_pairs_kernel(
     for t in tl.range(tl.program_id(0), n_tiles, tl.num_programs(0), num_stages=STAGES):
         blk = t * BPP + tl.arange(0, BPP)  # (BPP,)
         word = blk[:, None] * (BLOCK // 2) + tl.arange(0, BLOCK // 2)[None, :]  # (BPP, BLOCK // 2)
-        lo, hi = _unpack_input(tl.load(src + word, mask=word < limit, other=0), IN_KIND)
+        w = tl.load(src + word, mask=word < limit, other=0, eviction_policy="evict_first" if STREAM else "")
+        lo, hi = _unpack_input(w, IN_KIND)
         lo, f_lo = _zero_nonfinite(lo)
         hi, f_hi = _zero_nonfinite(hi)
         absmax = tl.maximum(tl.max(tl.abs(lo), axis=1), tl.max(tl.abs(hi), axis=1))  # (BPP,)
@@ -332,7 +333,7 @@ def _quantize_pairs_kernel(
         inv, scale = _block_scales(absmax, bad, QMAX)
         payload = _encode_pairs(lo * inv[:, None], hi * inv[:, None], QMAX, KIND, HW_CAST)
         block_ok = blk < num_blocks
-        tl.store(row + word, payload, mask=block_ok[:, None])
+        tl.store(row + word, payload, mask=block_ok[:, None], cache_modifier=".cs" if STREAM else "")
         tl.store(scale_row + blk, scale, mask=block_ok)
 
 
@@ -398,6 +399,7 @@ class KernelConfig:
     the input is not word-aligned). ``elems``: elements per tile. ``stages`` > 1 (pairs
     only): a persistent grid of ``progs_per_sm`` programs per SM loops over the tiles with
     ``num_stages=stages`` software pipelining; ``stages`` = 1: one program per tile.
+    ``stream`` (pairs quantize only): evict-first input loads and streaming (``.cs``) stores.
     """
 
     variant: str = "tile"
@@ -405,6 +407,7 @@ class KernelConfig:
     num_warps: int = 8
     stages: int = 1
     progs_per_sm: int = 4
+    stream: bool = False
 
     def __post_init__(self) -> None:
         assert self.variant in ("tile", "pairs"), self.variant
@@ -479,7 +482,7 @@ def quantize_triton(x: torch.Tensor, layout: QuantLayout, config: KernelConfig |
         words, scales, sizes = _pair_args(out, layout)
         _quantize_pairs_kernel[(progs, layout.world)](
             x.view(-1).view(_WORD[x.dtype]), words, scales, layout.numel // 2, layout.shard_numel // 2, *sizes,
-            IN_KIND=_IN_KIND[x.dtype], STAGES=cfg.stages, **consts, **opts,
+            IN_KIND=_IN_KIND[x.dtype], STAGES=cfg.stages, STREAM=cfg.stream, **consts, **opts,
         )
         return out
     bpp, progs, opts = _grid(layout, x.device, replace(cfg, stages=1), layout.world)

@@ -19,3 +19,15 @@ def test_demo_runs_both_steps_on_two_ranks(tmp_path, capfd):
     assert curves.stat().st_size > 0
     assert f"training curves: {curves}" in out
     assert "falling back" not in out
+
+
+def test_demo_says_so_when_it_falls_back_to_one_process(tmp_path, capfd, monkeypatch):
+    import autoshard.cli
+
+    monkeypatch.setattr(autoshard.cli, "main", lambda argv: 1)  # the sharded run "failed"
+    code = demo.main(["--steps", "2", "--out", str(tmp_path), "--skip-plan"])
+    out = capfd.readouterr().out
+    assert code == 1
+    assert "falling back to the single-process reference run" in out and "NOT the sharded runtime" in out
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics_single_process.jsonl")] == [1.0, 2.0]
+    assert (tmp_path / "curves_single_process.png").stat().st_size > 0

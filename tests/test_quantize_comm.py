@@ -46,6 +46,7 @@ from autoshard.passes import quantize_comm
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.runtime import build_program
+from autoshard.runtime import async_collectives
 from autoshard.runtime import collectives as collectives_module
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.runtime.quantized_collectives import block_for
@@ -84,6 +85,7 @@ class CountBytes:
         (dist, "all_gather_into_tensor", "all_gather"),
         (dist, "all_gather_single", "all_gather"),
         (collectives_module, "_all_gather_single", "all_gather"),
+        (async_collectives, "_all_gather_single", "all_gather"),  # prefetched (async) unquantized gathers
         (dist, "all_to_all_single", "all_to_all"),
         (collectives_module, "_reduce_scatter_single", "reduce_scatter"),
     )

@@ -2,7 +2,7 @@
 
 Experts are split over ep groups carved from dp ranks; tokens travel by
 all-to-all (passes/_expert_parallel.py); expert gradients are reduced over the
-expert-data-parallel group. 3 SGD steps, 2 micro-batches, clipping; losses
+expert-data-parallel group. 3 SGD steps, 4/dp micro-batches, clipping; losses
 and full parameters (expert shards concatenated over ep) at rtol 1e-5. Every
 forward sees the same 2 rows per rank as the reference's chunks, so capacity
 drops (which depend on the tokens of one forward call) match.
@@ -42,7 +42,8 @@ def _graph(kind):
 def _plan(kind, mesh, choose):
     graph = _graph(kind)
     layers = tuple(LayerStrategy(layer=l.name, **choose(l.name)) for l in graph.layers)
-    return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=2))
+    micro = 4 // mesh.dp  # 2 rows per forward on every rank (batch 8 = dp × micro × 2), as the reference's chunks
+    return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=micro))
 
 
 def _ep_moe(layer):
