@@ -11,7 +11,8 @@
    ``recompute = none`` everywhere; on a ``cpu`` cluster also unquantized
    communication (``weight_comm = grad_comm = bf16``, i.e. the compute
    dtype: the quantized paths would run the Triton interpreter there, and
-   4-bit gradients of a tiny model are a poor default). Precision fp32.
+   4-bit gradients of a tiny model are a poor default). Precision
+   ``--precision`` (default fp32); with ``--plan`` the plan's.
 2. the ranks:
    - under an existing torchrun (``RANK`` and ``WORLD_SIZE`` set) this
      process joins the job and trains (every rank runs the command; the
@@ -57,6 +58,7 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true", help="resume from --checkpoint (saved under any plan or world size)")
     parser.add_argument("--seed", type=int, default=0, metavar="S", help="seed of the model, prompts and sampling (default 0)")
     parser.add_argument("--batch", type=_positive_int, default=64, metavar="B", help="prompts per step over all data-parallel ranks (default 64)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype of a searched plan (default fp32; masters are fp32 either way)")
     parser.add_argument("--plot", type=Path, metavar="CURVES.png", help="write the training curves here at the end (needs --metrics)")
     parser.add_argument("--quiet", action="store_true", help="no per-step line")
 
@@ -126,7 +128,7 @@ def _resolve_plan(args: argparse.Namespace, spec: str, cluster: Any, console: An
     graph = capture_policy(build_policy_model(spec, args.seed, "meta"), spec)
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
     constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
-    train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision="fp32")
+    train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision=args.precision)
     plan = solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S)
     if os.environ.get("RANK", "0") == "0":
         console.print(plan.to_rich())

@@ -31,25 +31,7 @@ while [[ $# -gt 0 ]]; do
   esac
 done
 
-if [[ -d "$ROOT/.whl" ]]; then
-  mapfile -t WHEELS < <(find "$ROOT/.whl" -maxdepth 1 -name '*.whl' ! -name 'autoshard-*.whl' | sort)
-  if [[ ${#WHEELS[@]} -gt 0 ]]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" "${WHEELS[@]}"
-  fi
-else
-  echo "gpu_run.sh: no .whl/ wheelhouse in $ROOT; using the packages already installed" >&2
-fi
-
-# The shim: $SHIM/autoshard holds links to autoshard/* plus the four stage folders.
-rm -rf "$SHIM"
-mkdir -p "$SHIM/autoshard"
-for entry in "$ROOT"/autoshard/*; do
-  [[ "$(basename "$entry")" == "__pycache__" ]] || ln -s "$entry" "$SHIM/autoshard/"
-done
-for stage in passes kernels search runtime; do
-  ln -s "$ROOT/$stage" "$SHIM/autoshard/$stage"
-done
-export PYTHONPATH="$SHIM:$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+source "$ROOT/benchmarks/gpu_env.sh"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING="${TORCH_NCCL_ASYNC_ERROR_HANDLING:-1}"
 export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # Megatron SP overlap ordering
 

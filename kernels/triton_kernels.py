@@ -414,21 +414,29 @@ class KernelConfig:
         assert self.elems >= 64 and self.num_warps in (1, 2, 4, 8, 16, 32) and self.stages >= 1
 
 
-# Per kernel on CUDA: the best of the benchmarks/kernels_bench.py --sweep grid
-# (docs/kernels.md, "Measured bandwidth"). Under the interpreter, whose cost is per program,
-# tiles are as large as possible.
+# Per (kernel, quantized dtype) on CUDA: the best of the benchmarks/kernels_bench.py --sweep
+# grid on an H100 (docs/kernels.md, "Measured bandwidth"). Under the interpreter, whose cost is
+# per program, the same variants run with tiles as large as possible.
+_TILE_Q, _TILE_D, _TILE_R = KernelConfig("tile", 8192, 8), KernelConfig("tile", 4096, 4), KernelConfig("tile", 2048, 4)
 CUDA_CONFIGS = {
-    "quantize": KernelConfig("tile", 8192, 8),
-    "dequantize": KernelConfig("tile", 4096, 4),
-    "dequantize_reduce": KernelConfig("tile", 2048, 4),
+    ("quantize", "int8"): _TILE_Q,
+    ("quantize", "fp8"): _TILE_Q,
+    ("quantize", "int4"): KernelConfig("pairs", 8192, 8, stream=True),  # tile: 0.73x copy, pairs: 0.97x
+    **{("dequantize", qd): _TILE_D for qd in ("int8", "fp8", "int4")},
+    **{("dequantize_reduce", qd): _TILE_R for qd in ("int8", "fp8", "int4")},
 }
-INTERPRETER_CONFIG = KernelConfig("tile", 1 << 16, 4)
+INTERPRETER_ELEMS = 1 << 16
+
+# fp8 quantize always takes the tile kernel on CUDA: the pairs kernel's hardware e4m3 encoding
+# differed from the reference on an H100 (triton 3.6), and it is no faster there.
+_PAIRS_FP8_QUANTIZE_ON_CUDA = False
 
 
-def _resolve(kernel: str, device: torch.device, config: KernelConfig | None) -> KernelConfig:
+def _resolve(kernel: str, layout: QuantLayout, device: torch.device, config: KernelConfig | None) -> KernelConfig:
     if config is not None:
         return config
-    return CUDA_CONFIGS[kernel] if device.type == "cuda" else INTERPRETER_CONFIG
+    cfg = CUDA_CONFIGS[(kernel, layout.qdtype)]
+    return cfg if device.type == "cuda" else replace(cfg, elems=INTERPRETER_ELEMS, num_warps=4, stages=1)
 
 
 def _grid(layout: QuantLayout, device: torch.device, cfg: KernelConfig, world: int):
@@ -474,11 +482,12 @@ def quantize_triton(x: torch.Tensor, layout: QuantLayout, config: KernelConfig |
     out = torch.empty(layout.world, layout.chunk_bytes, dtype=torch.uint8, device=x.device)
     if layout.num_blocks == 0:
         return out
-    cfg = _resolve("quantize", x.device, config)
+    cfg = _resolve("quantize", layout, x.device, config)
     bpp, progs, opts = _grid(layout, x.device, cfg, layout.world)
     consts = dict(QMAX=layout.fmt.qmax, KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp,
                   HW_CAST=x.device.type == "cuda")
-    if cfg.variant == "pairs" and _pairs_ok(layout, x):
+    fp8_ok = layout.qdtype != "fp8" or x.device.type != "cuda" or _PAIRS_FP8_QUANTIZE_ON_CUDA
+    if cfg.variant == "pairs" and fp8_ok and _pairs_ok(layout, x):
         words, scales, sizes = _pair_args(out, layout)
         _quantize_pairs_kernel[(progs, layout.world)](
             x.view(-1).view(_WORD[x.dtype]), words, scales, layout.numel // 2, layout.shard_numel // 2, *sizes,
@@ -499,7 +508,7 @@ def dequantize_triton(data: torch.Tensor, layout: QuantLayout, out_dtype: torch.
     out = torch.empty(layout.numel, dtype=out_dtype, device=data.device)
     if layout.num_blocks == 0:
         return out
-    cfg = _resolve("dequantize", data.device, config)
+    cfg = _resolve("dequantize", layout, data.device, config)
     bpp, progs, opts = _grid(layout, data.device, cfg, layout.world)
     consts = dict(KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp, OUT_KIND=_OUT_KIND[out_dtype],
                   HW_CAST=data.device.type == "cuda")
@@ -524,7 +533,7 @@ def dequantize_reduce_triton(data: torch.Tensor, layout: QuantLayout, out_dtype:
     out = torch.empty(layout.shard_numel, dtype=out_dtype, device=data.device)
     if layout.num_blocks == 0:
         return out
-    cfg = _resolve("dequantize_reduce", data.device, config)
+    cfg = _resolve("dequantize_reduce", layout, data.device, config)
     bpp, progs, opts = _grid(layout, data.device, cfg, 1)
     consts = dict(KIND=_KIND[layout.qdtype], BLOCK=layout.block, BPP=bpp, OUT_KIND=_OUT_KIND[out_dtype],
                   HW_CAST=data.device.type == "cuda")

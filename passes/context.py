@@ -129,7 +129,7 @@ class ParamPlacement:
     placements: tuple
     tp_dim: int | None = None
     dp_dim: int | None = None
-    ep_dim: int | None = None  # expert dim split over the ep group (EP; placements on dp axes stay Replicate)
+    ep_dim: int | None = None  # expert dim split over the ep group (EP); Shard on dp_shard when ep == dp_shard
 
     @property
     def global_stride(self) -> tuple[int, ...]:
@@ -196,6 +196,8 @@ def placement_for(
     placements = {axis: Replicate() for axis in MESH_ORDER}
     if tp_dim is not None:
         placements["tp"] = Shard(tp_dim)
+    if ep_dim is not None and ctx.size("ep") == ctx.size("dp_shard"):
+        placements["dp_shard"] = Shard(ep_dim)  # ep coordinate = dp_shard coordinate: expressible in DTensor
     if dp_dim is not None:
         strided = tp_dim == 0 and _StridedShard is not None
         placements["dp_shard"] = _StridedShard(0, split_factor=tp) if strided else Shard(0)

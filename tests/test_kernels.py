@@ -109,6 +109,34 @@ def test_triton_matches_reference_bit_exact(qdtype, numel, world, block):
         assert _nan_equal(dequantize_reduce(q, out_dtype), reference.dequantize_reduce_ref(want, lay, out_dtype))
 
 
+PAIR_CONFIGS = {"pairs": dict(variant="pairs", elems=1024, num_warps=4, stream=True),
+                "pairs_pipelined": dict(variant="pairs", elems=256, num_warps=4, stages=3, progs_per_sm=1)}
+
+
+@needs_triton
+@pytest.mark.parametrize("qdtype", QDTYPES)
+@pytest.mark.parametrize("config", sorted(PAIR_CONFIGS))
+def test_pair_word_kernels_match_reference_bit_exact(qdtype, config):
+    # every input dtype; an even layout (pair-word kernels) and an odd shard (tile fallback)
+    from autoshard.kernels import triton_kernels as tk
+
+    cfg = tk.KernelConfig(**PAIR_CONFIGS[config])
+    gen = torch.Generator().manual_seed(len(config))
+    for numel, world, block in ((2 * 358, 2, 64), (999, 2, 64)):  # 999: odd numel, tile fallback but for the reduce
+        for in_dtype in (torch.float32, torch.bfloat16, torch.float16):
+            x = _sample("student_t", numel, gen).to(in_dtype)
+            x[3], x[70], x[128:192] = float("nan"), float("inf"), 0.0
+            x[200:260] *= 1e-3  # fp8 subnormal codes
+            lay = QuantLayout(qdtype, block, numel, world)
+            want = reference.quantize_ref(x, lay)
+            assert torch.equal(tk.quantize_triton(x, lay, cfg), want), (numel, in_dtype)
+            for out_dtype in (torch.float32, torch.bfloat16, torch.float16):
+                got = tk.dequantize_triton(want, lay, out_dtype, cfg)
+                assert _nan_equal(got, reference.dequantize_ref(want, lay, out_dtype)), (numel, out_dtype)
+                got = tk.dequantize_reduce_triton(want, lay, out_dtype, cfg)
+                assert _nan_equal(got, reference.dequantize_reduce_ref(want, lay, out_dtype)), (numel, out_dtype)
+
+
 @needs_triton
 def test_fp8_encoding_covers_every_code():
     # every e4m3fn value (and the midpoints between neighbours) round-trips like torch's cast

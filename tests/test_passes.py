@@ -82,8 +82,7 @@ def test_plan_for_another_model_is_refused():
     "mesh, choose, message",
     [
         (Mesh(pp=2), lambda layer: {}, r"pipeline stages \[1\] of 2 .* own no layer"),  # every layer on stage 0
-        (Mesh(dp_shard=2), lambda layer: {"recompute": "full"}, "recompute='full' is not implemented"),
-        (Mesh(tp=2), lambda layer: {"tp": "megatron", "sp": True}, "sequence parallelism"),
+        (Mesh(cp=2), lambda layer: {}, "context parallelism"),  # recompute / SP / EP are implemented now
         (Mesh(tp=4), lambda layer: {"tp": "megatron"}, "not divisible by tp=4|key/value heads"),
     ],
 )

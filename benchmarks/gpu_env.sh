@@ -1,0 +1,30 @@
+# Sourced by the GPU scripts: make autoshard importable on an offline CUDA machine.
+#
+# 1. installs the carried wheelhouse .whl/ (scripts/build_wheelhouse.py) into $SITE, except
+#    autoshard's own wheel;
+# 2. builds a symlink shim $SHIM/autoshard that maps passes/ kernels/ search/ runtime/ into the
+#    autoshard package the way pyproject.toml's package-dir does, so the working tree is used
+#    without a build and without network;
+# 3. exports PYTHONPATH.
+# Needs ROOT (the repository root) and PYTHON; SITE and SHIM default to /tmp/site, /tmp/autoshard_src.
+SITE="${SITE:-/tmp/site}"
+SHIM="${SHIM:-/tmp/autoshard_src}"
+if [[ -d "$ROOT/.whl" ]]; then
+  mapfile -t WHEELS < <(find "$ROOT/.whl" -maxdepth 1 -name '*.whl' ! -name 'autoshard-*.whl' | sort)
+  if [[ ${#WHEELS[@]} -gt 0 ]]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" "${WHEELS[@]}"
+  fi
+else
+  echo "gpu_run.sh: no .whl/ wheelhouse in $ROOT; using the packages already installed" >&2
+fi
+
+# The shim: $SHIM/autoshard holds links to autoshard/* plus the four stage folders.
+rm -rf "$SHIM"
+mkdir -p "$SHIM/autoshard"
+for entry in "$ROOT"/autoshard/*; do
+  [[ "$(basename "$entry")" == "__pycache__" ]] || ln -s "$entry" "$SHIM/autoshard/"
+done
+for stage in passes kernels search runtime; do
+  ln -s "$ROOT/$stage" "$SHIM/autoshard/$stage"
+done
+export PYTHONPATH="$SHIM:$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
