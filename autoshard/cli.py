@@ -1,15 +1,16 @@
-"""``autoshard`` command line: look at models, clusters and plans.
+"""``autoshard`` command line: models, clusters, plans, training.
 
 Commands are rows of one table, ``COMMANDS``: a path (``("cluster", "show")``),
 a one-line help, a function adding its arguments and a small handler
 ``(args, console) -> exit code``. ``build_parser`` registers every row (and the
 group parsers its path needs, whose help is in ``GROUPS``); nothing else adds
 subcommands, so ``tests/test_cli.py`` can check that every command has help
-and that ``--help`` works for each. Commands still to come (``run``, ``ppo``,
-``plot``, ``cluster calibrate``) are added as rows when their stage lands;
-none is registered before it works. The search commands (``plan``,
+and that ``--help`` works for each. A command is registered only once its
+stage works. The search commands (``plan``,
 ``explain``, ``diff``) keep their bodies in ``autoshard/cli_search.py``; their
-flag grammar (``--pin``, ``--mesh``, ``--max-memory``) is documented there.
+flag grammar (``--pin``, ``--mesh``, ``--max-memory``) is documented there;
+``ppo`` and ``plot`` live in ``autoshard/cli_ppo.py``, ``run`` in
+``runtime/launch.py`` and ``cluster calibrate`` in ``autoshard/calibrate.py``.
 
 Errors: an ``AutoshardError`` (or ``OSError``) raised by a handler, and every
 argument error, prints one line ``autoshard: error: <message>`` on stderr and

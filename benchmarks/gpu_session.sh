@@ -40,7 +40,7 @@ for s in "${STEPS[@]}"; do
     bench) step bench 330 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
         --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans 10 --steps 8 --warmup 3 \
         --configs autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3 ;;
-    ppo) step ppo 150 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps 10 \
+    ppo) step ppo 150 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps 10 --precision bf16 \
         --metrics "$OUT/ppo_gpu.jsonl" ;;
     *) echo "unknown step $s" ;;
   esac

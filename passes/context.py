@@ -14,7 +14,8 @@ group is a run of contiguous ranks (one node). ``rank = ((((pp·R + r)·S + s)·
 The combined data-parallel group ``"dp"`` is dp_replicate × dp_shard (ranks
 that differ only in those two coordinates). Expert parallelism reuses dp ranks
 (``plan.Mesh``): an ep group is a run of ``ep`` consecutive dp ranks inside one
-dp group (not built yet: EP is not implemented by the runtime).
+dp group (``coord("ep") = dp mod ep``; ``"edp"``: the dp ranks holding the same
+experts, ``coord("edp") = dp div ep``; groups built by ``runtime/mesh.py``).
 
 ``ParamPlacement`` says how one parameter is laid out on this rank, in
 DTensor's vocabulary over the device mesh above: one placement per mesh axis

@@ -3,7 +3,9 @@
 The mesh is a ``torch.distributed.DeviceMesh`` with axes ``pp, dp_replicate,
 dp_shard, cp, tp`` (outermost → innermost, ``autoshard.passes.context``
 docstring: tp innermost = contiguous ranks), plus the flattened ``"dp"``
-axis (dp_replicate × dp_shard). Every rank must build it (group creation is a
+axis (dp_replicate × dp_shard), and with ``mesh.ep > 1`` the expert groups
+``"ep"`` (runs of ep consecutive dp coordinates) and ``"edp"`` (dp coordinates
+holding the same experts), made with ``dist.new_group``. Every rank must build it (group creation is a
 collective over the world), which ``build_rank_context`` does after checking
 the plan against the live world, so a mismatched plan fails before any
 collective can hang.

@@ -179,3 +179,16 @@ def test_ep_with_zero3_experts_is_refused():
     plan = _plan("dropless", Mesh(dp_shard=2, ep=2), lambda layer: {"ep": layer.endswith("moe"), "state": "zero3"})
     with fake_world(2, 0), pytest.raises(PlanError, match="expert parallelism with state='zero3'"):
         build_program(_model("dropless"), _graph("dropless"), plan, None, TRAIN)
+
+
+def test_expert_placement_is_a_dtensor_shard_when_ep_equals_dp_shard():
+    from torch.distributed.tensor import Replicate, Shard
+
+    from autoshard.passes.context import MESH_ORDER
+
+    axis = MESH_ORDER.index("dp_shard")
+    plan = _plan("dropless", Mesh(dp_shard=2, ep=2), _ep_moe)
+    with fake_world(2, 1):
+        placements = build_program(_model("dropless"), _graph("dropless"), plan, None, TRAIN).param_placements
+    assert placements["blocks.1.moe.w_down"].placements[axis] == Shard(0)
+    assert placements["blocks.1.moe.router.weight"].placements[axis] == Replicate()
