@@ -19,7 +19,7 @@ cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 PYTHONUNBUFFERED=1
 STEPS=("$@")
-[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env nccl overlap bench ppo)
+[[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env overlap ppo bench nccl)
 TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2)
 
 step() {  # step NAME SECONDS CMD...
@@ -34,13 +34,13 @@ step() {  # step NAME SECONDS CMD...
 
 for s in "${STEPS[@]}"; do
   case "$s" in
-    env) step env 60 bash -c "nvidia-smi; nvidia-smi topo -m; $PYTHON -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'" ;;
-    nccl) step nccl 120 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_collectives_gpu.py ;;
-    overlap) step overlap 200 "${TORCHRUN[@]}" benchmarks/overlap_bench.py --device cuda --out "$OUT/overlap.json" ;;
-    bench) step bench 330 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
-        --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans 10 --steps 8 --warmup 3 \
+    env) step env 30 bash -c "nvidia-smi; nvidia-smi topo -m; $PYTHON -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'" ;;
+    nccl) step nccl 60 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_collectives_gpu.py ;;
+    overlap) step overlap 170 "${TORCHRUN[@]}" benchmarks/overlap_bench.py --device cuda --out "$OUT/overlap.json" ;;
+    bench) step bench 220 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
+        --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans 6 --steps 6 --warmup 2 \
         --configs autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3 ;;
-    ppo) step ppo 150 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps 10 --precision bf16 \
+    ppo) step ppo 110 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps 10 --precision bf16 \
         --metrics "$OUT/ppo_gpu.jsonl" ;;
     *) echo "unknown step $s" ;;
   esac
