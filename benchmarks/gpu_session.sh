@@ -14,7 +14,11 @@ set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/out/gpu}"
-mkdir -p "$OUT"
+# Work in a scratch folder and re-pack it into one archive after every step: the device tool
+# returns at most 8 files, and a step killed by the call's limit still leaves the earlier ones.
+RESULTS="$OUT"
+OUT="$(mktemp -d /tmp/gpu_session.XXXX)"
+mkdir -p "$RESULTS"
 cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 PYTHONUNBUFFERED=1
@@ -30,6 +34,7 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s"
   tail -n 25 "$OUT/$name.log"
+  tar czf "$RESULTS/gpu_session.tgz" -C "$OUT" .
 }
 
 for s in "${STEPS[@]}"; do
@@ -45,4 +50,4 @@ for s in "${STEPS[@]}"; do
     *) echo "unknown step $s" ;;
   esac
 done
-ls -la "$OUT"
+ls -laR "$OUT"
