@@ -10,7 +10,7 @@
 SITE="${SITE:-/tmp/site}"
 SHIM="${SHIM:-/tmp/autoshard_src}"
 if [[ -d "$ROOT/.whl" ]]; then
-  mapfile -t WHEELS < <(find "$ROOT/.whl" -maxdepth 1 -name '*.whl' ! -name 'autoshard-*.whl' | sort)
+  mapfile -t WHEELS < <(find "$ROOT/.whl" -maxdepth 1 -type f -name '*.whl' ! -name 'autoshard-*.whl' | sort)
   if [[ ${#WHEELS[@]} -gt 0 ]]; then
     "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" "${WHEELS[@]}"
   fi
@@ -28,3 +28,6 @@ for stage in passes kernels search runtime; do
   ln -s "$ROOT/$stage" "$SHIM/autoshard/$stage"
 done
 export PYTHONPATH="$SHIM:$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
+# `python -m`/`-c` put the working directory first on sys.path, where the repository's own
+# autoshard/ (without the stage folders) would shadow the shim: keep it off.
+export PYTHONSAFEPATH=1

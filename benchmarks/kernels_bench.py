@@ -21,8 +21,9 @@ What is measured, per element count ``n`` (bf16 input unless stated):
   GPUs, gloo on CPU): bf16 ``all_gather_into_tensor`` against quantize + gather of
   quantized rows + dequantize, for int8 and fp8; median of ``--iters`` timed iterations.
 
-Every kernel output is first checked bit for bit against the pure-torch reference on a
-small input on the same device; the JSON records the result.
+Bit-exactness against the pure-torch reference on the same device, recorded in the JSON:
+the defaults at two awkward sizes (``bit_exact``; skip with ``--no-small-check``), and every
+timed config at the smallest timed size (``bit_exact`` of its record).
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def _bench(fn, device: torch.device) -> float:
 
 
 def _config_name(cfg) -> str:
+    """Short label of a ``KernelConfig`` (``None``: the launcher's default)."""
     if cfg is None:
         return "default"
     loop = f"/s{cfg.stages}x{cfg.progs_per_sm}" if cfg.stages > 1 else ""
@@ -186,6 +188,7 @@ def bench_kernels(sizes: list[int], blocks: list[int], rows: int, sweep: str | N
 
 
 def _time_config(inputs, kernel, qd, cfg, block, copy_bw, device) -> list[dict]:
+    """Records of one (kernel, format, config) at every size; bit-exact check at the first."""
     out = []
     for i, inp in enumerate(inputs):
         fn, nbytes, ref = inp.case(kernel, qd)

@@ -19,7 +19,10 @@ Per problem, ``phases`` splits the wall time (seconds, exclusive): ``candidates`
 enumeration, probe bounds), ``tables`` (memory probe, cost tables, dominance, table bounds),
 ``upper`` (the heuristic incumbent, ``search/incumbent.py``), ``cpsat`` (build and solve), and
 counts the candidates, refinements and CP-SAT solves (by status). The phases are measured by
-wrapping the solver's internal functions in this process only.
+wrapping the solver's internal functions in this process only. Each problem is solved ``--repeat``
+times (default 3); ``wall_s`` is the median, ``wall_runs_s`` all of them, ``cpu_s`` the median run's
+process CPU time (all CP-SAT threads counted; on a shared host it is the steadier number) and
+``load_avg_1m`` the host's 1-minute load average before each run.
 
 Uses the real cost model when it is implemented, else ``toy_layer_cost``.
 Writes ``benchmarks/results/search_<date>.json`` and prints a table.
@@ -34,6 +37,7 @@ import contextlib
 import datetime
 import functools
 import json
+import os
 import pathlib
 import sys
 import time
@@ -75,30 +79,33 @@ PHASES = {"_candidates": "candidates", "_refine": "tables", "_note_upper": "uppe
 
 @contextlib.contextmanager
 def _phase_profile():
-    """Exclusive seconds and call counts per solver phase (``PHASES``), by wrapping the functions."""
-    seconds, calls, stack = collections.defaultdict(float), collections.Counter(), []
+    """Exclusive wall seconds, CPU seconds (process time: every CP-SAT worker thread counted) and call
+    counts per solver phase (``PHASES``), by wrapping the functions."""
+    seconds, cpu, calls, stack = collections.defaultdict(float), collections.defaultdict(float), collections.Counter(), []
     originals = {name: getattr(solver, name) for name in PHASES}
 
     def wrap(name, fn):
         @functools.wraps(fn)
         def timed(*args, **kwargs):
-            stack.append(0.0)
-            start = time.perf_counter()
+            stack.append([0.0, 0.0])
+            start, start_cpu = time.perf_counter(), time.process_time()
             try:
                 return fn(*args, **kwargs)
             finally:
-                total = time.perf_counter() - start
-                inner = stack.pop()
+                total, total_cpu = time.perf_counter() - start, time.process_time() - start_cpu
+                inner, inner_cpu = stack.pop()
                 seconds[PHASES[name]] += total - inner
+                cpu[PHASES[name]] += total_cpu - inner_cpu
                 calls[PHASES[name]] += 1
                 if stack:
-                    stack[-1] += total
+                    stack[-1][0] += total
+                    stack[-1][1] += total_cpu
         return timed
 
     for name, fn in originals.items():
         setattr(solver, name, wrap(name, fn))
     try:
-        yield seconds, calls
+        yield seconds, cpu, calls
     finally:
         for name, fn in originals.items():
             setattr(solver, name, fn)
@@ -122,15 +129,28 @@ def _problems(only: str | None, with_capture: bool):
         yield "llama-7b/8 captured", lambda: _captured("llama:7b"), "h100-sxm", 1, PROBLEMS[0][4], 2.0
 
 
-def run(only: str | None = None, with_capture: bool = True) -> list[dict]:
+def _timed_solve(graph, cluster, train, cost_fn, target: float) -> dict:
+    """One profiled solve: plan, wall and CPU seconds, phases, 1-minute load average before it."""
+    load = os.getloadavg()[0]
+    with _phase_profile() as (seconds, cpu, calls):
+        start, start_cpu = time.perf_counter(), time.process_time()
+        plan = solve(graph, cluster, train, cost_fn=cost_fn, time_limit_s=max(4 * target, 60.0))
+        wall, cpu_s = time.perf_counter() - start, time.process_time() - start_cpu
+    return {"plan": plan, "wall": wall, "cpu": cpu_s, "seconds": dict(seconds), "cpu_phases": dict(cpu),
+            "calls": calls, "load": load}
+
+
+def run(only: str | None = None, with_capture: bool = True, repeat: int = 1) -> list[dict]:
+    """Solve each problem ``repeat`` times; report the median wall time (and that run's profile)."""
     cost_fn, cost_name = _cost_fn()
     rows = []
     for name, make_graph, preset, nodes, train, target in _problems(only, with_capture):
         (graph, capture_s), cluster = make_graph(), synthetic_cluster(preset, nodes)
-        with _phase_profile() as (seconds, calls):
-            start = time.perf_counter()
-            plan = solve(graph, cluster, train, cost_fn=cost_fn, time_limit_s=max(4 * target, 60.0))
-            wall = time.perf_counter() - start
+        runs = sorted((_timed_solve(graph, cluster, train, cost_fn, target) for _ in range(repeat)),
+                      key=lambda r: r["wall"])
+        assert len({r["plan"].solver.objective for r in runs}) == 1, "repeated solves disagree"
+        median = runs[len(runs) // 2]
+        plan, wall, seconds, calls = median["plan"], median["wall"], median["seconds"], median["calls"]
         block = next((s for s in plan.layers if "mlp" in s.layer and "norm" not in s.layer), plan.layers[0])
         rows.append({
             "problem": name, "params": graph.param_count, "world": cluster.world_size, "wall_s": round(wall, 3),
@@ -138,7 +158,10 @@ def run(only: str | None = None, with_capture: bool = True) -> list[dict]:
             "step_s": plan.solver.objective, "mesh": str(plan.mesh), "schedule": str(plan.schedule),
             "mlp_strategy": block.notation or "DDP", "meshes_considered": plan.solver.meshes_considered,
             "meshes_solved": plan.solver.meshes_solved, "mfu": plan.predictions.mfu, "cost_model": cost_name,
+            "wall_runs_s": [round(r["wall"], 3) for r in runs], "cpu_s": round(median["cpu"], 3),
+            "load_avg_1m": [round(r["load"], 2) for r in runs], "num_workers": solver.DEFAULT_NUM_WORKERS,
             "phases": {"seconds": {k: round(v, 3) for k, v in sorted(seconds.items())},
+                       "cpu_seconds": {k: round(v, 3) for k, v in sorted(median["cpu_phases"].items())},
                        "other_s": round(wall - sum(seconds.values()), 3),
                        "refinements": calls["tables"], "cpsat_solves": calls["cpsat"]},
         })
@@ -149,10 +172,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--only", help="run the problems whose name contains this")
     parser.add_argument("--no-capture", action="store_true", help="skip the captured llama:7b graph")
+    parser.add_argument("--repeat", type=int, default=3, help="solves per problem; the median wall time is reported")
     args = parser.parse_args()
-    rows = run(args.only, not args.no_capture)
+    rows = run(args.only, not args.no_capture, args.repeat)
     table = Table(title=f"search benchmark ({rows[0]['cost_model'] if rows else ''})")
-    columns = ("problem", "world", "wall_s", "capture_s", "target_s", "status", "step_s", "mesh", "schedule", "mlp_strategy",
+    columns = ("problem", "world", "wall_s", "cpu_s", "capture_s", "target_s", "status", "step_s", "mesh", "schedule", "mlp_strategy",
                "meshes_solved")
     for column in columns:
         table.add_column(column)

@@ -2,7 +2,7 @@ r"""Lower bounds of one candidate (mesh, schedule) from its cost table: step tim
 
 Notation as in ``solver.py``: p pipeline ranks, ``slots = m + (p−1)/v``,
 classes c with ``n_c`` layers, options s with time t, tail, static bytes S,
-activations A (A' inside a checkpoint region), gather buffers G; ``f_k`` is
+activations A (A' when the layer continues a checkpoint region), gather buffers G; ``f_k`` is
 ``pipeline.in_flight(k)`` and ``M`` the per-rank limit.
 
 Time. The step is ``slots·T_max + max_k tail_k ≥ Σ_l (slots·t_l + tail_l)/p``;
@@ -13,12 +13,14 @@ on a rank ``< j`` in *every* placement CP-SAT may choose (``cpsat_model.stage_wi
 interleaved schedules have fixed chunks) and ``φ_j = min_{k<j} f_k``. Summing
 the memory rows of ranks ``0…j−1``:
 
-    Σ_{l∈L_j} (S_l + φ_j·min(A_l, A'_l)) + (1 + prefetch)·max_{c∈L_j} min_s G_c  ≤  j·M        (row j)
+    Σ_{l∈L_j} (S_l + φ_j·Â_l) + (1 + prefetch)·max_{c∈L_j} min_s G_c  ≤  j·M        (row j)
 
 Row ``p`` is the summed row of every rank with the least in-flight count;
 rows ``j < p`` see the first stages, which hold up to ``min(p, m)``
 micro-batches of activations (1F1B), so deep pipelines do not look roomier
-than they are. Every row is implied by the CP-SAT memory rows (strategies
+than they are. ``Â_l = min(A_l, A'_l)`` for a layer that continues its
+block and ``A_l`` for the first layer of a block (which keeps its input even
+under full recompute, so fully recomputed blocks still cost activations). Every row is implied by the CP-SAT memory rows (strategies
 are shared by all stages; every term is non-negative).
 
 Lagrangian. For a row and any λ ≥ 0,
@@ -56,6 +58,14 @@ class MemoryRows:
     ranks: np.ndarray  # (R,) j
     flight: np.ndarray  # (R,) φ_j
     counts: np.ndarray  # (R, C) layers of class c surely on a rank < j
+    chained: np.ndarray  # (R, C) those of them that continue their block (may hold A' instead of A)
+
+    def weighted(self, static: np.ndarray, act: np.ndarray, chain_act: np.ndarray) -> np.ndarray:
+        """(R, C, ...) left sides of the rows per class: n_{c,j}·S + φ_j·(first layers' A + chained min(A, A'))."""
+        flight = self.flight.reshape((-1,) + (1,) * static.ndim)  # (R, 1, ...)
+        first = (self.counts - self.chained).reshape(self.counts.shape + (1,) * (static.ndim - 1))
+        chained = self.chained.reshape(first.shape)
+        return first * (static[None] + flight * act[None]) + chained * (static[None] + flight * chain_act[None])
 
 
 def _sure_rank(num_blocks: int, mesh: Mesh, schedule: Schedule) -> list[int]:
@@ -76,20 +86,23 @@ def _row_ranks(p: int) -> list[int]:
     return sorted(picks | {p})
 
 
-def memory_rows(class_of_layer: Sequence[int], anchors: Sequence[int], num_blocks: int, num_classes: int,
-                mesh: Mesh, schedule: Schedule, prefix: bool = True) -> MemoryRows:
-    """Rows of the module docstring (only row p when ``prefix`` is False or p = 1)."""
+def memory_rows(class_of_layer: Sequence[int], anchors: Sequence[int], continues: Sequence[bool], num_blocks: int,
+                num_classes: int, mesh: Mesh, schedule: Schedule, prefix: bool = True) -> MemoryRows:
+    """Rows of the module docstring (only row p when ``prefix`` is False or p = 1); ``continues`` is
+    ``evaluate.chain_flags``: only a layer that continues its block can hold A' < A."""
     p = mesh.pp
     flights = [in_flight(schedule, p, k) for k in range(p)]
     sure = _sure_rank(num_blocks, mesh, schedule)
     ranks = _row_ranks(p) if prefix else [p]
     layer_rank = np.array([sure[a] for a in anchors])  # (L,)
     classes = np.asarray(class_of_layer)  # (L,)
-    counts = np.zeros((len(ranks), num_classes))
+    chain = np.asarray(continues, dtype=bool)  # (L,)
+    counts, chained = np.zeros((len(ranks), num_classes)), np.zeros((len(ranks), num_classes))
     for r, j in enumerate(ranks):
         np.add.at(counts[r], classes[layer_rank < j], 1.0)
+        np.add.at(chained[r], classes[(layer_rank < j) & chain], 1.0)
     flight = np.array([min(flights[:j]) for j in ranks], dtype=float)
-    return MemoryRows(np.array(ranks, dtype=float), flight, counts)
+    return MemoryRows(np.array(ranks, dtype=float), flight, counts, chained)
 
 
 def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int):
@@ -99,12 +112,13 @@ def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int)
         return None
     width = max(len(m) for m in mine)
     cost = np.full((len(mine), width), np.inf)
-    static, act = np.zeros((len(mine), width)), np.zeros((len(mine), width))
+    static, act, chain = (np.zeros((len(mine), width)) for _ in range(3))
     for c, opts in enumerate(mine):
         cost[c, :len(opts)] = [(slots * o.time_s + o.tail_s) / p for o in opts]
         static[c, :len(opts)] = [o.static_bytes for o in opts]
-        act[c, :len(opts)] = [min(o.activation_bytes, o.chain_bytes) for o in opts]
-    return cost, static, act
+        act[c, :len(opts)] = [o.activation_bytes for o in opts]
+        chain[c, :len(opts)] = [min(o.activation_bytes, o.chain_bytes) for o in opts]
+    return cost, static, act, chain
 
 
 def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, rows: MemoryRows,
@@ -122,14 +136,12 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
         padded = _padded(options, sp, slots, p)
         if padded is None:
             continue
-        cost, static, act = padded
-        valid = np.isfinite(cost)
-        mem = static[None] + rows.flight[:, None, None] * act[None]  # (R, C, S)
-        need = (rows.counts * np.where(valid[None], mem, np.inf).min(axis=2)).sum(axis=1) + buffers  # (R,)
+        cost, static, act, chain = padded
+        weighted = rows.weighted(static, act, chain)  # (R, C, S)
+        need = np.where(np.isfinite(cost)[None], weighted, np.inf).min(axis=2).sum(axis=1) + buffers  # (R,)
         mem_lb = min(mem_lb, float(np.max(need / rows.ranks)))
         base = float(layer_counts @ cost.min(axis=1))
         lam = LAMBDA_GRID[None, :] * (max(base, 1e-30) / np.maximum(need, 1.0))[:, None]  # (R, Λ)
-        weighted = rows.counts[:, :, None] * mem  # (R, C, S)
         value = (layer_counts[None, None, :, None] * cost[None, None]
                  + lam[:, :, None, None] * weighted[:, None])  # (R, Λ, C, S)
         dual = value.min(axis=3).sum(axis=2) + lam * (buffers - rows.ranks * cap_bytes)[:, None]  # (R, Λ)

@@ -4,8 +4,9 @@
 with everything else in the plan fixed (mesh, schedule, stages, every other
 class), using the same aggregation as the solver (``evaluate.evaluate``):
 per-rank step time and memory against the same usable memory ``M``. Each
-alternative carries why it lost: "slower by X ms" or "exceeds memory on stage
-k by Y GiB". Alternatives keep the plan's ``sp`` (sequence parallelism is one
+alternative carries why it lost: "slower by X" (``format_duration``: s, ms,
+µs or ns with 4 significant digits, so near-ties of tiny models stay
+visible) or "exceeds memory on stage k by Y GiB". Alternatives keep the plan's ``sp`` (sequence parallelism is one
 global choice in the solver, so flipping it for one class is not a plan the
 solver could return). The chosen strategy's own ``LayerCost.detail`` (the cost
 model's named terms) is shown beside them.
@@ -71,14 +72,23 @@ def _plan_options(plan: Plan, graph: ModelGraph, table: CostTable) -> list[Optio
     return [table.option(layer, by_name[layer.name], plan.mesh, plan.schedule) for layer in graph.layers]
 
 
+def format_duration(seconds: float) -> str:
+    """``seconds`` with a unit that keeps 4 significant digits: s, ms, µs or ns (near-ties stay visible)."""
+    magnitude = abs(seconds)
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6)):
+        if magnitude >= scale:
+            return f"{seconds / scale:.4g} {unit}"
+    return f"{seconds / 1e-9:.4g} ns"
+
+
 def _reason(delta_s: float, over: float, worst_stage: int) -> str:
     if over > 0:
         return f"exceeds memory on stage {worst_stage} by {over / GiB:.2f} GiB"
     if delta_s > 0:
-        return f"slower by {delta_s * 1e3:.3f} ms"
+        return f"slower by {format_duration(delta_s)}"
     if delta_s == 0:
         return "ties with the chosen strategy (tie broken by the canonical order)"
-    return f"faster by {-delta_s * 1e3:.3f} ms (the search stopped before proving optimality)"
+    return f"faster by {format_duration(-delta_s)} (the search stopped before proving optimality)"
 
 
 def explain_layer(plan: Plan, graph: ModelGraph, cluster: Cluster, train: TrainSpec, layer_name: str, *,
@@ -132,10 +142,11 @@ def format_explanation(expl: Explanation) -> Group:
     for name, value in sorted(expl.chosen_cost.detail.items()):
         terms.add_row(name, f"{value * 1e3:.4f} ms" if name.endswith("_s") else f"{value:.6g}")
     alts = Table(title="best alternatives (everything else fixed)")
-    for column in ("strategy", "step (ms)", "Δ (ms)", "peak (GiB)", "why it lost"):
+    for column in ("strategy", "step (ms)", "Δ", "peak (GiB)", "why it lost"):
         alts.add_column(column)
     for a in expl.alternatives:
-        alts.add_row(a.strategy.notation or "DDP", f"{a.step_s * 1e3:.3f}", f"{a.delta_s * 1e3:+.3f}",
+        delta = ("+" if a.delta_s > 0 else "") + format_duration(a.delta_s)
+        alts.add_row(a.strategy.notation or "DDP", f"{a.step_s * 1e3:.3f}", delta,
                      f"{a.peak_memory_bytes / GiB:.2f}", a.reason)
     return Group(head, terms, alts)
 

@@ -29,7 +29,7 @@ from typing import Sequence
 import numpy as np
 
 from autoshard.plan import Mesh, Schedule
-from autoshard.search.evaluate import Option, evaluate, interleaved_block_stages
+from autoshard.search.evaluate import Option, evaluate, interleaved_block_stages, rank_of
 from autoshard.search.pipeline import in_flight, virtual_stages
 
 LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-3, 3, 25)])  # × (time scale / memory scale)
@@ -67,16 +67,57 @@ def _assignments(options: Sequence[Sequence[Option]], slots: float, pp: int, f_m
     return list(out)
 
 
+def _rank_tables(class_of_layer: Sequence[int], stages: Sequence[int], continues: Sequence[bool], pp: int,
+                 schedule: Schedule, num_classes: int) -> tuple[np.ndarray, np.ndarray]:
+    """(counts (P, C): layers of class c on rank k, chained (P, C, C): layers of class c continuing a
+    layer of class c' on rank k, indexed [k, c', c])."""
+    counts, chained = np.zeros((pp, num_classes)), np.zeros((pp, num_classes, num_classes))
+    for i, (c, stage) in enumerate(zip(class_of_layer, stages)):
+        k = rank_of(stage, pp, schedule)
+        counts[k, c] += 1
+        if continues[i]:
+            chained[k, class_of_layer[i - 1], c] += 1
+    return counts, chained
+
+
+def _rank_memory(options: Sequence[Sequence[Option]], picks: np.ndarray, counts: np.ndarray, chained: np.ndarray,
+                 flight: np.ndarray, prefetch: int) -> np.ndarray:
+    """(A, P) per-rank memory of ``evaluate`` for each assignment row of ``picks`` (A, C)."""
+    def per_class(attr):  # (A, C)
+        return np.array([[getattr(options[c][i], attr) for c, i in enumerate(row)] for row in picks])
+
+    static, act, chain, buf = (per_class(a) for a in ("static_bytes", "activation_bytes", "chain_bytes",
+                                                      "buffer_bytes"))
+    full = per_class("full_recompute").astype(float)  # (A, C)
+    saving = full[:, None, :] * full[:, :, None] * (act - chain)[:, None, :]  # (A, C', C)
+    activations = act @ counts.T - np.einsum("kpc,apc->ak", chained, saving)  # (A, P)
+    present = counts > 0  # (P, C)
+    buffers = np.where(present[None], buf[:, None, :], 0.0).max(axis=2)  # (A, P)
+    return static @ counts.T + (1 + prefetch) * buffers + flight[None, :] * activations
+
+
 def upper_bound(options: Sequence[Sequence[Option]], class_of_layer: Sequence[int], anchors: Sequence[int],
                 num_blocks: int, continues: Sequence[bool], mesh: Mesh, schedule: Schedule,
                 cap_bytes: float) -> float:
-    """U of the module docstring (``math.inf`` when no tried assignment fits)."""
+    """U of the module docstring (``math.inf`` when no tried assignment fits).
+
+    Memory is screened for all assignments at once from per-rank class counts (``_rank_memory``,
+    the formula of ``evaluate``); only assignments that pass are priced by ``evaluate``, which
+    decides (screening tolerance 1e-9 relative, so float reordering never skips a fitting one).
+    """
     pp = mesh.pp
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
-    f_max = max(in_flight(schedule, pp, k) for k in range(pp))
+    flight = np.array([in_flight(schedule, pp, k) for k in range(pp)])
+    choices = _assignments(options, slots, pp, float(flight.max()))  # per sp, fastest λ first
+    if not choices:
+        return math.inf
     block_stage = balanced_block_stages(num_blocks, pp, schedule)
     stages = [block_stage[a] for a in anchors]
-    for choice in _assignments(options, slots, pp, f_max):  # per sp, fastest λ first
+    counts, chained = _rank_tables(class_of_layer, stages, continues, pp, schedule, len(options))
+    memory = _rank_memory(options, np.array(choices), counts, chained, flight, schedule.prefetch)  # (A, P)
+    for choice, peak in zip(choices, memory.max(axis=1)):
+        if peak > cap_bytes * (1 + 1e-9):
+            continue
         layer_options = [options[c][choice[c]] for c in class_of_layer]
         ev = evaluate(layer_options, stages, mesh, schedule, continues)
         if ev.peak_memory_bytes <= cap_bytes:

@@ -12,8 +12,9 @@ Outer search (``solve``)
        ``cost_model.lower_bound_step_time`` (when present) is max-ed in.
     3. Best-first: a heap of (bound, order, level) pops the smallest bound and stops once it is ≥
        the best step time found. A probe-level entry is refined (memory probe, then the full cost
-       table, ``evaluate.prune_dominated``, and ``_table_bounds``: joint min of slots·t + tail per
-       class plus a Lagrangian relaxation of the summed memory rows) and pushed back; a
+       table, ``evaluate.prune_dominated``, and ``bounds.table_bounds``: joint min of slots·t + tail
+       per class plus a Lagrangian relaxation of per-rank memory rows summed over the first j ranks,
+       whose in-flight counts are the largest) and pushed back; a
        table-level entry runs the CP-SAT model below with ``Z < best`` as a cutoff.
     4. Heuristic incumbent U (``incumbent.py``): every refined candidate that could still win
        prices a Lagrangian-greedy plan on balanced stages. While U is finite, all probe entries
@@ -58,7 +59,10 @@ comm: DDP before ZeRO when ZeRO buys nothing) and any remaining tie resolves
 to one unique optimum; g(b) = 1 + crc32(b) mod 8 does the same for stage
 boundaries. Candidate
 order is a pure function of the inputs; CP-SAT runs with a fixed seed and
-worker count. Two solves that reach OPTIMAL return identical plans. Only the
+worker count (2 workers running ``cpsat_model.LP_SUBSOLVERS`` by default). Two solves that reach
+OPTIMAL return identical plans. Candidates whose optima tie exactly (e.g. two data-parallel
+splits the cost model prices alike) resolve to the one CP-SAT solves first, a pure function of
+the inputs and of the bounds' values. Only the
 wall time differs: ``SolverStats.wall_s`` is recorded, and callers comparing
 plans byte for byte zero it (``without_wall_time``). A search cut short by
 ``time_limit_s`` (status FEASIBLE) depends on timing and is not reproducible.
@@ -78,7 +82,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError, InfeasibleError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions, Schedule, SolverStats
-from autoshard.search import bounds, cost_model, incumbent
+from autoshard.search import bounds, cost_model, incumbent, layer_terms
 from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, solve_model
 from autoshard.search.evaluate import (
     CostFn, CostTable, Option, anchor_blocks, chain_flags, evaluate, fallback_predictions, layer_stages,
@@ -91,7 +95,7 @@ from autoshard.search.space import (
 from autoshard.train import TrainSpec
 
 DEFAULT_TIME_LIMIT_S = 60.0
-DEFAULT_NUM_WORKERS = 8
+DEFAULT_NUM_WORKERS = 2  # measured on a 2-core host: docs/search.md, speed (cpsat_model.LP_SUBSOLVERS)
 GiB = 2**30
 
 
@@ -158,6 +162,8 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
     validate_constraints(constraints, graph, cluster)
     cost_fn = cost_fn or cost_model.layer_cost
     search = _new_search(graph, cluster, train, constraints, cost_fn)
+    if search.cap_bytes <= 0:
+        raise _below_reservation_error(cluster, constraints)
     enumeration = enumerate_meshes(graph, cluster, train, constraints.mesh)
     if not enumeration.meshes:
         raise _no_mesh_error(enumeration.pruned, constraints)
@@ -172,7 +178,8 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
         search.upper_s, search.statuses = math.inf, []
         _run(search, ordered, hint, start + time_limit_s, num_workers, use_upper=False)
     if search.best is None:
-        raise _infeasible_error(search, constraints)
+        raise _timeout_error(time_limit_s) if "TIME_LIMIT" in search.statuses else _infeasible_error(
+            search, constraints)
     return _assemble(search, len(enumeration.meshes), time.monotonic() - start, cost_fn)
 
 
@@ -355,7 +362,8 @@ def _memory_rows(search: _Search, cand: Candidate) -> bounds.MemoryRows:
     key = (cand.mesh.pp, s.name, s.virtual_stages, s.num_micro_batches)
     if key not in search.rows:
         search.rows[key] = bounds.memory_rows(search.class_of_layer, anchor_blocks(search.graph),
-                                              num_anchor_blocks(search.graph), len(search.classes), cand.mesh, s)
+                                              chain_flags(search.graph), num_anchor_blocks(search.graph),
+                                              len(search.classes), cand.mesh, s)
     return search.rows[key]
 
 
@@ -365,8 +373,8 @@ def _probe_memory(search: _Search, cand: Candidate) -> float:
     rows = _memory_rows(search, cand)
     per_sp = []
     for sp in (False, True):
-        frugal_bytes = []  # per class: (R,) least S + φ_j·min(A, A') over the probes
-        for c, strategies in zip(search.classes, cand.admissible):
+        frugal_bytes = []  # per class: (R,) least left side of the row over the probes
+        for index, (c, strategies) in enumerate(zip(search.classes, cand.admissible)):
             mine = [s for s in strategies if s.sp == sp]
             if not mine:
                 break
@@ -375,10 +383,11 @@ def _probe_memory(search: _Search, cand: Candidate) -> float:
             sharded = [s for s in frugal if s.state in ("zero3", "offload")] or frugal
             probes = {s.state: s for s in sorted(sharded, key=strategy_key, reverse=True)}.values()
             options = [search.table.option(c.representative, s, cand.mesh, cand.schedule) for s in probes]
-            frugal_bytes.append(np.min([o.static_bytes + rows.flight * min(o.activation_bytes, o.chain_bytes)
-                                        for o in options], axis=0))
+            static, act, chain = (np.array([[f(o) for o in options]]) for f in (  # (1, n_probes)
+                lambda o: o.static_bytes, lambda o: o.activation_bytes, lambda o: min(o.activation_bytes, o.chain_bytes)))
+            frugal_bytes.append(rows.weighted(static, act, chain)[:, index, :].min(axis=1))  # (R,)
         else:
-            need = (rows.counts * np.stack(frugal_bytes, axis=1)).sum(axis=1)  # (R,)
+            need = np.stack(frugal_bytes, axis=1).sum(axis=1)  # (R,)
             per_sp.append(float(np.max(need / rows.ranks)))
     return min(per_sp, default=math.inf)
 
@@ -511,6 +520,27 @@ def _no_mesh_error(records: tuple[PruneRecord, ...], constraints: Constraints) -
         "change or drop the fixed mesh degrees or pins, use a global_batch divisible by the data-parallel "
         "degree, or pad heads/vocab to a multiple of the tensor-parallel degree"
     )
+
+
+def _timeout_error(time_limit_s: float) -> InfeasibleError:
+    return InfeasibleError(
+        f"time_limit_s={time_limit_s:g} ran out before any plan was found (no candidate was proven "
+        "infeasible for all of them); relax: a larger time_limit_s, or fix mesh degrees (Constraints.mesh) "
+        "to search fewer candidates")
+
+
+def _below_reservation_error(cluster: Cluster, constraints: Constraints) -> InfeasibleError:
+    limit = constraints.max_memory_bytes or cluster.device.memory_bytes
+    if constraints.memory_headroom is not None:
+        return InfeasibleError(
+            f"Constraints.memory_headroom={constraints.memory_headroom} leaves no usable memory of the "
+            f"{limit / GiB:.2f} GiB limit; allowed: headroom in [0, 1); use a headroom below 1, e.g. 0.1")
+    reserved = layer_terms.reserved_bytes(cluster)
+    return InfeasibleError(
+        f"the per-rank memory limit {limit / GiB:.2f} GiB is at or below the cost model's fixed reservation of "
+        f"{reserved / GiB:.2f} GiB (CUDA context, NCCL and allocator pools) by {(reserved - limit) / GiB:.2f} GiB, "
+        f"so no plan can fit; relax: set Constraints.max_memory_bytes above {reserved / GiB:.2f} GiB plus the "
+        "model's needs (or calibrate reserved_bytes for this device)")
 
 
 def _infeasible_error(search: _Search, constraints: Constraints) -> InfeasibleError:

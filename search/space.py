@@ -289,10 +289,14 @@ def admissible_strategies(layer: LayerInfo, mesh: Mesh,
     return tuple(s for s in out if all(getattr(s, k) == v for k, v in pin.items()))
 
 
+_POSITION = tuple({name: i for i, name in enumerate(values)}
+                  for values in (STATES, TP_MODES, RECOMPUTE, WEIGHT_COMM, GRAD_COMM))  # enum → order
+
+
 def strategy_key(s: LayerStrategy) -> tuple:
-    """Canonical sort key of a strategy's decision fields (enum order)."""
-    return (STATES.index(s.state), TP_MODES.index(s.tp), s.sp, s.ep, RECOMPUTE.index(s.recompute),
-            WEIGHT_COMM.index(s.weight_comm), GRAD_COMM.index(s.grad_comm))
+    """Canonical sort key of a strategy's decision fields (enum order; the search's hottest helper)."""
+    state, tp, recompute, weight, grad = _POSITION
+    return (state[s.state], tp[s.tp], s.sp, s.ep, recompute[s.recompute], weight[s.weight_comm], grad[s.grad_comm])
 
 
 # ----------------------------------------------------------------------------- schedules
@@ -357,7 +361,7 @@ def resolve_pins(constraints: Constraints, graph: ModelGraph) -> dict[str, dict[
         pin = constraints.pin[target]
         if target not in names and target not in class_ids:
             raise _bad("Constraints.pin target", target, f"layer names or class ids, e.g. {sorted(class_ids)[:6]}",
-                       "see `autoshard plan --show-layers` or ModelGraph.classes()")
+                       "`autoshard capture MODEL` lists the layers and their class ids (or ModelGraph.classes())")
         for key, value in pin.items():
             if key not in PIN_FIELDS:
                 raise _bad(f"Constraints.pin[{target!r}] field", key, tuple(PIN_FIELDS),

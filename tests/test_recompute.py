@@ -62,21 +62,17 @@ def local_runs():
                 losses = [program.step(toks, loss_fn).loss for toks in batches()]
                 params = {fqn: slot.master.clone() for fqn, slot in program.optimizer.slots.items()}
                 regions = [m for m in program.gm.modules() if isinstance(m, CheckpointRegion)]
-            out[spec, policy] = (saved, (losses, params), regions)
+            out[spec, policy] = (saved, (losses, params, program.param_placements), regions)
     return out
 
 
 @pytest.mark.parametrize("spec", [GPT, LLAMA])
 @pytest.mark.parametrize("policy", ["selective", "full"])
-def test_recompute_numerics_equal_single_device(local_runs, spec, policy):
-    losses, params = local_runs[spec, policy][1]
-    check_against_reference([{"losses": losses, "shards": params, "placements": _placements(spec),
-                              "coords": {"tp": 0, "dp_replicate": 0, "dp_shard": 0, "pp": 0}}], single_device(spec), Mesh())
-
-
-def _placements(spec):
-    with fake_world(1, 0):
-        return _program(spec, Mesh(), _uniform()).param_placements
+def test_recompute_numerics_equal_single_device(local_runs, references, spec, policy):
+    losses, params, placements = local_runs[spec, policy][1]
+    coords = {"tp": 0, "dp_replicate": 0, "dp_shard": 0, "pp": 0}
+    check_against_reference([{"losses": losses, "shards": params, "placements": placements, "coords": coords}],
+                            references[spec], Mesh())
 
 
 @pytest.mark.parametrize("spec", [GPT, LLAMA])

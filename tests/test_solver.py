@@ -179,12 +179,17 @@ def test_pins_respected_and_contradictions_rejected(small):
 
 def test_infeasible_message_names_family_need_and_relaxations(small):
     graph, cluster, train = small
-    with pytest.raises(InfeasibleError) as err:
-        solve(graph, cluster, train, constraints=Constraints(max_memory_bytes=256 * 2**20), cost_fn=toy_layer_cost)
+    with pytest.raises(InfeasibleError) as err:  # 1.25 GiB less the 1 GiB reservation: ~0.24 GiB usable
+        solve(graph, cluster, train, constraints=Constraints(max_memory_bytes=5 * 2**28), cost_fn=toy_layer_cost)
     text = str(err.value)
     assert "mem/stage" in text and "GiB" in text and "more devices" in text and "recompute" in text
     need = float(text.split("at least ")[1].split(" GiB")[0])
-    assert need > 0.25  # the smallest plan needs more than the 256 MiB offered
+    usable = float(text.split("memory is ")[1].split(" GiB")[0])
+    assert 0 < usable < need  # the smallest plan needs more than what is offered
+    with pytest.raises(InfeasibleError) as err:  # a limit below the reservation: say so, never "-0.49 GiB usable"
+        solve(graph, cluster, train, constraints=Constraints(max_memory_bytes=2**29), cost_fn=toy_layer_cost)
+    assert "below the cost model's fixed reservation of 1.00 GiB" in str(err.value)
+    assert "by 0.50 GiB" in str(err.value) and "-0." not in str(err.value)
     with pytest.raises(InfeasibleError, match="tp_divides/vocab"):
         odd = synthetic_graph(SyntheticConfig(name="odd", num_blocks=2, hidden=256, num_heads=8, vocab=1001))
         solve(odd, cluster, train, constraints=Constraints(mesh={"tp": 2}), cost_fn=toy_layer_cost)
@@ -389,3 +394,51 @@ def test_heuristic_incumbent_is_an_upper_bound_and_never_changes_the_plan(small,
     assert finite and min(finite) >= with_upper.solver.objective * (1 - 1e-9)
     assert with_upper.solver.status == without.solver.status == "OPTIMAL"
     assert without_wall_time(with_upper).to_json() == without_wall_time(without).to_json()
+
+
+def test_prefix_memory_rows_bound_every_candidate_and_see_the_first_stage(small):
+    """``bounds.py``: with prefix rows the table bound stays ≤ each candidate's CP-SAT optimum and the
+    memory bound ≤ its peak, and the first stages' in-flight micro-batches make the memory bound of a
+    deep pipeline larger than the all-rank row (least in-flight count) alone."""
+    from autoshard.search import bounds, solver
+    from autoshard.search.cpsat_model import ModelInput, block_members, solve_model
+    from autoshard.search.evaluate import anchor_blocks, num_anchor_blocks
+
+    graph, cluster, _ = small
+    train = TrainSpec(global_batch=64, seq_len=4096)
+    constraints = Constraints(mesh={"pp": 4, "tp": 2}, max_memory_bytes=int(12 * GiB))
+    search = solver._new_search(graph, cluster, train, constraints, cost_model.layer_cost)
+    meshes = enumerate_meshes(graph, cluster, train, constraints.mesh).meshes
+    candidates, _ = solver._candidates(search, meshes, constraints, cost_model.layer_cost)
+    anchors, num_blocks = anchor_blocks(graph), num_anchor_blocks(graph)
+    tighter, solved = 0, 0
+    for cand in [c for c in candidates if c.schedule.name == "1f1b"][:4]:
+        options = solver._class_options(search, cand)
+        time_lb, mem_lb = solver._table_bounds(search, cand, options)
+        all_ranks = bounds.memory_rows(search.class_of_layer, anchors, chain_flags(graph), num_blocks,
+                                       len(search.classes), cand.mesh, cand.schedule, prefix=False)
+        _, mem_all = bounds.table_bounds(options, solver._layer_counts(search), all_ranks, cand.mesh,
+                                         cand.schedule, float(search.cap_bytes))
+        tighter += mem_lb > mem_all * 1.05
+        inp = ModelInput(classes=search.classes, options=options,
+                         block_classes=block_members(anchors, search.class_of_layer, num_blocks),
+                         block_chain=block_members(anchors, chain_flags(graph), num_blocks),
+                         mesh=cand.mesh, schedule=cand.schedule, cap_bytes=search.cap_bytes, unit_s=1e-8)
+        result = solve_model(inp, time_limit_s=30, num_workers=2)
+        if result.status != "OPTIMAL":
+            assert result.status == "INFEASIBLE"
+            continue
+        solved += 1
+        layer_options = [options[c][result.choice[c]] for c in search.class_of_layer]
+        ev = evaluate(layer_options, layer_stages(graph, result.block_stage), cand.mesh, cand.schedule,
+                      chain_flags(graph))
+        assert time_lb <= ev.step_s * (1 + 1e-9) and mem_lb <= ev.peak_memory_bytes * (1 + 1e-9)
+    assert solved >= 1 and tighter >= 1
+
+
+def test_explain_durations_keep_near_ties_visible():
+    from autoshard.search.explain import format_duration
+
+    assert format_duration(2.5) == "2.5 s" and format_duration(0.0123) == "12.3 ms"
+    assert format_duration(4.2e-6) == "4.2 µs" and format_duration(3e-9) == "3 ns"
+    assert format_duration(-1.5e-4) == "-150 µs" and format_duration(0.0) == "0 ns"

@@ -163,6 +163,9 @@ def test_constraint_validation_messages():
         with pytest.raises(AutoshardError, match=needle):
             validate_constraints(constraints, graph, cluster)
     validate_constraints(Constraints(pin={"lm_head": {"state": "zero3"}}, mesh={"tp": 2}), graph, cluster)
+    with pytest.raises(AutoshardError) as err:  # the next step names a command that exists
+        resolve_pins(Constraints(pin={"nope": {"state": "zero3"}}), graph)
+    assert "`autoshard capture MODEL`" in str(err.value) and "--show-layers" not in str(err.value)
 
 
 def test_layer_pin_splits_its_class():
