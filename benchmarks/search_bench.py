@@ -81,7 +81,8 @@ PHASES = {"_candidates": "candidates", "_refine": "tables", "_note_upper": "uppe
 def _phase_profile():
     """Exclusive wall seconds, CPU seconds (process time: every CP-SAT worker thread counted) and call
     counts per solver phase (``PHASES``), by wrapping the functions."""
-    seconds, cpu, calls, stack = collections.defaultdict(float), collections.defaultdict(float), collections.Counter(), []
+    seconds, cpu, calls, stack = (collections.defaultdict(float), collections.defaultdict(float),
+                                  collections.Counter(), [])
     originals = {name: getattr(solver, name) for name in PHASES}
 
     def wrap(name, fn):
@@ -176,8 +177,8 @@ def main() -> None:
     args = parser.parse_args()
     rows = run(args.only, not args.no_capture, args.repeat)
     table = Table(title=f"search benchmark ({rows[0]['cost_model'] if rows else ''})")
-    columns = ("problem", "world", "wall_s", "cpu_s", "capture_s", "target_s", "status", "step_s", "mesh", "schedule", "mlp_strategy",
-               "meshes_solved")
+    columns = ("problem", "world", "wall_s", "cpu_s", "capture_s", "target_s", "status", "step_s", "mesh", "schedule",
+               "mlp_strategy", "meshes_solved")
     for column in columns:
         table.add_column(column)
     for row in rows:

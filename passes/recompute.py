@@ -178,7 +178,20 @@ def _stack_paths(node: fx.Node) -> list[str]:
 def checkpoint_regions(graph: fx.Graph, plan: Plan) -> list[tuple[str, str, tuple[str, ...], list[fx.Node]]]:
     """``(submodule name, kind, layers, nodes)`` of every checkpoint region (module docstring note)."""
     strategies = {s.layer: s for s in plan.layers}
-    names = list(strategies)
+    layer_nodes, block_of = _nodes_by_layer(graph, list(strategies))
+    regions = []
+    for layer, strategy in strategies.items():
+        if strategy.recompute == "selective" and layer in layer_nodes:
+            core = [n for n in layer_nodes[layer] if (_stack_paths(n) or [None])[-1] == layer]  # not q/k/v/o
+            if any(n.target in _ATTENTION_CORE_OPS for n in core):
+                regions.append((_region_name(layer), "selective", (layer,), core))
+    for run_layers in _full_runs(list(strategies), strategies, block_of, layer_nodes):
+        regions.append((_region_name(run_layers[0]), "full", tuple(run_layers), _full_region_nodes(graph, run_layers, layer_nodes)))
+    return regions
+
+
+def _nodes_by_layer(graph: fx.Graph, names: list[str]) -> tuple[dict[str, list[fx.Node]], dict[str, str | None]]:
+    """Call nodes of each plan layer (innermost ``nn_module_stack`` match) and each layer's block path."""
     layer_nodes: dict[str, list[fx.Node]] = {}
     block_of: dict[str, str | None] = {}
     for node in graph.nodes:
@@ -189,18 +202,10 @@ def checkpoint_regions(graph: fx.Graph, plan: Plan) -> list[tuple[str, str, tupl
         if layer is None:
             continue
         layer_nodes.setdefault(layer, []).append(node)
-        if layer in paths:
+        if layer in paths:  # the enclosing module is the block ("" = the model: a top-level layer)
             i = paths.index(layer)
             block_of.setdefault(layer, paths[i - 1] if i > 0 and paths[i - 1] else None)
-    regions = []
-    for layer in names:
-        if strategies[layer].recompute == "selective" and layer in layer_nodes:
-            core = [n for n in layer_nodes[layer] if (_stack_paths(n) or [None])[-1] == layer]
-            if any(n.target in _ATTENTION_CORE_OPS for n in core):
-                regions.append((_region_name(layer), "selective", (layer,), core))
-    for run_layers in _full_runs(names, strategies, block_of, layer_nodes):
-        regions.append((_region_name(run_layers[0]), "full", tuple(run_layers), _full_region_nodes(graph, run_layers, layer_nodes)))
-    return regions
+    return layer_nodes, block_of
 
 
 def _region_name(layer: str) -> str:

@@ -161,8 +161,7 @@ def build_program(
     check_world(plan.mesh)
     if ctx is None:
         ctx, _device_mesh = build_rank_context(plan.mesh, device=device, compute_dtype=_DTYPES[precision])
-    gm = _export(model, graph)
-    masters = {fqn: p.detach().float() for fqn, p in gm.named_parameters()}
+    gm, masters = _export(model, graph, ctx.compute_dtype)
     gm = run_passes(gm, plan, ctx)
     placements = gm.meta[META_KEY]["placements"]
     params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
@@ -193,16 +192,27 @@ def _check_stages(plan: Plan) -> None:
         )
 
 
-def _export(model: nn.Module, graph: ModelGraph) -> torch.fx.GraphModule:
-    """``torch.export`` a copy of ``model`` (dynamic batch/seq) → module; records param owners and roles."""
+def _export(
+    model: nn.Module, graph: ModelGraph, compute_dtype: torch.dtype
+) -> tuple[torch.fx.GraphModule, dict[str, torch.Tensor]]:
+    """``torch.export`` a copy of ``model`` in ``compute_dtype`` (dynamic batch/seq) → (module, fp32 masters).
+
+    The copy is cast to the compute dtype *before* export: export bakes the
+    dtypes it sees into the graph (``_assert_tensor_metadata`` checks, explicit
+    casts such as a norm's ``.to(x.dtype)``), so a graph traced in fp32 and
+    then fed bf16 parameters fails or silently computes in the wrong dtype.
+    The fp32 masters are taken from the copy before the cast.
+    """
     clone = copy.deepcopy(model).float()
+    masters = {fqn: p.detach().clone() for fqn, p in clone.named_parameters()}
+    clone = clone.to(compute_dtype)
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
     tokens = torch.zeros(2, seq, dtype=torch.long, device=next(clone.parameters()).device)
     exported = torch.export.export(clone, (tokens,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},), strict=False)
     gm = exported.module()
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
     gm.meta[META_KEY] = {"params": owners}
-    return gm
+    return gm, masters
 
 
 __all__ = ["Program", "StepResult", "build_program"]

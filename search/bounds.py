@@ -18,14 +18,15 @@ the memory rows of ranks ``0…j−1``:
 Row ``p`` is the summed row of every rank with the least in-flight count;
 rows ``j < p`` see the first stages, which hold up to ``min(p, m)``
 micro-batches of activations (1F1B), so deep pipelines do not look roomier
-than they are. ``Â_l = min(A_l, A'_l)`` for a layer that continues its
-block and ``A_l`` for the first layer of a block (which keeps its input even
-under full recompute, so fully recomputed blocks still cost activations). Every row is implied by the CP-SAT memory rows (strategies
-are shared by all stages; every term is non-negative).
+than they are. ``Â_l = min(A_l, A'_l)`` for a layer that continues its block
+and ``A_l`` for the first layer of a block (which keeps its input even under
+full recompute, so fully recomputed blocks still cost activations). Every row
+is implied by the CP-SAT memory rows (strategies are shared by all stages;
+every term is non-negative).
 
 Lagrangian. For a row and any λ ≥ 0,
 
-    Σ_c min_s [n_c·(slots·t_s + tail_s)/p + λ·n_{c,j}·(S_s + φ_j·A_s)] − λ·(j·M − buffers_j)
+    Σ_c min_s [n_c·(slots·t_s + tail_s)/p + λ·Σ_{l∈L_j, l∈c}(S_s + φ_j·Â_s)] − λ·(j·M − buffers_j)
 
 is ≤ the constrained minimum (weak duality); the time bound is the largest
 value over the rows and ``LAMBDA_GRID``. Both bounds are taken per global

@@ -383,8 +383,9 @@ def _probe_memory(search: _Search, cand: Candidate) -> float:
             sharded = [s for s in frugal if s.state in ("zero3", "offload")] or frugal
             probes = {s.state: s for s in sorted(sharded, key=strategy_key, reverse=True)}.values()
             options = [search.table.option(c.representative, s, cand.mesh, cand.schedule) for s in probes]
-            static, act, chain = (np.array([[f(o) for o in options]]) for f in (  # (1, n_probes)
-                lambda o: o.static_bytes, lambda o: o.activation_bytes, lambda o: min(o.activation_bytes, o.chain_bytes)))
+            static = np.array([[o.static_bytes for o in options]])  # (1, n_probes)
+            act = np.array([[o.activation_bytes for o in options]])
+            chain = np.minimum(act, [[o.chain_bytes for o in options]])
             frugal_bytes.append(rows.weighted(static, act, chain)[:, index, :].min(axis=1))  # (R,)
         else:
             need = np.stack(frugal_bytes, axis=1).sum(axis=1)  # (R,)
