@@ -83,10 +83,11 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_case(rank, world_size, spec, graph, plan, count=False):
+def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32"):
     """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1)."""
     model = build(spec)
-    program = build_program(model, graph, plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT)
+    train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
+    program = build_program(model, graph, plan, None, train, optimizer=OPT)
     losses, counts = [], None
     for i, toks in enumerate(batches()):
         if count and i == 0:

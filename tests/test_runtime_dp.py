@@ -40,6 +40,11 @@ CASES_2 = {
     "mixed_attn_zero3": (LLAMA, Mesh(dp_shard=2), _attn_zero3_rest_ddp),
     "mixed_states": (GPT, Mesh(dp_shard=2), _alternate_states),
 }
+# bf16 compute with fp32 masters: equal to fp32 single-device training within bf16 tolerance.
+CASES_BF16 = {
+    "zero3_bf16": (LLAMA, Mesh(dp_shard=2), _uniform(state="zero3")),
+    "mixed_bf16": (GPT, Mesh(dp_shard=2), _alternate_states),
+}
 CASES_4 = {
     "hsdp": (GPT, Mesh(dp_replicate=2, dp_shard=2), _uniform(state="zero3")),
     "hsdp_mixed": (LLAMA, Mesh(dp_replicate=2, dp_shard=2), _alternate_states),
@@ -47,17 +52,24 @@ CASES_4 = {
 }
 
 
-def _run(cases, world_size):
+def _run(cases, world_size, precision="fp32"):
     jobs = {}
     for name, (spec, mesh, choose) in cases.items():
         plan = make_plan(spec, mesh, choose)
-        jobs[name] = functools.partial(train_case, spec=spec, graph=graph_of(spec), plan=plan, count=name.startswith("zero3"))
+        jobs[name] = functools.partial(
+            train_case, spec=spec, graph=graph_of(spec), plan=plan, count=name == "zero3", precision=precision
+        )
     return run_gloo_cases(jobs, world_size, timeout_s=400)
 
 
 @pytest.fixture(scope="module")
 def results2():
     return _run(CASES_2, 2)
+
+
+@pytest.fixture(scope="module")
+def results_bf16():
+    return _run(CASES_BF16, 2, precision="bf16")
 
 
 @pytest.fixture(scope="module")
@@ -74,6 +86,12 @@ def references():
 def test_world2_matches_single_device(results2, references, name):
     spec, mesh, _ = CASES_2[name]
     check_against_reference(results2[name], references[spec], mesh)
+
+
+@pytest.mark.parametrize("name", list(CASES_BF16))
+def test_bf16_compute_matches_fp32_single_device(results_bf16, references, name):
+    spec, mesh, _ = CASES_BF16[name]
+    check_against_reference(results_bf16[name], references[spec], mesh, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
