@@ -62,8 +62,11 @@ def test_inserted_nodes_record_why():
     targets = [str(n.target) for n in program.gm.graph.nodes if n.op == "call_function"]
     assert sum("copy_to_tp" in t for t in targets) == 2 * 2 + 1  # attn + mlp per block, + head
     assert sum("reduce_from_tp" in t for t in targets) == 2 * 2 + 1  # o + down per block, + embedding
+    # schedule_overlap (prefetch=1 by default) splits every gather into a start and a wait module
     gathers = [n for n in program.gm.graph.nodes if n.op == "call_module" and n.target.startswith("autoshard_gather_")]
-    assert len(gathers) == sum(1 for layer in graph_of(LLAMA).layers if layer.params)
+    starts = [n for n in gathers if n.target.endswith("_start")]
+    waits = [n for n in gathers if n.target.endswith("_wait")]
+    assert len(starts) == len(waits) == len(gathers) // 2 == sum(1 for layer in graph_of(LLAMA).layers if layer.params)
 
 
 def test_world_size_mismatch_is_refused_before_collectives():
