@@ -21,7 +21,7 @@ demo: $(STAMP)
 	$(PY) -m autoshard.demo
 
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -q -m "not gpu" -p no:cacheprovider
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15
 
 bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_bench.py
