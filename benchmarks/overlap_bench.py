@@ -20,7 +20,19 @@ use) and ``= --prefetch`` (async start issued ahead, wait at first use:
   gather op and layer i+1's wait (blocking mode: its gather op). Forward
   gathers are the first ``G`` gather ops of the step (one micro-batch: the
   forward runs before any backward re-gather), ``G`` = gathers in the graph.
-  On the CPU there are no kernels: (a)-(c) are ``null``.
+  (d) ``streams``: per CUDA stream id of the trace, NCCL and other kernel
+  time and count, and ``compute_stream`` (the one with the most non-NCCL
+  time): NCCL kernels on the compute stream cannot overlap it; (e)
+  ``gpu_idle_s``: time in the profiled step when no kernel ran (host-bound
+  gaps), and ``host_start_ms`` / ``host_wait_ms``: host time inside the
+  start/gather and wait ops (a wait that blocks the host is large here).
+  On the CPU there are no kernels: (a)-(e) are ``null`` except the host times.
+
+Training setup: AdamW at ``--lr`` (default 3e-5; the runtime default 1e-3,
+used by the first H100 run, made a 1.3b model diverge at once: every Adam
+step moves each weight by about lr, 5% of the init std), random tokens, so
+the loss can fall only to about ln(vocab) + the value term; the verdict flags
+non-finite or rising losses.
 
 Output: JSON at ``--out`` and a markdown table on stdout (card, date, torch).
 Imports only torch and autoshard (+ its wheelhouse: ortools, networkx, rich,
@@ -35,6 +47,7 @@ import dataclasses
 import datetime
 import importlib.util
 import json
+import math
 import os
 import subprocess
 import sys
@@ -75,6 +88,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--nproc", type=int, default=2, help="ranks when not launched by torchrun")
     p.add_argument("--layers", type=int, default=6, help="forward gathers to report in (c)")
+    p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (module docstring)")
     p.add_argument("--out", default="overlap_bench.json")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, gpt:tiny, seq 16, fp32, 3 steps")
     args = p.parse_args(argv)
@@ -138,11 +152,13 @@ def _kernels(events: list[dict]) -> list[dict]:
 
 
 def summarise_trace(trace: dict, num_gathers: int, num_layers: int) -> dict:
-    """(a), (b), (c) of the module docstring from a chrome trace dict; kernel fields ``None`` without kernels."""
+    """(a)-(e) of the module docstring from a chrome trace dict; kernel fields ``None`` without kernels."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X"]
     kernels = _kernels(events)
+    host = {"host_start_ms": _cpu_ms(events, GATHER_OPS), "host_wait_ms": _cpu_ms(events, WAIT_OPS)}
     if not kernels:
-        return {"nccl_kernel_s": None, "overlap_s": None, "overlap_by_stream_s": None, "layers": None}
+        return {"nccl_kernel_s": None, "overlap_s": None, "overlap_by_stream_s": None, "layers": None,
+                "streams": None, "compute_stream": None, "gpu_idle_s": None, **host}
     nccl = [k for k in kernels if k["nccl"]]
     streams = sorted({k["stream"] for k in nccl}, key=str)
     by_stream = {}
@@ -156,7 +172,27 @@ def summarise_trace(trace: dict, num_gathers: int, num_layers: int) -> dict:
         "overlap_s": intersection_length([(k["start"], k["end"]) for k in nccl], compute) * 1e-6,
         "overlap_by_stream_s": by_stream,
         "layers": _layer_overlap(events, kernels, num_gathers, num_layers),
+        **_streams(kernels), **host,
     }
+
+
+def _cpu_ms(events: list[dict], names: tuple[str, ...]) -> float:
+    """Host time spent inside the ``names`` ops (a wait that blocks the host shows up here, in ms)."""
+    return sum(e["dur"] for e in events if e.get("cat") == "cpu_op" and e["name"] in names) * 1e-3
+
+
+def _streams(kernels: list[dict]) -> dict:
+    """(d) per stream: NCCL and other kernel time (ms) and count; the compute stream; (e) GPU idle time."""
+    table: dict[str, dict] = {}
+    for k in kernels:
+        row = table.setdefault(str(k["stream"]), {"nccl_ms": 0.0, "compute_ms": 0.0, "kernels": 0})
+        row["nccl_ms" if k["nccl"] else "compute_ms"] += (k["end"] - k["start"]) * 1e-3
+        row["kernels"] += 1
+    compute_stream = max(table, key=lambda s: table[s]["compute_ms"])
+    busy = interval_union([(k["start"], k["end"]) for k in kernels])
+    span = busy[-1][1] - busy[0][0]
+    return {"streams": table, "compute_stream": compute_stream,
+            "gpu_idle_s": (span - sum(b - a for a, b in busy)) * 1e-6}
 
 
 def _cpu_ops(events: list[dict], names: tuple[str, ...]) -> list[dict]:
@@ -233,8 +269,10 @@ def run(args: argparse.Namespace) -> dict | None:
     device = rank_device(args.device)
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
     try:
+        from autoshard.runtime.optimizer import OptimizerConfig
+
         spec = RunSpec(model=args.model, global_batch=args.global_batch, seq_len=args.seq,
-                       precision=args.precision, device=args.device)
+                       precision=args.precision, device=args.device, optimizer=OptimizerConfig(lr=args.lr))
         graph = capture_reference(spec.model, seq_lens=(max(2, args.seq // 2), args.seq), dtype=spec.compute_dtype)
         vocab = max(layer.vocab or 0 for layer in graph.layers) or 128
         batches = make_batches(vocab, spec, args.steps + 1)
@@ -265,15 +303,39 @@ def markdown(report: dict) -> str:
 
     lines = [f"ZeRO-3 overlap, {report['model']} seq {report['seq']} batch {report['global_batch']} "
              f"{report['precision']}, {report['world']}× {report['card']}, torch {report['torch']}, {report['date']}",
-             "", "| prefetch | median step (ms) | NCCL kernels (ms) | NCCL ∩ compute (ms) | layers i+1 gather ∩ i compute |",
-             "| --- | --- | --- | --- | --- |"]
+             "", "| prefetch | median step (ms) | NCCL kernels (ms) | NCCL ∩ compute (ms) | layers i+1 gather ∩ i compute "
+             "| compute stream | NCCL ms by stream | GPU idle (ms) | host in waits (ms) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in report["modes"]:
         layers = m["layers"]
         hits = "n/a" if layers is None else f"{sum(r['overlaps'] for r in layers)}/{len(layers)}"
+        by_stream = "n/a" if m["streams"] is None else ", ".join(
+            f"{s}: {row['nccl_ms']:.1f}" for s, row in m["streams"].items() if row["nccl_ms"])
         lines.append(f"| {m['prefetch']} | {fmt(m['median_step_s'], 1e3)} | {fmt(m['nccl_kernel_s'], 1e3)} | "
-                     f"{fmt(m['overlap_s'], 1e3)} | {hits} |")
+                     f"{fmt(m['overlap_s'], 1e3)} | {hits} | {m['compute_stream'] or 'n/a'} | {by_stream} | "
+                     f"{fmt(m['gpu_idle_s'], 1e3)} | {m['host_wait_ms']:.1f} |")
     lines.append(f"\nspeedup (prefetch 0 → {report['modes'][1]['prefetch']}): {fmt(report['speedup'], 1, '.3f')}×")
     return "\n".join(lines)
+
+
+def verdict(report: dict) -> str:
+    """One line: did the prefetch overlap, how much faster, and whether the losses were sane."""
+    off, on = report["modes"]
+    losses = on["losses"]
+    sane = all(math.isfinite(v) for v in losses) and losses[-1] <= losses[0] + 0.5
+    tail = f"losses {losses[0]:.3f} → {losses[-1]:.3f} ({'stable' if sane else 'UNSTABLE'})"
+    if on["overlap_s"] is None:
+        return f"VERDICT: no GPU kernels (CPU run); speedup {report['speedup']:.3f}×; {tail}"
+    streams = on["streams"] or {}
+    nccl_on_compute = streams.get(on["compute_stream"], {}).get("nccl_ms", 0.0)
+    hidden = on["overlap_s"] / on["nccl_kernel_s"] if on["nccl_kernel_s"] else 0.0
+    ok = on["overlap_s"] > 0 and report["speedup"] > 1.0
+    return (f"VERDICT: {'OVERLAP' if ok else 'NO OVERLAP'}: prefetch {on['prefetch']} step "
+            f"{on['median_step_s'] * 1e3:.1f} ms vs {off['median_step_s'] * 1e3:.1f} ms ({report['speedup']:.3f}×); "
+            f"NCCL∩compute {on['overlap_s'] * 1e3:.1f} of {on['nccl_kernel_s'] * 1e3:.1f} ms NCCL ({hidden:.0%}); "
+            f"compute stream {on['compute_stream']} carries {nccl_on_compute:.1f} ms NCCL (backward); "
+            f"GPU idle {on['gpu_idle_s'] * 1e3:.1f} ms vs {off['gpu_idle_s'] * 1e3:.1f}; "
+            f"host in waits {on['host_wait_ms']:.1f} ms; {tail}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -286,6 +348,7 @@ def main(argv: list[str] | None = None) -> int:
     if report is not None:
         Path(args.out).write_text(json.dumps(report, indent=2) + "\n")
         print(markdown(report), flush=True)
+        print(verdict(report), flush=True)
     return 0
 
 

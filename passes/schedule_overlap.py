@@ -11,9 +11,12 @@ call nodes exist for ZeRO-3 layers; a ``Regather`` may be installed);
   ``GatherWait`` (``autoshard::all_gather_wait`` + copy-out, at the old node's
   place: the first use). The parameters' ``getitem`` nodes read the wait;
 * the start of the k-th such gather of a pipeline stage (graph order) is placed
-  right after the wait of the (k−p)-th, so layer k's gather is in flight while
-  layers k−p … k−1 compute; the first p starts of a stage go right before the
-  stage's first wait. At most ``p + 1`` layers' gathered buffers are alive;
+  right after the wait of the j-th, j the largest index such that layers
+  j … k−1 hold at least p *heavy* gathers (``prefetch_anchors``), so layer k's
+  gather is in flight while p heavy layers (and the light ones between)
+  compute; starts without such a j go right before the stage's first wait. With
+  only heavy layers, j = k − p. At most ``p + 1`` heavy layers' gathered buffers
+  (plus the light ones between) are alive;
 * every start has exactly one wait, after it (``check_waits``); both nodes record
   why in ``node.meta["autoshard"]`` (``pass``, ``why``, ``layer``, and for the
   start ``issued_after``: the node it follows).
@@ -22,6 +25,13 @@ call nodes exist for ZeRO-3 layers; a ``Regather`` may be installed);
 the A/B switch of ``benchmarks/overlap_bench.py``.
 
 [Note: overlap order]
+Heavy vs light: a layer's norm is its own "layer" with its own gather (GPT:
+embed, pos_embed, then per block attn_norm, attn, mlp_norm, mlp). Counting
+every gather, p = 1 put the attention block's gather behind the attn_norm
+compute only (one norm kernel) and the MLP's behind mlp_norm's: the big
+gathers had nothing to hide behind. A gather smaller than ``LIGHT_FRACTION``
+of the stage's largest is light and does not count towards p.
+
 Why start k right after wait k−p (FSDP2's forward prefetch order), and not
 earlier: the process group runs collectives in issue order on one stream
 (NCCL) or queue (gloo), so issuing start k before wait k−p cannot make k−p
@@ -134,18 +144,45 @@ def _async_gathers(gm: fx.GraphModule, plan: Plan) -> list[str]:
     return names
 
 
+LIGHT_FRACTION = 1 / 16  # a gather under this fraction of the stage's largest is "light" (note "overlap order")
+
+
+def prefetch_anchors(sizes: list[int], prefetch: int) -> list[int | None]:
+    """For gather k of a stage (flat sizes in graph order): the index j whose wait its start follows, or None.
+
+    j is the largest index with at least ``prefetch`` heavy gathers among j … k−1
+    (their layers compute while gather k is in flight); None: no such j, the
+    start goes before the stage's first wait. Non-decreasing in k.
+    """
+    largest = max(sizes, default=0)
+    heavy = [size >= LIGHT_FRACTION * largest for size in sizes]
+    anchors: list[int | None] = []
+    for k in range(len(sizes)):
+        j, count = k, 0
+        while j > 0 and count < prefetch:
+            j -= 1
+            count += heavy[j]
+        anchors.append(j if count >= prefetch else None)
+    return anchors
+
+
 def _split_stage(gm: fx.GraphModule, gathers: list[fx.Node], prefetch: int) -> None:
     """Replace each gather of one stage by start + wait (module docstring placement rule), in place."""
     waits = [_replace_with_wait(gm, g) for g in gathers]
+    sizes = [sum(gm.get_submodule(w.target).gather.spec.flat_sizes()) for w in waits]
+    anchors = prefetch_anchors(sizes, prefetch)
     prev_start = None
-    for k, wait in enumerate(waits):
-        anchor = waits[k - prefetch] if k >= prefetch else prev_start
-        start = _insert_start(gm, wait, anchor, waits[0])
+    for k, (wait, j) in enumerate(zip(waits, anchors)):
+        anchor = waits[j] if j is not None else None
+        # starts sharing an anchor keep graph order: NCCL runs them in issue order
+        after = prev_start if j is not None and k > 0 and anchors[k - 1] == j else anchor
+        start = _insert_start(gm, wait, after, waits[0])
         layer = gm.get_submodule(wait.target).gather.spec.layer
-        if k >= prefetch:
-            why = f"prefetch: layer {layer}'s all-gather issued after layer {_layer(gm, anchor)}'s wait, in flight during {prefetch} layer(s) of compute"
+        if j is not None:
+            why = (f"prefetch: layer {layer}'s all-gather issued after layer {_layer(gm, anchor)}'s wait, in flight "
+                   f"during the compute of {k - j} layer(s), {prefetch} of them heavy")
         else:
-            why = f"prefetch: among the first {prefetch} gather(s) of the stage, issued before the stage's first wait"
+            why = f"prefetch: fewer than {prefetch} heavy layer(s) before it in the stage, issued before the stage's first wait"
         tag(start, NAME, why, layer=layer, issued_after=anchor.name if anchor is not None else None, prefetch=prefetch)
         prev_start = start
 
@@ -205,4 +242,4 @@ def check_waits(graph: fx.Graph, gm: fx.GraphModule) -> None:
             assert index[users[0]] > index[node], f"{node.name}: its wait comes before it"
 
 
-__all__ = ["GatherStart", "GatherWait", "NAME", "check_waits", "run"]
+__all__ = ["LIGHT_FRACTION", "GatherStart", "GatherWait", "NAME", "check_waits", "prefetch_anchors", "run"]

@@ -11,7 +11,7 @@ is first used (the ``schedule_overlap`` pass does so for ZeRO-3 gathers):
 
 | op | forward | backward |
 | --- | --- | --- |
-| ``all_gather_start(x, g, grad_op)`` | launch ``all_gather_into_tensor(out, x, async_op=True)``, return ``out`` (rank-major along dim 0) | blocking ``reduce_scatter(grad, 0, g, grad_op)``: per-rank-losses convention, as ``autoshard::all_gather`` (``"avg"`` = FSDP's mean) |
+| ``all_gather_start(x, g, grad_op)`` | launch ``all_gather_into_tensor(out, x)`` (CUDA: on a side stream, note "streams"; gloo: ``async_op=True``), return ``out`` (rank-major along dim 0) | blocking ``reduce_scatter(grad, 0, g, grad_op)``: per-rank-losses convention, as ``autoshard::all_gather`` (``"avg"`` = FSDP's mean) |
 | ``all_gather_wait(pending, n, split_sizes)`` | wait for ``pending``'s collective, then ``pending.view(n, -1).split(split_sizes, 1)``, each piece copied contiguous ``(n, s_i)`` | ``cat(grads, 1).reshape(pending.shape)`` (an absent grad is zeros) |
 
 The wait does the split-and-copy itself because a custom op may not return
@@ -20,15 +20,25 @@ the ZeRO-3 copy-out (``passes/_zero3.py``) copies each parameter's rank-major
 pieces anyway. ``split_sizes=[s]`` with ``s = numel / n`` is a plain
 "wait and copy" of the whole buffer, shape ``(n, s)``.
 
-Where it overlaps: on NCCL, ``async_op=True`` runs the collective on the
-process group's internal stream, which first waits for the current stream (so
-``x`` is complete); ``Work.wait()`` makes the *current stream* wait for that
-stream's event and returns at once on the host, so kernels queued between start
-and wait run concurrently with the all-gather. The work object keeps ``x`` and
-``out`` alive until it is waited, so the caching allocator cannot hand their
-memory to another stream meanwhile. On gloo (CPU), the collective runs on
-gloo's worker thread and ``wait`` blocks the caller until it is done: the same
-values, with whatever overlap two CPU threads give.
+[Note: streams]
+On CUDA the start does not use ``async_op=True``. It launches the all-gather
+on one side stream per device owned by this module: the side stream first
+waits for the current (compute) stream (so the copy-in ``x`` is complete),
+the collective is issued *blocking* inside ``torch.cuda.stream(side)`` (torch
+>= 2.7 runs an ``async_op=False`` NCCL collective on the current stream, here
+the side stream), and a CUDA event is recorded after it. The wait makes the
+compute stream wait for that event: a device-side dependency, no host wait,
+no ``Work`` object. Kernels the compute stream runs between start and wait
+overlap the all-gather. ``out`` is allocated on the compute stream and ``x``
+is held by the pending table until the wait, so the caching allocator cannot
+hand either block to the compute stream before the side stream is done with
+it (the FSDP2 discipline). Why not ``async_op=True``: that path runs on the
+process group's internal stream, hands tensor lifetime to the group's stash
+and watchdog, and its ``Work.wait()`` semantics changed across releases; the
+first H100 run of ``benchmarks/overlap_bench.py`` (docs/runtime.md, "Overlap")
+measured no overlap and a slower step with it. On gloo (CPU) the start uses
+``async_op=True`` (gloo's worker thread) and the wait blocks the caller: the
+same values, with whatever overlap two CPU threads give.
 
 [Note: pending collectives]
 A custom op's schema carries only tensors and scalars, so the ``Work`` handle
@@ -64,22 +74,38 @@ _all_gather_single = _collectives._all_gather_single
 
 
 class _PendingTable:
-    """Process-wide table of started, not yet waited collectives (module note "pending collectives")."""
+    """Process-wide table of started, not yet waited collectives (module note "pending collectives").
+
+    An entry is ``(out, work, event, keep)``: ``work`` the gloo/NCCL ``Work``
+    (``None`` on the CUDA side-stream path and under ``LocalTensorMode``),
+    ``event`` the CUDA event recorded on the side stream after the collective
+    (``None`` off CUDA), ``keep`` the input buffer, held until the wait so the
+    caching allocator cannot recycle it while the side stream still reads it.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()  # gloo completion runs on other threads; the table is touched only here
-        self._entries: dict[int, tuple[Tensor, object | None]] = {}
+        self._entries: dict[int, tuple] = {}
+        self._streams: dict[int, object] = {}  # CUDA device index → the side stream of all_gather_start
 
     @staticmethod
     def key(t: Tensor) -> int:
         return t.untyped_storage()._cdata  # StorageImpl address: unique while the entry holds ``t``
 
-    def add(self, out: Tensor, work) -> None:
+    def comm_stream(self, device: torch.device):
+        """The one side stream of ``device`` that runs every started all-gather (module note "streams")."""
+        with self._lock:
+            if device.index not in self._streams:
+                self._streams[device.index] = torch.cuda.Stream(device=device)
+            return self._streams[device.index]
+
+    def add(self, out: Tensor, work, event=None, keep: Tensor | None = None) -> None:
         with self._lock:
             assert self.key(out) not in self._entries, "a buffer was registered twice"
-            self._entries[self.key(out)] = (out, work)
+            self._entries[self.key(out)] = (out, work, event, keep)
 
-    def pop(self, t: Tensor):
+    def pop(self, t: Tensor) -> tuple:
+        """``(work, event)`` of ``t``'s collective, forgotten here."""
         with self._lock:
             entry = self._entries.pop(self.key(t), None)
         if entry is None:
@@ -87,19 +113,26 @@ class _PendingTable:
                 "all_gather_wait: this tensor has no pending collective (it was already waited, or it was not "
                 "produced by all_gather_start); wait exactly once on each all_gather_start output"
             )
-        return entry[1]
+        return entry[1], entry[2]
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def drain(self) -> int:
         with self._lock:
-            works = [w for _t, w in self._entries.values()]
+            entries = list(self._entries.values())
             self._entries.clear()
-        for work in works:
-            if work is not None:
-                work.wait()
-        return len(works)
+        for out, work, event, _keep in entries:
+            _complete(work, event, out.device)
+        return len(entries)
+
+
+def _complete(work, event, device: torch.device) -> None:
+    """Order the caller after a started collective: ``device``'s current stream waits (CUDA) or the host blocks."""
+    if event is not None:
+        torch.cuda.current_stream(device).wait_event(event)  # a device-side dependency; the host goes on
+    elif work is not None:
+        work.wait()
 
 
 _PENDING = _PendingTable()
@@ -140,10 +173,26 @@ def _start_kernel(x: Tensor, group_name: str, grad_op: str = "sum") -> Tensor:
     _check_grad_op(grad_op)
     pg = _collectives._group(group_name)
     x = x.contiguous()
-    out = x.new_empty((pg.size() * x.shape[0], *x.shape[1:]))  # rank-major along dim 0
-    work = _all_gather_single(out, x, group=pg, async_op=True)
-    _PENDING.add(out, work)
+    out = x.new_empty((pg.size() * x.shape[0], *x.shape[1:]))  # rank-major along dim 0, allocated on the compute stream
+    if x.is_cuda:
+        _start_on_side_stream(out, x, pg)
+    else:
+        _PENDING.add(out, _all_gather_single(out, x, group=pg, async_op=True))
     return out
+
+
+def _start_on_side_stream(out: Tensor, x: Tensor, pg) -> None:
+    """CUDA: the all-gather on this module's side stream, after the compute stream's pending work (note "streams")."""
+    compute = torch.cuda.current_stream(x.device)
+    side = _PENDING.comm_stream(x.device)
+    side.wait_stream(compute)  # x (the copy-in) is complete before the collective reads it
+    with torch.cuda.stream(side):
+        # async_op=False: torch >= 2.7 launches on the current (= side) stream; older versions launch on
+        # the group's stream and their implicit Work.wait() joins it into the side stream. No host wait.
+        _all_gather_single(out, x, group=pg, async_op=False)
+        event = torch.cuda.Event()
+        event.record(side)
+    _PENDING.add(out, None, event, keep=x)
 
 
 _start_op = torch.library.custom_op("autoshard::all_gather_start", _start_kernel, mutates_args=())
@@ -159,9 +208,8 @@ def _(x, group_name, grad_op="sum"):
 
 def _wait_kernel(pending: Tensor, num_ranks: int, split_sizes: list[int]) -> list[Tensor]:
     _check_splits(pending, num_ranks, split_sizes)
-    work = _PENDING.pop(pending)
-    if work is not None:
-        work.wait()  # NCCL: the current stream waits for the collective's stream; gloo: blocks
+    work, event = _PENDING.pop(pending)
+    _complete(work, event, pending.device)  # CUDA: the current stream waits for the side stream's event; gloo: blocks
     rows = pending.view(num_ranks, -1)  # (n, L)
     # clone, not contiguous(): a full-width piece is already contiguous and would alias ``pending``
     return [piece.clone(memory_format=torch.contiguous_format) for piece in rows.split(list(split_sizes), dim=1)]
