@@ -45,7 +45,7 @@ for s in "${STEPS[@]}"; do
     bench) step bench 220 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
         --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans "${BENCH_PLANS:-6}" --steps 6 --warmup 2 \
         --configs "${BENCH_CONFIGS:-autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3}" ;;
-    ppo) step ppo 110 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps 10 --precision bf16 \
+    ppo) step ppo 110 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps "${PPO_STEPS:-10}" --precision bf16 \
         --metrics "$OUT/ppo_gpu.jsonl" ;;
     *) echo "unknown step $s" ;;
   esac

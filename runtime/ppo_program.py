@@ -73,13 +73,19 @@ from autoshard.runtime.ppo_engine import EngineError
 class GroupReducer:
     """``Reducer`` over a named process group of the runtime (SUM all-reduce, in place)."""
 
-    def __init__(self, group_name: str, rank: int, world_size: int) -> None:
+    def __init__(self, group_name: str, rank: int, world_size: int, device: torch.device | str = "cpu") -> None:
         self.group_name, self.rank, self.world_size = group_name, rank, world_size
+        self.device = torch.device(device)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
-        """Sum ``tensor`` over the group in place and return it (identity for a group of one)."""
+        """Sum ``tensor`` over the group in place and return it (identity for a group of one).
+
+        The collective runs on the program's device: NCCL has no CPU backend,
+        and PPO's token counts and metrics live on the CPU.
+        """
         if self.world_size > 1:
-            tensor.copy_(collectives.all_reduce(tensor, self.group_name, "sum"))
+            moved = tensor.to(self.device)
+            tensor.copy_(collectives.all_reduce(moved, self.group_name, "sum").to(tensor.device))
         return tensor
 
 
@@ -100,7 +106,7 @@ class ProgramEngine:
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
         ctx = program.ctx
         self.device = torch.device(ctx.device)
-        self.dp = GroupReducer(ctx.group("dp"), ctx.coord("dp"), ctx.size("dp"))
+        self.dp = GroupReducer(ctx.group("dp"), ctx.coord("dp"), ctx.size("dp"), ctx.device)
         if frozen:
             program.gm.requires_grad_(False)
 
