@@ -8,11 +8,24 @@ per-rank losses):
 | state | master / moments layout | gradient sync after backward | after the update |
 | --- | --- | --- | --- |
 | replicate (DDP) | full local param | all-reduce(avg) over dp | copy master → compute param |
-| zero1 | flat chunk 1/D | all-reduce(avg) over dp, keep own chunk | all-gather chunks over dp → param |
+| zero1 | flat chunk 1/D | reduce-scatter(avg) over dp (quantized wire: all-reduce, keep own chunk) | all-gather chunks over dp → param |
 | zero2 | flat chunk 1/D | reduce-scatter(avg) over dp | all-gather chunks over dp → param |
 | zero3 | = the Shard(0) param shard | reduce-scatter(avg) over dp_shard in backward (graph); all-reduce(avg) over dp_replicate (HSDP) | copy master → shard |
 | replicate + EP experts | the ep shard [E/ep, ...] | all-reduce(sum) over edp (dp ranks holding the same experts), ÷ D | copy master → compute param |
 | offload | flat chunk 1/D on the host | reduce-scatter(avg), copy the chunk to the host | update on host, copy up, all-gather |
+
+Buckets (``runtime/_buckets.py``): the syncs above are not issued per
+parameter. Slots with the same collective, group, op, dtype, device and an
+unquantized wire ("none"/"fp32") are packed into flat buckets of about
+``bucket_bytes`` (``plan.schedule.bucket_bytes``, 25 MiB default; 0 = one per
+parameter), ONE all-reduce or reduce-scatter per bucket; after the update the
+flat slots' chunks are re-gathered with ONE all-gather per bucket. The
+reduce-scatter bucket is rank-major (row r = every member's chunk r), so each
+rank still owns exactly its per-parameter flat chunk. Quantized wires
+("int8"/"int4", per-tensor block scales) keep one qgZ per parameter. ZeRO-1
+syncs like ZeRO-2 (reduce-scatter, half the all-reduce's bytes): the gradient
+is still accumulated in full ``param.grad`` during backward, so in this runtime
+ZeRO-1 and ZeRO-2 differ only in the quantized path.
 
 "Flat chunk": the parameter flattened, zero-padded to a multiple of D,
 chunk ``coord("dp")``. (Checkpoint layouts use ``Program.local_state_dict``,
@@ -54,10 +67,11 @@ from torch import nn
 
 from autoshard.errors import AutoshardError
 from autoshard.passes.context import ParamPlacement, RankContext
-from autoshard.runtime import collectives
+from autoshard.runtime import _buckets, collectives
 from autoshard.runtime.quantized_collectives import all_reduce_grad, reduce_scatter_grad
 
 FLAT_STATES = ("zero1", "zero2", "offload")
+DEFAULT_BUCKET_BYTES = 25 * 2**20  # = Schedule.bucket_bytes default (DDP's bucket_cap_mb)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -109,35 +123,60 @@ class _Slot:
             rep = ctx.size("edp")  # expert shards are replicated over the expert-data-parallel group only
         return rep * (ctx.size("tp") if p.tp_dim is None else 1)
 
+    def reduction(self) -> tuple[str, str, str] | None:
+        """(collective, group, op) of the gradient sync (module docstring table); None: nothing to reduce."""
+        ctx, p = self.ctx, self.placement
+        if self.flat:
+            return ("reduce_scatter", ctx.group("dp"), "avg")
+        if p.dp_dim is not None:
+            return ("all_reduce", ctx.group("dp_replicate"), "avg") if ctx.size("dp_replicate") > 1 else None
+        if p.ep_dim is not None:  # EP experts: grad = Σ of the ep group's losses (all-to-all bwd)
+            return ("all_reduce", ctx.group("edp"), "sum") if ctx.size("edp") > 1 else None
+        return ("all_reduce", ctx.group("dp"), "avg") if ctx.size("dp") > 1 else None
+
+    def bucket_key(self) -> tuple | None:
+        """Key of the gradient bucket this slot joins (``_buckets.assign``); None: synced on its own."""
+        reduction = self.reduction()
+        if reduction is None or self.grad_comm not in _buckets.BUCKETED_WIRES:
+            return None
+        return (*reduction, self.grad_comm, self.param.dtype, self.param.device)
+
+    def wire_numel(self) -> int:
+        """Elements this slot adds to a gradient bucket (padded to whole chunks when flat)."""
+        return self.chunk * self.ctx.size("dp") if self.flat else self.numel
+
+    def local_grad(self) -> torch.Tensor:
+        """This rank's unreduced gradient (zeros when the parameter got none)."""
+        return self.param.grad if self.param.grad is not None else torch.zeros_like(self.param)
+
+    def set_grad(self, reduced: torch.Tensor) -> None:
+        """Store the reduced gradient as ``self.grad`` (fp32, on the host; EP experts ÷ D)."""
+        if self.placement.ep_dim is not None and not self.flat:
+            reduced = reduced / self.ctx.size("dp")  # mean over all dp ranks' losses
+        self.grad = reduced.to(self.host, torch.float32)
+
     def sync_grad(self) -> None:
-        """Reduce ``param.grad`` over the data-parallel ranks into ``self.grad`` (fp32, on the host)."""
-        ctx, grad = self.ctx, self.param.grad
-        if grad is None:
-            grad = torch.zeros_like(self.param)
-        wire = self.grad_comm
+        """Reduce ``param.grad`` into ``self.grad`` with a collective of its own (any ``grad_comm``)."""
+        ctx, grad, wire = self.ctx, self.local_grad(), self.grad_comm
         if self.flat:
             flat = F.pad(grad.reshape(-1), (0, self.chunk * ctx.size("dp") - self.numel))
             if self.placement.state == "zero1":
                 grad = self._own_chunk(all_reduce_grad(flat, ctx.group("dp"), wire, "avg"))
             else:
                 grad = reduce_scatter_grad(flat, ctx.group("dp"), wire, op="avg")
-        elif self.placement.dp_dim is not None:
-            if ctx.size("dp_replicate") > 1:
-                grad = all_reduce_grad(grad, ctx.group("dp_replicate"), wire, "avg")
-        elif self.placement.ep_dim is not None:  # EP experts: grad = Σ of the ep group's losses (all-to-all bwd)
-            if ctx.size("edp") > 1:
-                grad = all_reduce_grad(grad, ctx.group("edp"), wire, "sum")
-            grad = grad / ctx.size("dp")  # mean over all dp ranks' losses
-        elif ctx.size("dp") > 1:
-            grad = all_reduce_grad(grad, ctx.group("dp"), wire, "avg")
-        self.grad = grad.to(self.host, torch.float32)
+        elif (reduction := self.reduction()) is not None:
+            grad = all_reduce_grad(grad, reduction[1], wire, reduction[2])
+        self.set_grad(grad)
 
-    def write_back(self) -> None:
-        """Copy the updated master into the compute parameter (all-gathering flat chunks)."""
+    def write_back(self, full: torch.Tensor | None = None) -> None:
+        """Copy the updated master into the compute parameter.
+
+        Flat slots take ``full``, the all-gathered padded flat parameter
+        (``ShardedOptimizer`` gathers them in buckets); the others copy the master.
+        """
         with torch.no_grad():
             if self.flat:
-                chunk = self.master.to(self.param.device, self.param.dtype)
-                full = collectives.all_gather(chunk, 0, self.ctx.group("dp"))
+                assert full is not None and full.numel() == self.chunk * self.ctx.size("dp"), "flat slot needs its gather"
                 self.param.copy_(full[: self.numel].view_as(self.param))
             else:
                 self.param.copy_(self.master.to(self.param.device, self.param.dtype))
@@ -160,7 +199,7 @@ class _Slot:
 
 
 class ShardedOptimizer:
-    """AdamW / SGD over this rank's shards (module docstring: layouts, sync, clipping)."""
+    """AdamW / SGD over this rank's shards (module docstring: layouts, sync, buckets, clipping)."""
 
     def __init__(
         self,
@@ -170,12 +209,29 @@ class ShardedOptimizer:
         ctx: RankContext,
         config: OptimizerConfig,
         grad_comm: dict[str, str] | None = None,
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """``grad_comm``: fqn → wire dtype of its gradient sync ("none" when absent; module docstring)."""
-        self.ctx, self.config = ctx, config
+        """``grad_comm``: fqn → wire dtype of its gradient sync ("none" when absent; module docstring).
+
+        ``bucket_bytes``: target payload of one bucketed collective
+        (``plan.schedule.bucket_bytes``); 0 = one collective per parameter.
+        """
+        if bucket_bytes < 0:
+            raise AutoshardError(f"bucket_bytes={bucket_bytes!r}: must be >= 0 (0 disables bucketing); "
+                                 f"set Schedule.bucket_bytes to e.g. {DEFAULT_BUCKET_BYTES}")
+        self.ctx, self.config, self.bucket_bytes = ctx, config, bucket_bytes
         wire = grad_comm or {}
         self.slots = {fqn: _Slot(p, placements[fqn], masters[fqn], ctx, wire.get(fqn, "none")) for fqn, p in params.items()}
         self.steps = 0
+        slots = list(self.slots.values())
+        self._grad_buckets = [[slots[i] for i in b] for b in _buckets.assign(
+            [s.bucket_key() for s in slots], [s.wire_numel() * s.param.element_size() for s in slots], bucket_bytes)]
+        flat = [s for s in slots if s.flat]
+        self._gather_buckets = [[flat[i] for i in b] for b in _buckets.assign(
+            [(s.param.dtype, s.param.device) for s in flat], [s.wire_numel() * s.param.element_size() for s in flat],
+            bucket_bytes)]
+        bucketed = {id(s) for b in self._grad_buckets for s in b}
+        self._unbucketed = [s for s in slots if id(s) not in bucketed]  # quantized wires, or nothing to reduce
 
     def clip_scale(self) -> tuple[float, float]:
         """(global gradient norm, scale factor) from the synced gradients."""
@@ -190,14 +246,37 @@ class ShardedOptimizer:
     @torch.no_grad()
     def step(self) -> float:
         """Sync gradients, clip, update masters, write back compute params; returns the global grad norm."""
-        for slot in self.slots.values():
-            slot.sync_grad()
+        self.sync_grads()
         norm, scale = self.clip_scale()
         self.steps += 1
         for slot in self.slots.values():
             self._update(slot, slot.grad * scale if scale != 1.0 else slot.grad)
-            slot.write_back()
+        self.write_back()
         return norm
+
+    def sync_grads(self) -> None:
+        """Reduce every slot's gradient: one collective per bucket, per-parameter for quantized wires."""
+        for bucket in self._grad_buckets:
+            kind, group, op, wire, _dtype, _device = bucket[0].bucket_key()
+            grads = [s.local_grad() for s in bucket]
+            if kind == "all_reduce":
+                reduced = _buckets.all_reduce(grads, group, wire, op)
+            else:
+                reduced = _buckets.reduce_scatter(grads, [s.chunk for s in bucket], self.ctx.size("dp"), group, wire, op)
+            for slot, grad in zip(bucket, reduced, strict=True):
+                slot.set_grad(grad)
+        for slot in self._unbucketed:
+            slot.sync_grad()
+
+    def write_back(self) -> None:
+        """Copy updated masters into the compute params: one all-gather per bucket of flat slots."""
+        for bucket in self._gather_buckets:
+            chunks = [s.master.to(s.param.device, s.param.dtype) for s in bucket]
+            for slot, full in zip(bucket, _buckets.all_gather(chunks, self.ctx.size("dp"), self.ctx.group("dp")), strict=True):
+                slot.write_back(full)
+        for slot in self.slots.values():
+            if not slot.flat:
+                slot.write_back()
 
     def _update(self, slot: _Slot, grad: torch.Tensor) -> None:
         cfg, p = self.config, slot.master
@@ -215,4 +294,4 @@ class ShardedOptimizer:
         p.addcdiv_(slot.exp_avg, denom, value=-cfg.lr / bias1)
 
 
-__all__ = ["FLAT_STATES", "OptimizerConfig", "ShardedOptimizer"]
+__all__ = ["DEFAULT_BUCKET_BYTES", "FLAT_STATES", "OptimizerConfig", "ShardedOptimizer"]

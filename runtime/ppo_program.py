@@ -308,7 +308,25 @@ def sharded_trainer(
     task = get_task(run.task, **TASK_PRESETS.get(run.task, {}))
     config = ppo_config(run, policy.dp.world_size, task.max_response_len)
     flops_per_token = 6.0 * sum(p.numel() for p in model.parameters())
-    return PPOTrainer(policy, reference, task, config, flops_per_token=flops_per_token, on_metrics=on_metrics)
+    return PPOTrainer(
+        policy, reference, task, config, flops_per_token=flops_per_token, peak_flops=_replica_peak_flops(plan),
+        on_metrics=on_metrics,
+    )
+
+
+def _replica_peak_flops(plan: Any) -> float | None:
+    """Peak FLOP/s of the devices that hold one model replica (tp × pp × cp of them), in the
+    plan's precision, from the cluster the plan recorded; ``None`` (MFU reported as NaN) when
+    the plan records no cluster. MFU then counts 6·params FLOPs per trained token of this
+    data-parallel rank against the replica's peak, so tensor/pipeline ranks are not counted twice."""
+    from autoshard.errors import AutoshardError
+    from autoshard.plan_reuse import cluster_of
+
+    try:
+        device_peak = cluster_of(plan).peak_flops(plan.precision)
+    except AutoshardError:
+        return None
+    return device_peak * (plan.mesh.world_size // plan.mesh.dp)
 
 
 def reseed(trainer: Any, step: int) -> None:

@@ -168,7 +168,8 @@ def build_program(
     masters = {fqn: placements[fqn].shard(masters[fqn], ctx) for fqn in params}
     config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
     grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
-    return Program(gm, plan, ctx, ShardedOptimizer(params, placements, masters, ctx, config, grad_comm))
+    sharded = ShardedOptimizer(params, placements, masters, ctx, config, grad_comm, bucket_bytes=plan.schedule.bucket_bytes)
+    return Program(gm, plan, ctx, sharded)
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:
