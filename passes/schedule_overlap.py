@@ -50,7 +50,8 @@ Decisions and limits (partial, stated):
   the region's body, not the top-level graph, and stay blocking there.
 * No bucketing: one all-gather per layer already (the ZeRO-3 copy-in flattens a
   layer's parameters into one buffer); gradient bucketing
-  (``schedule.bucket_bytes``) is not applied (the optimizer reduces per parameter).
+  (``schedule.bucket_bytes``) belongs to the optimizer (``runtime/_buckets.py``), which
+  reduces DDP/ZeRO-1/2 gradients one bucket at a time after backward (not overlapped yet).
 * The copy-in/copy-out layout is that of ``[Note: ZeRO-3 gather layout]``
   (``passes/_zero3.py``), restated in ``GatherStart``/``GatherWait`` (the
   numerics test compares the two paths bit for bit).
