@@ -21,6 +21,10 @@ Steps, in one process group:
 4. rank 0 writes ``OUT/results.json`` and ``OUT/results.md`` after every config
    (a crash keeps what was measured).
 
+``--list-plans`` stops after step 2: rank 0 prints the autoshard plans with their
+predictions and writes ``OUT/plans.json`` (``{"meta", "plans": [{"config", "plan",
+"predicted", "predicted_calibrated"}]}``); nothing is trained, no baseline is built.
+
 Predictions next to measurements: an autoshard plan's own predicted step time and
 peak memory (``search.cost_model.predict`` on the detected cluster, and on the
 calibrated one when given; error = (predicted − measured) / measured). A
@@ -38,6 +42,8 @@ re-raises instead).
 from __future__ import annotations
 
 import argparse
+import functools
+import json
 import logging
 import os
 import sys
@@ -99,11 +105,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration", type=Path, help="calibration JSON (`autoshard cluster calibrate`)")
     p.add_argument("--out", type=Path, required=True, help="output folder for results.json and results.md")
     p.add_argument("--stop-on-error", action="store_true", help="re-raise a failing config instead of going on")
+    p.add_argument("--list-plans", action="store_true",
+                   help="search only: print the autoshard plans and predictions, write OUT/plans.json, train nothing")
     args = p.parse_args(argv)
     args.configs = [c.strip() for c in args.configs.split(",") if c.strip()]
     unknown = [c for c in args.configs if c not in CONFIGS]
     if unknown:
         p.error(f"--configs {unknown}: allowed {list(CONFIGS)}")
+    if args.max_plans < 1:
+        p.error(f"--max-plans {args.max_plans}: allowed >= 1")
     return args
 
 
@@ -122,10 +132,15 @@ def _init_distributed(device: str) -> bool:
 
 
 def _capture(spec: RunSpec):
+    """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls."""
+    return _capture_cached(spec.model, spec.seq_len, spec.compute_dtype)
+
+
+@functools.lru_cache(maxsize=4)
+def _capture_cached(model: str, seq_len: int, dtype: torch.dtype):
     from autoshard.passes.capture import capture_reference
 
-    seq_lens = (max(2, spec.seq_len // 2), spec.seq_len)
-    return capture_reference(spec.model, seq_lens=seq_lens, dtype=spec.compute_dtype)
+    return capture_reference(model, seq_lens=(max(2, seq_len // 2), seq_len), dtype=dtype)
 
 
 def _baseline_factory(name: str) -> Callable[..., Any]:
@@ -213,13 +228,17 @@ def _benchmark(args: argparse.Namespace) -> None:
     detected = Cluster.detect()
     calibrated = detected.with_calibration(args.calibration) if args.calibration else None
     graph = _capture(spec)
+    if args.list_plans:
+        _list_plans(graph, _plans(graph, calibrated or detected, spec, args, world, rank), detected, calibrated,
+                    spec, args, world, rank)
+        return
     plans = _plans(graph, calibrated or detected, spec, args, world, rank) if "autoshard" in args.configs else []
     batches = make_batches(graph.vocab, spec, args.steps)
     meta = report.run_meta(args, spec, detected, world, model_flops_per_step(graph, spec))
     rows: list[dict] = []
 
     def record(row: dict, plan: Plan) -> None:
-        row["plan"] = report.plan_summary(plan)
+        row["plan"] = plan_label(plan)
         row["predicted"] = _predict(graph, plan, detected, spec)
         row["predicted_calibrated"] = _predict(graph, plan, calibrated, spec)
         rows.append(report.finish_row(row, meta))
@@ -235,6 +254,48 @@ def _benchmark(args: argparse.Namespace) -> None:
         record(row, _equivalent_plan(name, graph, spec, world))
     if rank == 0:
         print(report.markdown(meta, rows))
+
+
+def plan_label(plan: Plan) -> str:
+    """``report.plan_summary`` plus what it leaves out: pp and its schedule, SP, recompute, quantized comm.
+
+    E.g. ``dp_shard=2; zero3×12; m=1 mb=2; R(sel)×2 qW8×12``; features are counted
+    over layers in ``LayerStrategy.notation`` terms (``R(full)``, ``qG4``, ...).
+    """
+    text = report.plan_summary(plan)
+    extras: list[str] = []
+    if plan.mesh.pp > 1:
+        v = plan.schedule.virtual_stages
+        extras.append(f"pp={plan.mesh.pp} {plan.schedule.name}" + (f" v={v}" if v > 1 else ""))
+    counts: dict[str, int] = {}
+    for s in plan.layers:
+        for part in s.notation.split("·")[1:]:
+            if part != "TP":  # already in plan_summary
+                counts[part] = counts.get(part, 0) + 1
+    extras += [f"{k}×{v}" for k, v in sorted(counts.items())]
+    return text + ("; " + " ".join(extras) if extras else "")
+
+
+def _list_plans(graph, plans, detected: Cluster, calibrated: Cluster | None, spec: RunSpec,
+                args: argparse.Namespace, world: int, rank: int) -> None:
+    """``--list-plans``: predictions of every plan, printed and written to ``OUT/plans.json`` by rank 0."""
+    if rank != 0:
+        return
+    rows = [{"config": p.name, "plan": plan_label(p.plan), "predicted": _predict(graph, p.plan, detected, spec),
+             "predicted_calibrated": _predict(graph, p.plan, calibrated, spec), "plan_json": p.plan.to_json()}
+            for p in plans]
+    meta = {"model": spec.model, "global_batch": spec.global_batch, "seq_len": spec.seq_len, "world_size": world,
+            "precision": spec.precision, "cluster": detected.name, "plans": args.plans, "max_plans": args.max_plans}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "plans.json").write_text(json.dumps({"meta": meta, "plans": rows}, indent=1) + "\n")
+    print(f"{len(rows)} autoshard plans for {spec.model}, batch {spec.global_batch} x seq {spec.seq_len}, "
+          f"world {world} ({detected.name}):")
+    print("| config | plan | pred ms | pred GiB |\n|---|---|---|---|")
+    for row in rows:
+        pred = row["predicted"] or {}
+        ms = f"{pred['step_time_s'] * 1e3:.1f}" if "step_time_s" in pred else pred.get("error", "–")
+        gib = f"{pred['peak_memory_bytes'] / 2**30:.2f}" if "peak_memory_bytes" in pred else "–"
+        print(f"| {row['config']} | {row['plan']} | {ms} | {gib} |")
 
 
 def _plans(graph, cluster: Cluster, spec: RunSpec, args: argparse.Namespace, world: int, rank: int):

@@ -11,9 +11,11 @@ not) for 3 steps with 2 micro-batches and clipping, in fp32:
   shift-invariant) moves by round-off-sized steps that differ with reduction
   order (PLATFORM_NOTES, "Equality tests"); the losses stay within 1e-4.
 
-A second job runs ``benchmarks/run.py``'s ``main`` on 2 gloo ranks (tiny
-sizes, two forced autoshard plans, FSDP2, Megatron and DeepSpeed skipped) and checks the JSON and
-markdown it writes.
+A second job runs ``benchmarks/run.py``'s ``main`` on 2 gloo ranks (llama:tiny):
+``--plans forced --list-plans`` lists ≥ 10 distinct plans with predictions (pp,
+SP, recompute and quantized-comm variants among them), then a measured run of
+the first 2 forced plans, FSDP2, and Megatron / DeepSpeed skipped checks the
+JSON and markdown it writes.
 """
 
 from __future__ import annotations
@@ -126,10 +128,13 @@ def test_run_spec_rejects_bad_values():
 
 
 def _run_main(rank, world_size, out, calibration):
+    """``--list-plans`` (search only, every forced plan), then a measured run of the first 3 plans."""
     from benchmarks import run
 
-    argv = ["--device", "cpu", "--model", "gpt:tiny", "--batch", "4", "--seq", "16", "--steps", "2", "--warmup", "1",
-            "--precision", "fp32", "--plans", "forced", "--max-plans", "2", "--calibration", calibration,
+    common = ["--device", "cpu", "--model", "llama:tiny", "--batch", "4", "--seq", "16", "--precision", "fp32",
+              "--plans", "forced", "--calibration", calibration]
+    run.main([*common, "--list-plans", "--max-plans", "30", "--out", out + "/list"])
+    argv = [*common, "--steps", "2", "--warmup", "1", "--max-plans", "2",
             "--configs", "autoshard,fsdp2,megatron-tp,deepspeed-z3", "--out", out]
     return run.main(argv)
 
@@ -140,14 +145,50 @@ def bench(tmp_path_factory):
     calibration = tmp / "cal.json"
     calibration.write_text(json.dumps({"matmul_efficiency": 0.05, "hbm_efficiency": 0.5}))
     run_gloo(_run_main, 2, str(tmp / "out"), str(calibration), timeout_s=240)
-    return json.loads((tmp / "out" / "results.json").read_text()), (tmp / "out" / "results.md").read_text()
+    listed = json.loads((tmp / "out" / "list" / "plans.json").read_text())
+    return json.loads((tmp / "out" / "results.json").read_text()), (tmp / "out" / "results.md").read_text(), listed
+
+
+def test_list_plans_covers_ten_distinct_forced_plans(bench):
+    from autoshard.plan import Plan
+    from benchmarks.baselines.plans import decision_key
+
+    _, _, listed = bench
+    plans = {row["config"]: Plan.from_json(row["plan_json"]) for row in listed["plans"]}
+    assert len(plans) == len(listed["plans"]) >= 10
+    assert len({decision_key(p) for p in plans.values()}) == len(plans)
+    assert next(iter(plans)) == "autoshard"
+    for row in listed["plans"]:
+        assert row["predicted"]["step_time_s"] > 0 and row["predicted"]["peak_memory_bytes"] > 0, row
+        assert row["predicted_calibrated"]["step_time_s"] > 0, row
+    # The forced families the runtime now executes are all there on 2 ranks.
+    assert any(p.mesh.pp == 2 and p.schedule.name == "1f1b" for p in plans.values())
+    assert any(p.mesh.tp == 2 and any(s.sp for s in p.layers) for p in plans.values())
+    assert any(any(s.recompute == "selective" for s in p.layers) for p in plans.values())
+    assert any(any(s.weight_comm == "int8" for s in p.layers) for p in plans.values())
+    assert any(any(s.grad_comm == "int8" for s in p.layers) for p in plans.values())
+    assert any(p.schedule.num_micro_batches == 2 and p.mesh.pp == 1 for p in plans.values())
+
+
+def test_runtime_refusal_and_variants():
+    from benchmarks.baselines.plans import runtime_refusal, variants
+
+    gpt, llama = graph_of("gpt:tiny"), graph_of("llama:tiny")
+    assert "tied" in runtime_refusal(uniform_plan(gpt, Mesh(pp=2), state="replicate"), gpt)
+    assert runtime_refusal(uniform_plan(gpt, Mesh(dp_shard=2), state="zero3"), gpt) is None
+    assert runtime_refusal(uniform_plan(llama, Mesh(pp=2), state="replicate"), llama) is None
+    names2, names4 = [v.name for v in variants(2)], [v.name for v in variants(4)]
+    assert names2[:4] == ["replicate", "zero3", "tp2", "pp2-1f1b"] and "tp4" not in names2
+    assert {"tp4", "zero3-rep2", "tp2-zero3"} <= set(names4) and len(set(names4)) == len(names4)
 
 
 def test_run_measures_forced_plans_and_baselines(bench):
-    data, _ = bench
+    data, _, listed = bench
     rows = {r["config"]: r for r in data["rows"]}
     autoshard = [r for r in data["rows"] if r["config"].startswith("autoshard")]
-    assert len(autoshard) == 2 and len({r["plan"] for r in autoshard}) == 2
+    # --max-plans truncates the listed order: the run measures its first 2 plans.
+    assert [r["config"] for r in autoshard] == [p["config"] for p in listed["plans"][:2]]
+    assert len({r["plan"] for r in autoshard}) == 2
     for row in autoshard + [rows["fsdp2"]]:
         assert row["status"] == "ok", row["status"]
         assert len(row["losses"]) == 2 and len(row["step_times_s"]) == 1
@@ -161,7 +202,7 @@ def test_run_measures_forced_plans_and_baselines(bench):
 
 
 def test_run_reports_calibrated_predictions(bench):
-    data, text = bench
+    data, text, _ = bench
     row = data["rows"][0]
     # matmul_efficiency 0.05 makes the calibrated cluster slower: a longer predicted step.
     assert row["predicted_calibrated"]["step_time_s"] > row["predicted"]["step_time_s"]

@@ -1,15 +1,16 @@
 """autoshard's own trainer for the benchmark: a ``Plan`` run by ``build_program``, same step as the baselines.
 
-``plan_constraints(graph, precision)`` restricts the search to what the runtime
-executes today (docs/runtime.md, "Partial"): one pipeline stage, no context or
-expert parallelism, no recompute, no sequence parallelism, and uncompressed
-communication (the runtime ignores ``weight_comm``/``grad_comm``, so the
-prediction must not price a quantized collective that does not run). Every
-layer class gets the same pin. ``grad_comm="bf16"`` is the strategy space's
-only uncompressed choice on every mesh (``"fp32"`` is offered only with dp > 1),
-so an fp32 run (the CPU smoke test) is priced with 2-byte gradient
-collectives while it moves 4-byte ones: a known under-estimate there, none in
-bf16 runs. ``uniform_plan`` writes a hand-made plan (one
+``plan_constraints(graph, precision)`` pins the family ``--plans best`` searches
+(and the defaults forced variants start from, ``baselines/plans.py``): one
+pipeline stage, no context or expert parallelism, no recompute, no sequence
+parallelism, uncompressed communication. The runtime executes more than this
+(pp, recompute, SP, EP, quantized comm: docs/runtime.md); forced variants free
+or fix those fields one at a time, so the best plan stays comparable with the
+first GPU runs. Every layer class gets the same pin. ``grad_comm="bf16"`` is
+the strategy space's only uncompressed choice on every mesh (``"fp32"`` is
+offered only with dp > 1), so an fp32 run (the CPU smoke test) is priced with
+2-byte gradient collectives while it moves 4-byte ones: a known
+under-estimate there, none in bf16 runs. ``uniform_plan`` writes a hand-made plan (one
 state for every layer, optional Megatron TP) for the baselines' "equivalent
 plan" predictions and the numerics test.
 """

@@ -1,27 +1,53 @@
 """Which autoshard plans the benchmark measures: the search's best, or the best plus forced alternatives.
 
 ``--plans best``: one ``solve`` under ``autoshard_trainer.plan_constraints``
-(what the runtime executes today).
+(pp = cp = ep = 1, no recompute, no SP, uncompressed communication: the
+plan family measured since the first GPU runs).
 
-``--plans forced``: the best plan, then one ``solve`` per forced variant,
-each fixing part of the answer so the cost model is tested away from its own
-optimum (predicted-vs-measured needs plans it did not choose):
+``--plans forced``: the best plan, then one ``solve`` per entry of
+``variants(world)``, each fixing part of the answer (a ``Constraints`` pin on
+every layer class and/or fixed mesh degrees, a pipeline schedule, a micro-batch)
+so the cost model is tested away from its own optimum — predicted-vs-measured
+needs plans it did not choose. Order = what a truncated run (``--max-plans``)
+should keep first, the most informative contrasts first:
 
-    state  ∈ {replicate, zero1, zero2, zero3, offload}      (pinned on every layer class)
-    mesh   ∈ {dp only; tp = t for each t > 1 dividing the world (one node); HSDP dp_replicate=2}
-    micro  ∈ {one micro-batch per rank; two}                 (TrainSpec.micro_batch)
+    ====  =========================  ==========================================================
+     #    variant                    pins (every layer class unless noted) / mesh / schedule
+    ====  =========================  ==========================================================
+     1    free                       the search's best over everything the runtime executes
+                                     (cp = 1; pp = 1 when the model ties a parameter across layers)
+     2    replicate (DDP)            state=replicate, tp = pp = 1
+     3    zero3                      state=zero3, tp = pp = 1
+     4    tp2                        tp = 2, pp = 1, no SP
+     5    pp2-1f1b                   pp = 2, tp = 1, schedule 1f1b
+     6    zero3-int8w                state=zero3, weight_comm=int8
+     7    zero2-int8g                state=zero2, grad_comm=int8
+     8    zero3-selective            state=zero3, recompute=selective on attention classes
+     9    full-recompute             recompute=full, tp = pp = 1 (state searched)
+    10    tp2-sp                     tp = 2, sp=True
+    11    pp2-interleaved            pp = 2, schedule interleaved_1f1b
+    12    zero1, zero2               state pinned, tp = pp = 1
+    13    replicate-mbH, zero3-mbH   half the per-rank batch per micro-batch (two micro-batches)
+    14    rep2 (HSDP), tp4, tp2-zero3  world ≥ 4 only
+    15    pp2-gpipe, zero3-int4g, zero3-fp8w, offload
+    ====  =========================  ==========================================================
 
-Variants the solver refuses (infeasible, indivisible) are skipped; plans are
-de-duplicated by their decisions (mesh, per-layer state and tp, micro-batching)
-and capped at ``max_plans``. Rank 0 searches and broadcasts the plans as JSON,
-so every rank runs the same plans even when a search hits its time limit.
+Fields a variant does not pin keep ``runtime_pin``'s defaults (no recompute,
+no SP, uncompressed communication) and pp = cp = ep = 1 unless the variant
+frees or fixes them. Variants the solver refuses (infeasible, indivisible:
+``tp2`` on GPT's 50257-token vocabulary, ``pp2-interleaved`` with fewer than
+4 blocks) and plans the runtime refuses before running (``runtime_refusal``:
+a parameter used on two pp ranks, SP inside a pipeline) are skipped; plans are
+de-duplicated by every decision (``decision_key``) and capped at ``max_plans``.
+Rank 0 searches and broadcasts the plans as JSON, so every rank runs the same
+plans even when a search hits its time limit.
 """
 
 from __future__ import annotations
 
-import itertools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any, Mapping
 
 import torch.distributed as dist
 
@@ -34,9 +60,10 @@ from benchmarks.baselines.common import RunSpec
 
 log = logging.getLogger(__name__)
 
-STATES = ("replicate", "zero1", "zero2", "zero3", "offload")
 MODES = ("best", "forced")
 SOLVE_TIME_LIMIT_S = 30.0
+DP_ONLY = {"tp": 1, "pp": 1}
+PARAM_FIELDS = ("state", "weight_comm", "grad_comm")  # pinned only on classes that own parameters
 
 
 @dataclass(frozen=True)
@@ -47,36 +74,136 @@ class NamedPlan:
     plan: Plan
 
 
+@dataclass(frozen=True)
+class Variant:
+    """One forced alternative: what ``solve`` is told to fix (module docstring, the table).
+
+    pin: fields for every layer class; attention_pin: extra fields for attention classes only
+    (selective recompute exists only where there is an attention core); mesh: fixed degrees
+    on top of ``RUNTIME_MESH``; half_micro: micro-batch = half the per-rank batch.
+    """
+
+    name: str
+    pin: Mapping[str, Any] = field(default_factory=dict)
+    mesh: Mapping[str, int] = field(default_factory=dict)
+    attention_pin: Mapping[str, Any] = field(default_factory=dict)
+    schedule: str | None = None
+    half_micro: bool = False
+    min_world: int = 2
+
+
+def variants(world: int) -> list[Variant]:
+    """The forced variants admissible at ``world`` ranks, most informative first (module docstring)."""
+    zero3, tp2, pp2 = {"state": "zero3"}, {"tp": 2, "pp": 1}, {"pp": 2, "tp": 1}
+    table = [
+        Variant("replicate", {"state": "replicate"}, DP_ONLY),
+        Variant("zero3", zero3, DP_ONLY),
+        Variant("tp2", {}, tp2),
+        Variant("pp2-1f1b", {}, pp2, schedule="1f1b"),
+        Variant("zero3-int8w", {**zero3, "weight_comm": "int8"}, DP_ONLY),
+        Variant("zero2-int8g", {"state": "zero2", "grad_comm": "int8"}, DP_ONLY),
+        Variant("zero3-selective", zero3, DP_ONLY, attention_pin={"recompute": "selective"}),
+        Variant("full-recompute", {"recompute": "full"}, DP_ONLY),
+        Variant("tp2-sp", {"sp": True}, tp2),
+        Variant("pp2-interleaved", {}, pp2, schedule="interleaved_1f1b"),
+        Variant("zero1", {"state": "zero1"}, DP_ONLY),
+        Variant("zero2", {"state": "zero2"}, DP_ONLY),
+        Variant("replicate-mbH", {"state": "replicate"}, DP_ONLY, half_micro=True),
+        Variant("zero3-mbH", zero3, DP_ONLY, half_micro=True),
+        Variant("zero3-rep2", zero3, {**DP_ONLY, "dp_replicate": 2}, min_world=4),
+        Variant("tp4", {}, {"tp": 4, "pp": 1}, min_world=4),
+        Variant("tp2-zero3", zero3, tp2, min_world=4),
+        Variant("pp2-gpipe", {}, pp2, schedule="gpipe"),
+        Variant("zero3-int4g", {**zero3, "grad_comm": "int4"}, DP_ONLY),
+        Variant("zero3-fp8w", {**zero3, "weight_comm": "fp8"}, DP_ONLY),
+        Variant("offload", {"state": "offload"}, DP_ONLY),
+    ]
+    return [v for v in table if world >= v.min_world and world % max(v.mesh.get("tp", 1), v.mesh.get("pp", 1)) == 0]
+
+
 def decision_key(plan: Plan) -> tuple:
-    """What makes two plans different runs: mesh, per-layer state/tp, micro-batching."""
-    layers = tuple((s.layer, s.state, s.tp) for s in plan.layers)
-    return (plan.mesh, layers, plan.schedule.micro_batch, plan.schedule.num_micro_batches)
+    """What makes two plans different runs: mesh, every per-layer field, the schedule."""
+    layers = tuple((s.layer, s.state, s.tp, s.sp, s.ep, s.recompute, s.weight_comm, s.grad_comm, s.stage)
+                   for s in plan.layers)
+    sched = plan.schedule
+    return (plan.mesh, layers, sched.name, sched.micro_batch, sched.num_micro_batches, sched.virtual_stages)
 
 
-def _meshes(world: int, devices_per_node: int) -> list[dict[str, int]]:
-    meshes = [{"tp": 1, "dp_replicate": 1}]
-    meshes += [{"tp": t} for t in range(2, min(world, devices_per_node) + 1) if world % t == 0]
-    if world >= 4 and world % 2 == 0:
-        meshes.append({"tp": 1, "dp_replicate": 2})
-    return meshes
+def runtime_refusal(plan: Plan, graph: ModelGraph) -> str | None:
+    """Why the runtime would refuse ``plan`` (docs/runtime.md, "Partial"), or ``None`` when it runs it.
+
+    Checked here so a forced run does not spend a row on a known refusal: a
+    parameter used on two pp ranks (GPT's tied embedding/head: ``tied_params``
+    names the alias, not the owner, so any tie with pp > 1 is refused), SP
+    inside a pipeline (boundary shapes come from the export's global shapes)
+    and expert-parallel layers that are not ``replicate``.
+    """
+    if any(s.ep and s.state != "replicate" for s in plan.layers):
+        return "expert parallelism on a layer whose state is not 'replicate'"
+    if plan.mesh.pp == 1:
+        return None
+    if any(s.sp for s in plan.layers):
+        return "sequence parallelism inside a pipeline (pp > 1)"
+    if _has_tied(graph):
+        return "a parameter tied across layers (embedding/head) with pp > 1: it would span pp ranks"
+    return None
 
 
-def _micro_batches(spec: RunSpec, world: int) -> list[int | None]:
-    per_rank = spec.global_batch // world
-    return [None] + ([per_rank // 2] if per_rank >= 2 and per_rank % 2 == 0 else [])
+def _has_tied(graph: ModelGraph) -> bool:
+    return any(layer.tied_params for layer in graph.layers)
 
 
-def _solve(graph: ModelGraph, cluster: Cluster, spec: RunSpec, *, micro_batch: int | None = None,
-           mesh: dict[str, int] | None = None, **pin) -> Plan | None:
+def _constraints(graph: ModelGraph, spec: RunSpec, variant: Variant):
+    from autoshard.search import Constraints
+
+    base = plan_constraints(graph, spec.precision, mesh=dict(variant.mesh), **variant.pin)
+    with_params = {layer.class_id for layer in graph.layers if layer.params}
+    pin = {}
+    for cid, fields in base.pin.items():
+        if cid not in with_params:  # no parameters (GPT's tied head): replicate, uncompressed, by definition
+            fields = {k: v for k, v in fields.items() if k not in PARAM_FIELDS}
+        pin[cid] = {**fields, **(variant.attention_pin if cid.startswith("attention:") else {})}
+    return Constraints(mesh=base.mesh, pin=pin, schedule=variant.schedule)
+
+
+def _free_constraints(graph: ModelGraph):
+    """Only what the runtime cannot run at all: cp > 1; pp > 1 when a parameter is tied across layers."""
+    from autoshard.search import Constraints
+
+    return Constraints(mesh={"cp": 1, **({"pp": 1} if _has_tied(graph) else {})})
+
+
+def _solve(graph: ModelGraph, cluster: Cluster, spec: RunSpec, constraints, micro_batch: int | None = None,
+           label: str = "best") -> Plan | None:
     from autoshard.search import solve
 
-    constraints = plan_constraints(graph, spec.precision, mesh=mesh, **pin)
     try:
-        return solve(graph, cluster, train_spec(spec, micro_batch=micro_batch), constraints=constraints,
+        plan = solve(graph, cluster, train_spec(spec, micro_batch=micro_batch), constraints=constraints,
                      time_limit_s=SOLVE_TIME_LIMIT_S)
     except AutoshardError as err:  # infeasible or contradictory variant: not a plan to measure
-        log.info("variant mesh=%s micro_batch=%s pin=%s skipped: %s", mesh, micro_batch, pin, err)
+        log.info("variant %s skipped: %s", label, err)
         return None
+    refusal = runtime_refusal(plan, graph)
+    if refusal:
+        log.info("variant %s skipped: the runtime refuses %s", label, refusal)
+        return None
+    return plan
+
+
+def _half_micro(spec: RunSpec, world: int) -> int | None:
+    per_rank = spec.global_batch // world
+    return per_rank // 2 if per_rank >= 2 and per_rank % 2 == 0 else None
+
+
+def _forced(graph: ModelGraph, cluster: Cluster, spec: RunSpec, world: int):
+    """``(name, plan or None)`` per forced variant, lazily (each is one search)."""
+    yield "autoshard-free", _solve(graph, cluster, spec, _free_constraints(graph), label="free")
+    for variant in variants(world):
+        micro = _half_micro(spec, world) if variant.half_micro else None
+        if variant.half_micro and micro is None:
+            continue
+        name = "autoshard-" + variant.name.replace("mbH", f"mb{micro}")
+        yield name, _solve(graph, cluster, spec, _constraints(graph, spec, variant), micro, label=variant.name)
 
 
 def search_plans(graph: ModelGraph, cluster: Cluster, spec: RunSpec, mode: str, *, max_plans: int = 12,
@@ -84,7 +211,9 @@ def search_plans(graph: ModelGraph, cluster: Cluster, spec: RunSpec, mode: str, 
     """The plans of ``mode`` (module docstring), best first; raises when even the best cannot be found."""
     if mode not in MODES:
         raise AutoshardError(f"--plans {mode!r}: allowed {MODES}")
-    best = _solve(graph, cluster, spec)
+    if max_plans < 1:
+        raise AutoshardError(f"--max-plans {max_plans}: allowed >= 1; the best plan alone is --max-plans 1")
+    best = _solve(graph, cluster, spec, plan_constraints(graph, spec.precision))
     if best is None:
         raise AutoshardError(
             f"no runnable plan for {spec.model} at batch {spec.global_batch} x seq {spec.seq_len} on {cluster.name}; "
@@ -93,15 +222,12 @@ def search_plans(graph: ModelGraph, cluster: Cluster, spec: RunSpec, mode: str, 
     plans, seen = [NamedPlan("autoshard", best)], {decision_key(best)}
     if mode == "best":
         return plans
-    variants = itertools.product(STATES, _meshes(world, cluster.devices_per_node), _micro_batches(spec, world))
-    for state, mesh, micro in variants:
+    for name, plan in _forced(graph, cluster, spec, world):
         if len(plans) >= max_plans:
             break
-        plan = _solve(graph, cluster, spec, micro_batch=micro, mesh=mesh, state=state)
         if plan is not None and decision_key(plan) not in seen:
             seen.add(decision_key(plan))
-            tag = "".join(f"-{axis.replace('dp_replicate', 'rep')}{degree}" for axis, degree in mesh.items() if degree > 1)
-            plans.append(NamedPlan(f"autoshard-{state}{tag}" + (f"-mb{micro}" if micro else ""), plan))
+            plans.append(NamedPlan(name, plan))
     return plans
 
 
@@ -126,4 +252,5 @@ def broadcast_plans(plans: list[NamedPlan] | AutoshardError | None) -> list[Name
     return plans
 
 
-__all__ = ["MODES", "NamedPlan", "broadcast_plans", "decision_key", "search_plans"]
+__all__ = ["MODES", "NamedPlan", "Variant", "broadcast_plans", "decision_key", "runtime_refusal", "search_plans",
+           "variants"]
