@@ -42,8 +42,8 @@ for s in "${STEPS[@]}"; do
     env) step env 30 bash -c "nvidia-smi; nvidia-smi topo -m; $PYTHON -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'" ;;
     nccl) step nccl 60 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_collectives_gpu.py ;;
     overlap) step overlap 170 "${TORCHRUN[@]}" benchmarks/overlap_bench.py --device cuda --out "$OUT/overlap.json" ;;
-    bench) step bench 220 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
-        --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans "${BENCH_PLANS:-6}" --steps 6 --warmup 2 \
+    bench) step bench 330 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
+        --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans "${BENCH_PLANS:-12}" --steps 6 --warmup 2 \
         --configs "${BENCH_CONFIGS:-autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3}" ;;
     ppo) step ppo 110 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps "${PPO_STEPS:-10}" --precision bf16 \
         --metrics "$OUT/ppo_gpu.jsonl" ;;
