@@ -7,6 +7,16 @@ synchronised around each):
   CPU) for each ``n`` of ``matmul_sizes``; achieved FLOP/s = ``2n³ / t``;
   ``matmul_efficiency`` = achieved at the largest ``n`` / ``device.peak_flops[dtype]``
   (the cost model's "achieved / peak for large GEMMs").
+- **kernel overhead**: a chain of ``overhead_ops`` eager ``x.add_(1)`` on a
+  4 KiB tensor, synchronised once at the end; ``kernel_overhead_s`` = time /
+  ops: what one eager op costs when the device is starved (launch + dispatch),
+  the cost model's per-kernel floor.
+- **GEMM knee**: the matmul sweep runs small sizes too. With the launch floor
+  removed from each time (``t' = t − kernel_overhead_s``, at least 1 % of t),
+  the cost model's small-GEMM law ``e(w) = e_max · w / (w + knee)``
+  (``w = 2n³``) is linear in ``1/w``: ``1/e = 1/e_max + (knee/e_max) · 1/w``;
+  least squares gives ``a = 1/e_max``, ``b = knee/e_max``, so ``gemm_knee_flops
+  = b / a`` (0 when the fit's slope is negative: no knee seen).
 - **HBM bandwidth**: ``dst.copy_(src)`` of ``copy_bytes``; bytes moved = read +
   written = ``2·copy_bytes``; ``hbm_efficiency`` = that / t / ``device.hbm_bandwidth``.
 - **collective α/β** (only with a process group of ≥ 2 ranks): all-reduce and
@@ -26,7 +36,7 @@ Efficiencies are clipped to (0, 1]: a CPU "peak" from a preset is only an
 estimate, and a measured value above it means the preset is low, not that
 the model should expect more than peak. The file holds only the keys
 ``Cluster.with_calibration`` accepts (``device``, ``date``, ``matmul_efficiency``,
-``hbm_efficiency``, ``intra_node``/``inter_node``); the raw samples go to
+``hbm_efficiency``, ``kernel_overhead_s``, ``gemm_knee_flops``, ``intra_node``/``inter_node``); the raw samples go to
 ``--raw FILE`` when asked.
 
 Under torchrun every rank measures (collectives need them all); rank 0 writes.
@@ -63,16 +73,17 @@ _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_t
 class CalibrationSizes:
     """What to measure. The defaults are GPU-sized; ``quick()`` is for CPUs and tests."""
 
-    matmul_sizes: tuple[int, ...] = (2048, 4096, 8192)
+    matmul_sizes: tuple[int, ...] = (256, 512, 1024, 2048, 4096, 8192)
     copy_bytes: int = 1 << 30
     message_bytes: tuple[int, ...] = tuple(1 << k for k in range(16, 30, 2))  # 64 KiB … 256 MiB
+    overhead_ops: int = 500
     iters: int = 10
 
     @classmethod
     def quick(cls) -> CalibrationSizes:
         """Tiny sizes: seconds on a CPU."""
-        return cls(matmul_sizes=(64, 128, 256), copy_bytes=1 << 22, message_bytes=(1 << 12, 1 << 18, 1 << 22),
-                   iters=3)
+        return cls(matmul_sizes=(32, 64, 128, 256), copy_bytes=1 << 22, message_bytes=(1 << 12, 1 << 18, 1 << 22),
+                   overhead_ops=50, iters=3)
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,8 @@ class Calibration:
     date: str
     matmul_efficiency: float
     hbm_efficiency: float
+    kernel_overhead_s: float = 0.0
+    gemm_knee_flops: float = 0.0
     link_level: str | None = None  # "intra_node" | "inter_node" | None (single rank)
     latency_s: float | None = None
     bandwidth: float | None = None
@@ -103,7 +116,8 @@ class Calibration:
     def to_file_dict(self) -> dict[str, Any]:
         """The calibration file (``Cluster.with_calibration`` format)."""
         out: dict[str, Any] = {"device": self.device, "date": self.date, "matmul_efficiency": self.matmul_efficiency,
-                               "hbm_efficiency": self.hbm_efficiency}
+                               "hbm_efficiency": self.hbm_efficiency, "kernel_overhead_s": self.kernel_overhead_s,
+                               "gemm_knee_flops": self.gemm_knee_flops}
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
         return out
@@ -138,6 +152,37 @@ def measure_matmul(sizes: Sequence[int], dtype: torch.dtype, device: torch.devic
         a, b = torch.randn(n, n, device=device, dtype=dtype), torch.randn(n, n, device=device, dtype=dtype)
         out[n] = 2.0 * n**3 / _median_seconds(lambda: a @ b, iters, device)
     return out
+
+
+def measure_kernel_overhead(ops: int, device: torch.device, iters: int) -> float:
+    """Seconds per eager op in a chain of ``ops`` tiny in-place adds (launch + dispatch floor)."""
+    x = torch.zeros(1024, device=device)
+
+    def chain() -> None:
+        for _ in range(ops):
+            x.add_(1.0)
+
+    return _median_seconds(chain, iters, device) / ops
+
+
+def fit_gemm_knee(flops_per_s: dict[int, float], peak: float, overhead_s: float) -> float:
+    """GEMM knee (FLOP) of ``e(w) = e_max·w/(w + knee)`` fitted to ``n → achieved FLOP/s`` (module docstring).
+
+    Raises ``AutoshardError`` with fewer than 2 sizes.
+    """
+    if len(flops_per_s) < 2:
+        raise AutoshardError(f"fit_gemm_knee needs ≥ 2 matmul sizes, got {sorted(flops_per_s)}; "
+                             "measure more matmul_sizes")
+    rows, ys = [], []
+    for n, rate in flops_per_s.items():
+        work = 2.0 * n**3
+        seconds = work / rate
+        kernel_s = max(seconds - overhead_s, 0.01 * seconds)
+        rows.append((1.0, 1.0 / work))
+        ys.append(peak * kernel_s / work)  # 1 / efficiency
+    a, b = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
+                              torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
+    return max(b / a, 0.0) if a > 0 else 0.0
 
 
 def measure_copy(nbytes: int, device: torch.device, iters: int) -> float:
@@ -206,6 +251,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     if dtype not in _DTYPES or dtype not in cluster.device.peak_flops:
         raise AutoshardError(f"calibrate dtype={dtype!r}: allowed {sorted(set(_DTYPES) & set(cluster.device.peak_flops))}")
     matmul = measure_matmul(sizes.matmul_sizes, _DTYPES[dtype], device, sizes.iters)
+    overhead = measure_kernel_overhead(sizes.overhead_ops, device, sizes.iters)
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
     level = latency = bandwidth = None
     comm: tuple[CommSample, ...] = ()
@@ -218,6 +264,8 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         matmul_efficiency=_clip(matmul[max(matmul)] / cluster.device.peak_flops[dtype]),
         hbm_efficiency=_clip(copy / cluster.device.hbm_bandwidth),
+        kernel_overhead_s=overhead,
+        gemm_knee_flops=fit_gemm_knee(matmul, cluster.device.peak_flops[dtype], overhead),
         link_level=level, latency_s=latency, bandwidth=bandwidth,
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
@@ -272,7 +320,8 @@ def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
     link = (f", {result.link_level}: α={result.latency_s * 1e6:.1f} µs β={result.bandwidth / 1e9:.1f} GB/s"
             if result.link_level else "")
     line = (f"{result.device}: matmul efficiency {result.matmul_efficiency:.2f}, "
-            f"HBM efficiency {result.hbm_efficiency:.2f}{link} → {args.out}")
+            f"HBM efficiency {result.hbm_efficiency:.2f}, kernel overhead {result.kernel_overhead_s * 1e6:.1f} µs, "
+            f"GEMM knee {result.gemm_knee_flops:.3g} FLOP{link} → {args.out}")
     (console.print if console is not None else print)(line)
 
 
@@ -284,8 +333,10 @@ __all__ = [
     "calibrate",
     "calibrate_main",
     "fit_alpha_beta",
+    "fit_gemm_knee",
     "measure_collectives",
     "measure_copy",
+    "measure_kernel_overhead",
     "measure_matmul",
 ]
 

@@ -61,7 +61,10 @@ _CLUSTER_KINDS = {
     "cpu_adam_params_per_s": "number",
     "calibration": "calibration",
 }
-_CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node")
+_CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
+                     "kernel_overhead_s", "gemm_knee_flops")
+# Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
+_COST_MODEL_KEYS = ("kernel_overhead_s", "gemm_knee_flops")
 
 
 def _fail(where: str, value: Any, allowed: str) -> ClusterError:
@@ -426,7 +429,11 @@ class Cluster:
             {"device": "NVIDIA H100 80GB HBM3", "date": "2025-01-31T12:00:00Z",
              "matmul_efficiency": 0.79, "hbm_efficiency": 0.9,
              "intra_node": {"bandwidth": 3.6e11, "latency": 6e-6},
-             "inter_node": {"bandwidth": 4.5e10, "latency": 1.2e-5}}
+             "inter_node": {"bandwidth": 4.5e10, "latency": 1.2e-5},
+             "kernel_overhead_s": 8e-6, "gemm_knee_flops": 2e9}
+
+        ``kernel_overhead_s`` and ``gemm_knee_flops`` (cost-model constants,
+        ``search/layer_terms.py``) are kept in ``calibration`` as given.
 
         A ``device`` naming hardware of another preset than this cluster's
         device is refused. ``calibration`` records what was applied.
@@ -444,9 +451,10 @@ class Cluster:
             if link in overrides:
                 cluster_io.check_keys(overrides[link], ("bandwidth", "latency"), f"calibration.{link}")
         device_overrides = {k: overrides.pop(k) for k in ("matmul_efficiency", "hbm_efficiency") if k in overrides}
+        constants = {k: overrides.pop(k) for k in _COST_MODEL_KEYS if k in overrides}
         data = cluster_io.deep_merge(self.to_dict(), {"device": device_overrides, **overrides})
         applied = _flatten(self.from_dict(data).to_dict(), measured)
-        data["calibration"] = {**self.calibration, **applied}
+        data["calibration"] = {**self.calibration, **applied, **constants}
         return self.from_dict(data)
 
     def describe(self) -> Any:

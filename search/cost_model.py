@@ -11,14 +11,23 @@ refers to, and every term below appears by name in ``LayerCost.detail``.
 Per micro-batch on one rank: ``b`` = micro_batch, ``s`` = seq_len,
 ``T = b·s/cp`` tokens; ``t`` = mesh.tp; ``m`` = micro-batches per step.
 
-Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_compute_s``)::
+Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_overhead_s``, ``loss_*_s``,
+``fwd_compute_s``; docs/cost-model.md "Overheads" gives the sources)::
 
-    F_mm  = T·(matmul_flops_per_token + attention_flops_per_token_seq·s) / t_mm
-    F_ew  = T·elementwise_flops_per_token · split
-    bytes = T·(bytes_per_token·split + 2·saved_interior_per_token_seq·s/t_int)
-    fwd_compute = max(F_mm/(peak·eff) + F_ew/peak, bytes/(hbm·hbm_eff))   (roofline)
-    bwd_compute = 2 · fwd_compute              (dgrad + wgrad; 2× the bytes too)
+    F_gemm = T·matmul_flops_per_token / t_mm     (n_gemm GEMMs: the ≥2-D params, w = F_gemm/n_gemm)
+    F_attn = T·attention_flops_per_token_seq·s / t_mm
+    F_ew   = T·elementwise_flops_per_token · split
+    bytes  = T·(bytes_per_token·split + 2·saved_interior_per_token_seq·s/t_int)
+    eff(w) = eff · w/(w + knee)                                     (small GEMMs)
+    roof   = max(F_gemm/(peak·eff(w)) + F_attn/(peak·attn_eff) + F_ew/peak, bytes/(hbm·hbm_eff))
+    fwd_compute = roof + k·o + loss_fwd        (k = FORWARD_KERNELS[kind], o = per-kernel floor)
+    bwd_compute = 2·roof + 2·k·o + loss_bwd    (dgrad + wgrad; 2× the bytes and kernels too)
+    loss_fwd|bwd = T·vocab/t_mm · 18 B / (hbm·hbm_eff)   (head only: fp32 log-softmax)
     recompute   = fwd_compute (full) | attention core (selective) | 0
+
+``o`` = ``calibration["kernel_overhead_s"]`` or ``KERNEL_OVERHEAD_S`` (8 µs),
+``knee`` = ``calibration["gemm_knee_flops"]`` or ``GEMM_KNEE_FLOPS`` (2e9),
+``attn_eff`` = ``calibration["attention_efficiency"]`` or ``ATTENTION_EFFICIENCY`` (0.35).
 
 ``peak`` = ``device.peak_flops[train.precision]``, ``eff`` =
 ``device.matmul_efficiency``, ``hbm·hbm_eff`` = ``device.achieved_hbm_bandwidth``
@@ -30,7 +39,7 @@ fraction ``B/(B+I)`` is divided by t only under SP, the interior
 fraction by ``t_int = max(t_mm, t_sp)``. The score tensors of a math attention
 (the ``*_seq`` saved bytes) are written once and read once: the ``2·`` term.
 The selective-recompute attention core is
-``max(T·attention_flops_per_token_seq·s/t_mm/(peak·eff), 2·T·Iₛ·s/t_int/hbm)``.
+``max(F_attn/(peak·attn_eff), 2·T·Iₛ·s/t_int/hbm)``.
 MoE: ``matmul_flops_per_token`` holds the routed (top-k) expert FLOPs; with
 balanced routing EP leaves per-rank FLOPs unchanged (each rank runs E/ep experts
 on ep× the tokens); expert parameters are not split by tp.
@@ -67,6 +76,11 @@ bytes::
     HSDP       zero3 inside dp_shard + grad_once = AR(qΨ/N_shard) across dp_replicate
     SP norms   grad_once += AR(gΨ_replicated) across tp (partial grads of sequence shards)
 
+Every collective also launches copy kernels on the compute stream
+(``dp_kernels_s``, never hidden; 0 without data parallelism): ``o`` × (1 per
+gather, 2 per reduction) = replicate 2, zero1 3, zero2/offload 2m + 1, zero3 4m
+(+ 2 for the HSDP all-reduce) per step.
+
 Quantized collectives add kernel time ``quant_s`` (never hidden; it occupies the
 device): per zero3 gather, quantize the shard and dequantize the result,
 ``Ψ/N·(p+w) + Ψ·(w+p)`` bytes; per quantized gradient reduction ``2Ψ·(g+q)``
@@ -85,7 +99,7 @@ buffers)::
             + ov(grad_once, f·(bwd_compute + recompute))   (issued in the last micro-batch)
             + ov(post_step, f·fwd_compute)       (overlapped with the next step's first forward,
                                                   as Megatron's distributed optimizer does)
-            + quant_s
+            + quant_s + dp_kernels_s
 
 monotone in every comm term and in compute. ``κ`` = ``OVERLAP_CONTENTION`` = 0.1
 (or ``calibration["overlap_contention"]``): hidden comm is not free, NCCL
@@ -94,11 +108,13 @@ what makes DDP/ZeRO-1 beat ZeRO-3 for a small model with a big batch (ZeRO-3
 moves 1.5× the bytes, and once per micro-batch).
 
 Optimizer step (``optimizer_*``): ``Ψ_opt`` = Ψ/N for sharded states, Ψ for
-replicate; device update reads and writes every optimizer-state byte and the
-gradient and writes the compute copy: ``Ψ_opt·(2K + g + p)/(hbm·hbm_eff)`` (bf16
-AdamW: 28 B/param; fp32 keeps params as master, ``2K + g + 2p``). Offload:
-``Ψ_opt·g/host_bw`` (grads down) ``+ Ψ_opt/cpu_adam_params_per_s`` ``+
-Ψ_opt·p/host_bw`` (params up).
+replicate; the eager per-tensor update of ``runtime/optimizer.py`` makes
+``P`` fp32 passes (AdamW 22, SGD 6) and the write-back reads the master and
+writes the compute copy: ``optimizer_hbm_s = Ψ_opt·(4P + 4 + p)/(hbm·hbm_eff)``
+(94 B/param for bf16 AdamW). Offload: ``Ψ_opt·g/host_bw`` (grads down) ``+
+Ψ_opt/cpu_adam_params_per_s`` ``+ Ψ_opt·p/host_bw`` (params up). Each
+parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11):
+``optimizer_overhead_s`` = Σ_tensors max(share, floor) − the sum above.
 
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
 Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
@@ -152,7 +168,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "2"
+COST_MODEL_VERSION = "3"
 
 
 @dataclass(frozen=True)
@@ -214,7 +230,10 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
         memo[group_key] = layer_terms.param_groups(layer, strategy, mesh)
     groups = memo[group_key]
     dp = layer_terms.dp_terms(layer, strategy, groups, mesh, cluster, schedule, sizes, compute)
-    optimizer = layer_terms.optimizer_terms(groups, strategy, cluster, train, sizes)
+    optimizer_key = ("optimizer", strategy.state, strategy.tp, strategy.ep)
+    if optimizer_key not in memo:
+        memo[optimizer_key] = layer_terms.optimizer_terms(layer, groups, strategy, cluster, train, sizes)
+    optimizer = memo[optimizer_key]
     fwd_comm = critical["tp_fwd_s"] + critical["ep_fwd_s"] + critical["cp_fwd_s"]
     bwd_comm = critical["tp_bwd_s"] + critical["ep_bwd_s"] + critical["cp_bwd_s"] + critical["recompute_comm_s"]
     bwd_compute = compute["bwd_compute_s"] + compute["recompute_s"]
@@ -253,22 +272,30 @@ def layer_cost_table(
 def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train: TrainSpec) -> float:
     """A step time no plan on ``mesh`` can beat: the model's compute spread perfectly over all ranks.
 
-    Σ over layers of 3·roofline(layer, all global tokens) / world: every plan
-    does at least this work (TP, CP and the data split divide it by at most
-    tp·cp·dp, pipeline stages split layers, recompute, comm, bubbles and
-    optimizer only add). Used to prune meshes before CP-SAT.
+    Σ over layers of 3·roofline(layer, all global tokens) / world, GEMMs at the large-GEMM
+    efficiency and attention at ``attention_efficiency``, plus the per-kernel floor and the vocab
+    loss: every plan does at least this work (TP, CP and the data split divide the FLOPs and bytes
+    by at most tp·cp·dp; every micro-batch runs all of a stage's kernels, and the slowest of pp
+    stages runs at least 1/pp of them; recompute, comm, bubbles, small-GEMM losses and optimizer
+    only add). Used to prune meshes before CP-SAT.
     """
     peak, eff = layer_terms.peak_flops(cluster, train), layer_terms.matmul_efficiency(cluster)
-    hbm = layer_terms.hbm_bandwidth(cluster)
+    attn_eff, hbm = layer_terms.attention_efficiency(cluster), layer_terms.hbm_bandwidth(cluster)
+    overhead = (1.0 + layer_terms.BACKWARD_KERNEL_FACTOR) * layer_terms.kernel_overhead_s(cluster)
+    loss_bytes = layer_terms.LOSS_BYTES_PER_LOGIT_FWD + layer_terms.LOSS_BYTES_PER_LOGIT_BWD
     tokens, s = train.global_batch * train.seq_len, train.seq_len
-    total = 0.0
+    spread = kernels = 0.0
     for layer in graph:
-        flops = tokens * (layer.matmul_flops_per_token + layer.attention_flops_per_token_seq * s)
-        matmul = flops / (peak * eff) + tokens * layer.elementwise_flops_per_token / peak
+        matmul = (tokens * layer.matmul_flops_per_token / (peak * eff)
+                  + tokens * layer.attention_flops_per_token_seq * s / (peak * attn_eff)
+                  + tokens * layer.elementwise_flops_per_token / peak)
         score_bytes = ATTENTION_SCORE_TRAFFIC * tokens * layer.saved_interior_per_token_seq * s
         memory = (tokens * layer.bytes_per_token + score_bytes) / hbm
-        total += 3.0 * max(matmul, memory)
-    return total / mesh.world_size
+        spread += 3.0 * max(matmul, memory)
+        if layer.kind == "head":
+            spread += tokens * (layer.vocab or 0) * loss_bytes / hbm
+        kernels += layer_terms.forward_kernels(layer)
+    return spread / mesh.world_size + kernels * overhead / mesh.pp
 
 
 def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -> Predictions:

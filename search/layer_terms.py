@@ -37,6 +37,46 @@ RESERVED_BYTES = 2**30
 LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy: max, sum-exp, target logit
 LOSS_REDUCTION_BYTES = 4  # fp32 per token
 
+# ---- the time a FLOP/byte roofline does not see (docs/cost-model.md, "Overheads") ----------------
+# Per-kernel floor: CUDA launch (2–5 µs) + eager PyTorch dispatch (Python → ATen → stream, 4–10 µs
+# per op on a server CPU). Eager kernels run back to back, so at small sizes the GPU idles for
+# about this long per kernel. Measured by `autoshard cluster calibrate` (a chain of tiny ops).
+KERNEL_OVERHEAD_S = 8e-6
+# Forward CUDA kernels per layer of the reference (eager, Llama/GPT-style) models, by kind: capture
+# does not record op counts per layer, so they are derived from autoshard/models/layers.py:
+# RMSNorm 8 (cast, pow, mean, add, rsqrt, mul, cast, mul); attention 17 (q, k, v, o GEMMs, RoPE
+# 5 × 2, head merge copy, SDPA, residual add); SwiGLU MLP 6 (3 GEMMs, silu, mul, residual add);
+# head 1 GEMM (the loss kernels are LOSS_KERNELS); MoE 10 + 6 per expert (router, top-k, dispatch;
+# per expert gather, 3 GEMMs, act, scatter-add; ep = 1, an upper bound under EP).
+FORWARD_KERNELS = {"embedding": 1, "norm": 8, "attention": 17, "mlp": 6, "moe": 10, "head": 1,
+                   "value_head": 2, "other": 4}
+MOE_KERNELS_PER_EXPERT = 6
+BACKWARD_KERNEL_FACTOR = 2.0  # dgrad + wgrad: each forward op has about two backward kernels
+# Small GEMMs: efficiency(work) = eff · work / (work + knee), work = 2·M·N·K FLOP of one GEMM. With
+# launch excluded, a 1024³ bf16 GEMM (2.1e9 FLOP) on an H100 runs at about half the large-GEMM
+# rate (public cuBLAS sweeps), so knee ≈ 2e9 FLOP. Fitted by `autoshard cluster calibrate`.
+GEMM_KNEE_FLOPS = 2e9
+# Fused attention (SDPA flash / memory-efficient) on the captured dense attention FLOPs: FlashAttention-2
+# reaches 300–350 TFLOP/s of an H100's 989 in bf16, forward and backward (Dao 2023).
+ATTENTION_EFFICIENCY = 0.35
+# Loss over the vocabulary, fp32 (runtime/ppo_losses.py: logits.float().log_softmax): bytes per
+# logit moved. Forward: upcast (read 2, write 4), log-softmax (max and sum-exp reads 4 + 4, write 4)
+# = 18; backward: softmax grad (read 4 + 4, write 4), downcast (read 4, write 2) = 18.
+LOSS_BYTES_PER_LOGIT_FWD = 18.0
+LOSS_BYTES_PER_LOGIT_BWD = 18.0
+LOSS_KERNELS = 4  # upcast, log-softmax, gather of the taken token, reduction
+# Data-parallel collectives launch copy kernels on the compute stream besides the NCCL kernel (whose
+# launch α covers): a gather copies out of its flat buffer (1), a reduction copies grads into the
+# flat buffer and back out (2). They sit on the critical path: DP_KERNELS · kernel_overhead each.
+DP_KERNELS = {"gather": 1, "reduce": 2}
+# Eager optimizer (runtime/optimizer.py, one slot per parameter tensor). Passes over fp32 elements
+# (a read or a write of 4 bytes per element): AdamW _update = weight decay mul_ 2, lerp_ 3, mul_ 2,
+# addcmul_ 4, sqrt 2, div 2, add_ 2, addcdiv_ 4 (21), + the grad-norm read 1; SGD mul_ 2, add_ 3,
+# + 1. Write-back reads the fp32 master and writes the compute copy. Kernels per tensor: the
+# update's ops + norm + write-back + grad cast.
+OPTIMIZER_FP32_PASSES = {"adamw": 22, "sgd": 6}
+OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 11, "sgd": 5}
+
 _COMM_DTYPE_BYTES = {"bf16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 _QUANTIZED = ("fp8", "int8", "int4")
 _SHARDED_STATES = ("zero1", "zero2", "zero3", "offload")
@@ -88,6 +128,45 @@ def _overlapped(comm_s: float, window_s: float, contention: float) -> float:
     return comm_s - hidden + contention * hidden
 
 
+def kernel_overhead_s(cluster: Cluster) -> float:
+    """Seconds per eager kernel (launch + dispatch): ``KERNEL_OVERHEAD_S`` unless calibrated."""
+    return cluster.calibration.get("kernel_overhead_s", KERNEL_OVERHEAD_S)
+
+
+def gemm_knee_flops(cluster: Cluster) -> float:
+    """GEMM work (FLOP) at which efficiency is half the large-GEMM value: ``GEMM_KNEE_FLOPS`` unless calibrated."""
+    return cluster.calibration.get("gemm_knee_flops", GEMM_KNEE_FLOPS)
+
+
+def attention_efficiency(cluster: Cluster) -> float:
+    """Achieved / peak of fused attention: ``ATTENTION_EFFICIENCY`` unless calibrated."""
+    return cluster.calibration.get("attention_efficiency", ATTENTION_EFFICIENCY)
+
+
+def gemm_efficiency(work_flops: float, cluster: Cluster) -> float:
+    """Achieved / peak of one GEMM of ``work_flops``: ``eff · work / (work + knee)``."""
+    if work_flops <= 0:
+        return matmul_efficiency(cluster)
+    return matmul_efficiency(cluster) * work_flops / (work_flops + gemm_knee_flops(cluster))
+
+
+def gemm_count(layer: LayerInfo) -> int:
+    """GEMMs in the layer's forward: its ≥ 2-D parameters (a stacked expert weight counts once), or
+    its tied weights; at least 1 when it has matmul FLOPs."""
+    n = sum(1 for p in layer.params if len(p.global_shape) >= 2) + len(layer.tied_params)
+    return max(n, 1 if layer.matmul_flops_per_token > 0 else 0)
+
+
+def forward_kernels(layer: LayerInfo) -> float:
+    """Forward CUDA kernels of the layer (``FORWARD_KERNELS`` by kind; loss kernels on the head)."""
+    n = FORWARD_KERNELS.get(layer.kind, FORWARD_KERNELS["other"])
+    if layer.kind == "moe":
+        n += MOE_KERNELS_PER_EXPERT * (layer.num_experts or 1)
+    if layer.kind == "head" and layer.vocab:
+        n += LOSS_KERNELS
+    return float(n)
+
+
 def reserved_bytes(cluster: Cluster) -> float:
     """Device bytes outside the allocator: CUDA context, NCCL and cuBLAS workspaces."""
     return cluster.calibration.get("reserved_bytes", RESERVED_BYTES)
@@ -125,25 +204,36 @@ def sharding(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Sc
 def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, cluster: Cluster,
                    train: TrainSpec) -> dict[str, float]:
     """Forward/backward/recompute compute seconds of one micro-batch (module docstring)."""
-    peak, eff, hbm = peak_flops(cluster, train), matmul_efficiency(cluster), hbm_bandwidth(cluster)
+    peak, hbm = peak_flops(cluster, train), hbm_bandwidth(cluster)
     t, s = sh.tokens, sh.seq_len
     split = sh.elementwise_split(layer)
     attn_flops = t * layer.attention_flops_per_token_seq * s / sh.tp_mm
-    mm_flops = t * layer.matmul_flops_per_token / sh.tp_mm + attn_flops
+    gemm_flops = t * layer.matmul_flops_per_token / sh.tp_mm
+    n_gemm = gemm_count(layer)
+    gemm_eff = gemm_efficiency(gemm_flops / n_gemm, cluster) if n_gemm else matmul_efficiency(cluster)
+    attn_s = attn_flops / (peak * attention_efficiency(cluster))
     score_bytes = ATTENTION_SCORE_TRAFFIC * t * layer.saved_interior_per_token_seq * s / sh.tp_interior
-    fwd_matmul = mm_flops / (peak * eff) + t * layer.elementwise_flops_per_token * split / peak
+    fwd_matmul = gemm_flops / (peak * gemm_eff) + attn_s + t * layer.elementwise_flops_per_token * split / peak
     fwd_memory = (t * layer.bytes_per_token * split + score_bytes) / hbm
-    fwd = max(fwd_matmul, fwd_memory)
+    roofline = max(fwd_matmul, fwd_memory)
+    overhead = forward_kernels(layer) * kernel_overhead_s(cluster)
+    logits = t * (layer.vocab or 0) / sh.tp_mm if layer.kind == "head" else 0.0
+    loss_fwd, loss_bwd = logits * LOSS_BYTES_PER_LOGIT_FWD / hbm, logits * LOSS_BYTES_PER_LOGIT_BWD / hbm
+    fwd = roofline + overhead + loss_fwd
     recompute = {
         "none": 0.0,
-        "selective": max(attn_flops / (peak * eff), score_bytes / hbm),
+        "selective": max(attn_s, score_bytes / hbm),
         "full": fwd,
     }[strategy.recompute]
     return {
         "fwd_matmul_s": fwd_matmul,
         "fwd_memory_s": fwd_memory,
+        "fwd_overhead_s": overhead,
+        "loss_fwd_s": loss_fwd,
+        "loss_bwd_s": loss_bwd,
+        "gemm_efficiency": gemm_eff,
         "fwd_compute_s": fwd,
-        "bwd_compute_s": 2.0 * fwd,
+        "bwd_compute_s": 2.0 * roofline + BACKWARD_KERNEL_FACTOR * overhead + loss_bwd,
         "recompute_s": recompute,
     }
 
@@ -280,7 +370,21 @@ def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, cluster: Cluster
             rep_link = comm.group_link(cluster, rep_size, rep_stride)
             terms["grad_once"] = comm.all_reduce_time(n_grad / size, rep_size, rep_link)
     terms["quant"] = _quant_kernel_time(group, strategy, cluster, schedule, sizes)
+    terms["kernels"] = _dp_kernel_count(group, state, m) * kernel_overhead_s(cluster) if size > 1 else 0.0
     return terms
+
+
+def _dp_kernel_count(group: ParamGroup, state: str, m: int) -> float:
+    """Copy kernels per step of one parameter group's collectives (``DP_KERNELS``; module docstring)."""
+    gather, reduce = DP_KERNELS["gather"], DP_KERNELS["reduce"]
+    count = {
+        "replicate": reduce,
+        "zero1": reduce + gather,
+        "zero2": m * reduce + gather,
+        "offload": m * reduce + gather,
+        "zero3": m * (2 * gather + reduce),
+    }[state]
+    return count + (reduce if state == "zero3" and group.replicate_group is not None else 0)
 
 
 def _quant_kernel_time(group: ParamGroup, strategy: LayerStrategy, cluster: Cluster, schedule: Schedule,
@@ -312,7 +416,8 @@ def _sp_grad_allreduce(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cl
 def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh,
               cluster: Cluster, schedule: Schedule, sizes: StateBytes, compute: dict[str, float]) -> dict[str, float]:
     """All data-parallel comm terms of the layer and their exposed part after overlap."""
-    total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step", "quant"), 0.0)
+    total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step", "quant", "kernels"),
+                          0.0)
     for group in groups:
         for key, value in _dp_group_terms(group, strategy, cluster, schedule, sizes).items():
             total[key] += value
@@ -325,6 +430,7 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup]
         + _overlapped(total["grad_once"], f * bwd_window, kappa)
         + _overlapped(total["post_step"], f * compute["fwd_compute_s"], kappa)
         + total["quant"]
+        + total["kernels"]
     )
     out = {f"dp_{key}_s": value for key, value in total.items()}
     out["dp_total_s"] = sum(total.values())
@@ -332,10 +438,16 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup]
     return out
 
 
-def optimizer_terms(groups: list[ParamGroup], strategy: LayerStrategy, cluster: Cluster, train: TrainSpec,
-                     sizes: StateBytes) -> dict[str, float]:
-    """Optimizer-update seconds per step (device HBM, or host copies + CPU Adam for offload)."""
+def optimizer_terms(layer: LayerInfo, groups: list[ParamGroup], strategy: LayerStrategy, cluster: Cluster,
+                    train: TrainSpec, sizes: StateBytes) -> dict[str, float]:
+    """Optimizer-update seconds per step (device HBM, or host copies + CPU Adam for offload).
+
+    Each local parameter tensor costs ``max(its share of the update, kernels · kernel_overhead)``
+    (memory- or host-bound, or dispatch-bound when small; offload's CPU update dispatches per tensor
+    too); ``optimizer_overhead_s`` is what the per-tensor floor adds on top.
+    """
     local = sum(g.psi / _shard_degree(g, strategy.state) for g in groups)
+    name = train.optimizer if train.optimizer in OPTIMIZER_FP32_PASSES else "adamw"
     if strategy.state == "offload":
         host = cluster.host_bandwidth
         terms = {
@@ -344,9 +456,13 @@ def optimizer_terms(groups: list[ParamGroup], strategy: LayerStrategy, cluster: 
             "optimizer_h2d_s": local * sizes.param / host,
         }
     else:
-        param_traffic = sizes.param * (2 if train.precision == "fp32" else 1)
-        touched = 2 * sizes.optimizer + sizes.grad + param_traffic
+        touched = 4.0 * OPTIMIZER_FP32_PASSES[name] + 4.0 + sizes.param  # + write-back: master read, copy write
         terms = {"optimizer_hbm_s": local * touched / hbm_bandwidth(cluster)}
+    base = sum(terms.values())
+    floor = OPTIMIZER_KERNELS_PER_TENSOR[name] * kernel_overhead_s(cluster)
+    total = sum(p.numel for p in layer.params)
+    per_tensor = sum(max(base * p.numel / total, floor) for p in layer.params) if total else 0.0
+    terms["optimizer_overhead_s"] = max(per_tensor - base, 0.0)
     terms["optimizer_params_local"] = local
     return terms
 

@@ -16,6 +16,8 @@ from autoshard.calibrate import (
     calibrate,
     calibrate_main,
     fit_alpha_beta,
+    fit_gemm_knee,
+    measure_kernel_overhead,
 )
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
@@ -57,6 +59,29 @@ def test_cpu_calibration_file_is_read_by_cluster(tmp_path):
     applied = cluster.with_calibration(path)
     assert applied.device.matmul_efficiency == pytest.approx(result.matmul_efficiency)
     assert applied.device.hbm_efficiency == pytest.approx(result.hbm_efficiency)
+    assert applied.calibration["kernel_overhead_s"] == pytest.approx(result.kernel_overhead_s)
+    assert applied.calibration["gemm_knee_flops"] == pytest.approx(result.gemm_knee_flops)
+
+
+def test_fit_gemm_knee_recovers_the_law():
+    # Times generated from e(w) = e_max·w/(w + knee) plus a launch floor: the fit removes the floor.
+    peak, e_max, knee, floor = 1e15, 0.8, 3e9, 5e-6
+    rates = {}
+    for n in (256, 512, 1024, 2048, 4096, 8192):
+        work = 2.0 * n**3
+        rates[n] = work / (work / (peak * e_max * work / (work + knee)) + floor)
+    assert fit_gemm_knee(rates, peak, floor) == pytest.approx(knee, rel=1e-6)
+    assert fit_gemm_knee(rates, peak, 0.0) > knee  # the floor unremoved looks like a bigger knee
+
+
+def test_fit_gemm_knee_refuses_one_size():
+    with pytest.raises(AutoshardError, match="matmul sizes"):
+        fit_gemm_knee({1024: 1e14}, 1e15, 0.0)
+
+
+def test_kernel_overhead_is_per_op():
+    per_op = measure_kernel_overhead(50, torch.device("cpu"), 3)
+    assert 0 < per_op < 1e-3  # one tiny add: well under a millisecond
 
 
 def test_calibrate_main_writes_file_and_raw(tmp_path):
@@ -68,7 +93,8 @@ def test_calibrate_main_writes_file_and_raw(tmp_path):
     written = json.loads((tmp_path / "c.json").read_text())
     assert {"device", "date", "matmul_efficiency", "hbm_efficiency"} <= set(written)
     raw = json.loads((tmp_path / "raw.json").read_text())
-    assert raw["copy_bytes_per_s"] > 0 and len(raw["matmul_flops_per_s"]) == 3
+    assert raw["copy_bytes_per_s"] > 0 and len(raw["matmul_flops_per_s"]) == len(CalibrationSizes.quick().matmul_sizes)
+    assert written["kernel_overhead_s"] > 0 and written["gemm_knee_flops"] >= 0
 
 
 def _calibrate_world(rank, world_size):

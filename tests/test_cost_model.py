@@ -15,7 +15,7 @@ from autoshard.cluster import Cluster, DeviceSpec, LinkSpec
 from autoshard.errors import PlanError
 from autoshard.graph import LayerInfo, ModelGraph, ParamInfo
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.search import comm
+from autoshard.search import comm, layer_terms
 from autoshard.search.cost_model import (
     COST_MODEL_VERSION,
     LayerCost,
@@ -508,6 +508,101 @@ def test_tied_lm_head_is_vocab_parallel():
     train, schedule, cluster = TrainSpec(global_batch=1, seq_len=1024), Schedule(), make_cluster(1)
     plain = layer_cost(head, LayerStrategy(layer="head"), Mesh(tp=4), cluster, train, schedule)
     vocab = layer_cost(head, LayerStrategy(layer="head", tp="megatron"), Mesh(tp=4), cluster, train, schedule)
-    assert vocab.detail["fwd_matmul_s"] == pytest.approx(plain.detail["fwd_matmul_s"] / 4)
+    work, knee, rate = 1024 * 2 * 50304 * 1024, layer_terms.GEMM_KNEE_FLOPS, 1e15 * 0.5
+    # one GEMM (the tied weight): work/(peak·eff(work)) = (work + knee)/(peak·eff)
+    assert plain.detail["fwd_matmul_s"] == pytest.approx((work + knee) / rate)
+    assert vocab.detail["fwd_matmul_s"] == pytest.approx((work / 4 + knee) / rate)
     assert vocab.memory.activations == pytest.approx(plain.memory.activations / 4)
     assert vocab.detail["tp_bwd_s"] == pytest.approx(2 * 3 * (1e-5 + 1024 * 2048 / 4 / 100e9))
+
+
+# ---- overheads: per-kernel floor, small GEMMs, attention, loss, eager optimizer ------------------
+
+
+def _one(layer, cluster=None, train=None, mesh=Mesh(), **strategy):
+    train = train or TrainSpec(global_batch=1, seq_len=128)
+    return layer_cost(layer, LayerStrategy(layer=layer.name, **strategy), mesh, cluster or make_cluster(1), train,
+                      Schedule())
+
+
+def test_per_kernel_floor_by_kind_and_calibrated():
+    norm, attn, _, mlp = gpt_block(0, 64, 4)
+    for layer in (norm, attn, mlp):
+        cost = _one(layer)
+        expected = layer_terms.FORWARD_KERNELS[layer.kind] * layer_terms.KERNEL_OVERHEAD_S
+        assert cost.detail["fwd_overhead_s"] == pytest.approx(expected)
+        roofline = max(cost.detail["fwd_matmul_s"], cost.detail["fwd_memory_s"])
+        assert cost.detail["fwd_compute_s"] == pytest.approx(roofline + expected)
+        assert cost.detail["bwd_compute_s"] == pytest.approx(2 * roofline + 2 * expected)
+    # A tiny norm is all overhead; a calibrated floor replaces the default.
+    assert _one(norm).compute_s == pytest.approx(3 * 8 * layer_terms.KERNEL_OVERHEAD_S, rel=0.01)
+    slow = _one(norm, make_cluster(1, kernel_overhead_s=20e-6))
+    assert slow.detail["fwd_overhead_s"] == pytest.approx(8 * 20e-6)
+
+
+def test_small_gemms_run_below_large_gemm_efficiency():
+    mlp = gpt_block(0, 1024, 16)[3]
+    small, large = (_one(mlp, train=TrainSpec(global_batch=1, seq_len=s)) for s in (64, 8192))
+    assert small.detail["gemm_efficiency"] < large.detail["gemm_efficiency"] < 0.5
+    work = 8192 * 16 * 1024 * 1024 / 2  # two GEMMs share the layer's FLOPs
+    assert large.detail["gemm_efficiency"] == pytest.approx(0.5 * work / (work + layer_terms.GEMM_KNEE_FLOPS))
+    no_knee = _one(mlp, make_cluster(1, gemm_knee_flops=0.0), train=TrainSpec(global_batch=1, seq_len=64))
+    assert no_knee.detail["gemm_efficiency"] == pytest.approx(0.5)
+    # Under TP each rank's GEMMs are t× smaller: less efficient, so TP speeds compute up by less than t.
+    tp = _one(mlp, mesh=Mesh(tp=4), train=TrainSpec(global_batch=1, seq_len=8192), tp="megatron")
+    assert large.detail["fwd_matmul_s"] / 4 < tp.detail["fwd_matmul_s"] < large.detail["fwd_matmul_s"]
+
+
+def test_attention_core_at_attention_efficiency():
+    attn = gpt_block(0, 1024, 16)[1]
+    train = TrainSpec(global_batch=1, seq_len=2048)
+    base = _one(attn, train=train)
+    slower = _one(attn, make_cluster(1, attention_efficiency=layer_terms.ATTENTION_EFFICIENCY / 2), train=train)
+    attn_s = 2048 * 4 * 1024 * 2048 / (1e15 * layer_terms.ATTENTION_EFFICIENCY)
+    assert slower.detail["fwd_matmul_s"] - base.detail["fwd_matmul_s"] == pytest.approx(attn_s)
+
+
+def test_vocab_loss_is_memory_bound_and_vocab_parallel():
+    head = LayerInfo(name="head", kind="head", index=0, block=None, class_id="head", params=(), vocab=32000,
+                     matmul_flops_per_token=2 * 32000 * 1024, output_bytes_per_token=2 * 32000)
+    train, hbm = TrainSpec(global_batch=1, seq_len=1024), make_cluster(1).device.achieved_hbm_bandwidth
+    plain, vocab = _one(head, train=train, mesh=Mesh(tp=2)), _one(head, train=train, mesh=Mesh(tp=2), tp="megatron")
+    logits = 1024 * 32000  # one micro-batch of one sequence
+    assert plain.detail["loss_fwd_s"] == pytest.approx(logits * layer_terms.LOSS_BYTES_PER_LOGIT_FWD / hbm)
+    assert plain.detail["loss_bwd_s"] == pytest.approx(logits * layer_terms.LOSS_BYTES_PER_LOGIT_BWD / hbm)
+    assert vocab.detail["loss_fwd_s"] == pytest.approx(plain.detail["loss_fwd_s"] / 2)
+    kernels = 1 + layer_terms.LOSS_KERNELS  # the GEMM + the loss kernels
+    assert plain.detail["fwd_overhead_s"] == pytest.approx(kernels * layer_terms.KERNEL_OVERHEAD_S)
+    assert _one(replace(head, vocab=None)).detail["loss_fwd_s"] == 0.0
+
+
+def test_eager_optimizer_memory_bound_with_per_tensor_floor():
+    _, attn, norm, mlp = gpt_block(0, 4096, 32)
+    cost = _one(mlp, mesh=Mesh(dp_shard=2), state="zero1")
+    local = mlp.param_count / 2
+    per_param = 4 * layer_terms.OPTIMIZER_FP32_PASSES["adamw"] + 4 + 2
+    hbm = make_cluster(1).device.achieved_hbm_bandwidth
+    assert cost.detail["optimizer_hbm_s"] == pytest.approx(local * per_param / hbm)
+    assert cost.detail["optimizer_overhead_s"] == 0.0  # 8M-element shards: memory-bound
+    small = _one(norm)  # two 4096-element tensors: the per-tensor floor sets the time
+    floor = layer_terms.OPTIMIZER_KERNELS_PER_TENSOR["adamw"] * layer_terms.KERNEL_OVERHEAD_S
+    assert small.optimizer_s == pytest.approx(2 * floor)
+    sgd = _one(norm, train=TrainSpec(global_batch=1, seq_len=128, optimizer="sgd"))
+    assert sgd.optimizer_s == pytest.approx(2 * layer_terms.OPTIMIZER_KERNELS_PER_TENSOR["sgd"]
+                                            * layer_terms.KERNEL_OVERHEAD_S)
+
+
+def test_dp_copy_kernels_on_the_critical_path():
+    mlp = gpt_block(0, 64, 4)[3]
+    mesh, train, o = Mesh(dp_shard=4), TrainSpec(global_batch=16, seq_len=64), layer_terms.KERNEL_OVERHEAD_S
+    schedule = Schedule(micro_batch=1, num_micro_batches=4)
+    by = {st: layer_cost(mlp, LayerStrategy(layer=mlp.name, state=st), mesh, make_cluster(1), train, schedule)
+          for st in ("replicate", "zero1", "zero2", "zero3")}
+    counts = {"replicate": 2, "zero1": 3, "zero2": 4 * 2 + 1, "zero3": 4 * (2 + 2)}
+    for st, cost in by.items():
+        assert cost.detail["dp_kernels_s"] == pytest.approx(counts[st] * o)
+    # Tiny layer: copies are not hidden, so DDP beats ZeRO-3 by the copy kernels at least.
+    assert by["zero3"].comm_exposed_s - by["replicate"].comm_exposed_s >= (counts["zero3"] - 2) * o
+    single = layer_cost(mlp, LayerStrategy(layer=mlp.name, state="zero3"), Mesh(), make_cluster(1),
+                        TrainSpec(global_batch=4, seq_len=64), schedule)
+    assert single.detail["dp_kernels_s"] == 0.0  # no data parallelism, no collectives
