@@ -61,6 +61,7 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype of a searched plan (default fp32; masters are fp32 either way)")
     parser.add_argument("--plot", type=Path, metavar="CURVES.png", help="write the training curves here at the end (needs --metrics)")
     parser.add_argument("--quiet", action="store_true", help="no per-step line")
+    parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of a KV-cached full replica per rank (less memory, slower)")
 
 
 def add_plot_command_arguments(parser: argparse.ArgumentParser) -> None:
@@ -169,6 +170,8 @@ def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[
         flags.append("--resume")
     if args.quiet:
         flags.append("--no-live")
+    if args.no_rollout_cache:
+        flags.append("--no-rollout-cache")
     return flags
 
 
@@ -194,7 +197,7 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
     run = P.PPORun(
         model=spec, task=args.task, steps=args.steps, seed=args.seed, global_batch=args.batch,
         metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
-        resume=args.resume, plot=_text(args.plot), live=not args.quiet,
+        resume=args.resume, plot=_text(args.plot), live=not args.quiet, rollout_cache=not args.no_rollout_cache,
     )
     created = P.init_distributed(plan)
     try:

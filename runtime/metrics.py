@@ -12,7 +12,7 @@ Keys written per step (all floats; ``/`` groups them):
 | ``value/loss``, ``value/clip_frac``, ``value/explained_var`` | critic metrics |
 | ``grad/norm`` | mean pre-clip global gradient norm over optimizer steps |
 | ``mismatch/logp_abs``, ``mismatch/logp_max`` | mean and max abs(rollout log-prob − recomputed log-prob) |
-| ``time/<phase>`` | seconds per phase: generate, logprobs, reference, values, advantages, train; ``time/step`` total |
+| ``time/<phase>`` | seconds per phase: weight_sync (engines with a rollout replica), generate, logprobs, reference, values, advantages, train; ``time/step`` total |
 | ``perf/tokens_per_s`` | rollout tokens (prompt + response, all dp ranks) per step second, divided by dp ranks (per device) |
 | ``perf/mfu`` | training FLOPs / train seconds / peak FLOPs (only when both FLOPs inputs are given) |
 | ``memory/peak_gb`` | ``torch.cuda.max_memory_allocated`` on GPU; the process's max RSS on CPU |
@@ -31,7 +31,7 @@ from typing import IO, Iterator
 
 import torch
 
-PHASES = ("generate", "logprobs", "reference", "values", "advantages", "train")
+PHASES = ("weight_sync", "generate", "logprobs", "reference", "values", "advantages", "train")
 
 
 class PhaseTimer:

@@ -358,6 +358,9 @@ class PPOTrainer:
         """One PPO step (rollout → experience → update); returns its metrics (``runtime/metrics.py``)."""
         timer = PhaseTimer(synchronize=self.policy.device.type == "cuda")
         start = time.perf_counter()
+        if getattr(self.policy, "rollout", None) is not None:  # a separate rollout replica (ppo_program.ProgramEngine)
+            with timer.phase("weight_sync"):
+                self.policy.sync_rollout_weights()
         with timer.phase("generate"):
             rollout = self.rollout()
         exp, metrics = self.make_experience(rollout, timer)

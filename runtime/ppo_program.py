@@ -6,7 +6,8 @@
 | member | over the program |
 | --- | --- |
 | ``forward(tokens)`` | ``Program.forward`` (ZeRO-3 gathers, Megatron TP with all-gathered logits): (logits [B, S, V], values [B, S]) on every rank of the tp group; under ``no_grad`` the ZeRO-3 re-gather records are dropped at once |
-| ``new_cache`` | None: rollout recomputes the prefix each decode step (quadratic in the response length; fine for the short responses of the reference tasks) |
+| ``forward(tokens, cache=, start_pos=)``, ``new_cache`` | with a ``RolloutEngine`` (default for the policy): KV-cached sampling on an eager full replica, synced from the program's shards once per step (``runtime/rollout_engine.py``); without one (``rollout_cache=False``, the reference): ``new_cache`` is None and rollout recomputes the prefix each decode step through the program |
+| ``sync_rollout_weights()`` | copy the current weights into the replica (collective; no-op when already fresh); ``PPOTrainer`` times it as the ``weight_sync`` phase |
 | ``backward(loss)`` | ``(D · loss).backward()`` with D = dp size, then the re-gather cache reset |
 | ``step()`` | ``ShardedOptimizer.step()``: gradient sync over dp, global-norm clip, update, write back |
 | ``dp`` | ``GroupReducer`` over the plan's combined ``"dp"`` group (dp_replicate × dp_shard) |
@@ -43,6 +44,15 @@ refuses ``backward``/``step``. ``build_program`` always builds an optimizer;
 the reference's is built as SGD and never stepped (its fp32 masters and zero
 moments are dead memory, a known cost of this simple design; a weights-only
 program build would remove it).
+
+[Note: the rollout engine]
+The policy engine owns a ``RolloutEngine`` unless built with
+``rollout_cache=False``: a full eager replica of the model in the compute
+dtype, fed by an all-gather of the program's shards whenever the weights
+changed (``_weights_version`` counts optimizer steps and state loads). The
+log-probs PPO trains on still come from the program (``_score``), so the
+replica only decides which tokens are drawn; ``mismatch/logp_*`` measures the
+gap. Memory: one unsharded replica per rank (``rollout_engine`` docstring).
 
 Partial: pipeline plans (pp > 1) are refused (``Program.forward`` has no
 autograd with pp > 1); the plan's ``num_micro_batches`` is not used (PPO
@@ -96,7 +106,9 @@ class ProgramEngine:
     and ``zero_grad``/``backward``/``step`` raise ``EngineError``.
     """
 
-    def __init__(self, program: Any, *, vocab_size: int, max_seq_len: int, frozen: bool = False) -> None:
+    def __init__(
+        self, program: Any, *, vocab_size: int, max_seq_len: int, frozen: bool = False, rollout: Any = None
+    ) -> None:
         if program.pipeline is not None:
             raise PlanError(
                 f"plan mesh {program.plan.mesh} has pp={program.plan.mesh.pp}: PPO on pipeline-parallel programs "
@@ -107,23 +119,49 @@ class ProgramEngine:
         ctx = program.ctx
         self.device = torch.device(ctx.device)
         self.dp = GroupReducer(ctx.group("dp"), ctx.coord("dp"), ctx.size("dp"), ctx.device)
+        if frozen and rollout is not None:
+            raise EngineError("a frozen reference engine never samples; build it without a rollout engine")
+        self.rollout = rollout
+        self._weights_version = 0  # bumped by step() and load_state_dict() (rollout engine note)
         if frozen:
             program.gm.requires_grad_(False)
 
     # ------------------------------------------------------------------ forward
 
     def forward(self, tokens: torch.Tensor, *, cache: Any = None, start_pos: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, S] → (logits [B, S, V], values [B, S]), identical on every rank of a tp group."""
+        """tokens [B, S] → (logits [B, S, V], values [B, S]), identical on every rank of a tp group.
+
+        With ``cache`` (from ``new_cache``) the tokens sit at positions
+        ``start_pos``.. and run through the rollout replica (no autograd);
+        without it, through the sharded program.
+        """
         if cache is not None or start_pos:
-            raise EngineError("ProgramEngine has no KV cache (new_cache returns None); call forward(tokens) on the whole prefix")
+            if self.rollout is None or cache is None:
+                raise EngineError(
+                    f"forward(cache={type(cache).__name__}, start_pos={start_pos}): a nonzero start_pos needs a cache "
+                    "from new_cache, and new_cache is None without a rollout engine (rollout_cache=False, reference); "
+                    "call forward(tokens) on the whole prefix"
+                )
+            return self.rollout.forward(tokens, cache, start_pos)
         logits, values = self.program.forward(tokens)
         if not torch.is_grad_enabled():
             self._reset_regather()  # no backward will consume the ZeRO-3 records of this forward
         return logits, values
 
-    def new_cache(self, batch: int, max_len: int) -> None:
-        """No KV cache: rollout recomputes the prefix (module docstring)."""
-        return None
+    def new_cache(self, batch: int, max_len: int) -> Any:
+        """The rollout replica's KV cache (syncing its weights first when stale), or None without a rollout engine.
+
+        Collective when the replica is stale: every rank calls it together (rollout does).
+        """
+        if self.rollout is None:
+            return None
+        self.sync_rollout_weights()
+        return self.rollout.new_cache(batch, max_len)
+
+    def sync_rollout_weights(self) -> None:
+        """Copy the program's current weights into the rollout replica (collective; no-op when fresh or absent)."""
+        if self.rollout is not None:
+            self.rollout.sync(self._weights_version)
 
     def train_mode(self) -> None:
         self._set_mode(True)
@@ -163,7 +201,9 @@ class ProgramEngine:
     def step(self) -> float:
         """Sync (sum) gradients over dp, clip by global norm, update; the pre-clip global norm."""
         self._require_trainable("step")
-        return float(self.program.optimizer.step())
+        norm = float(self.program.optimizer.step())
+        self._weights_version += 1
+        return norm
 
     # ------------------------------------------------------------------ state
 
@@ -173,6 +213,7 @@ class ProgramEngine:
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         self.program.load_local_state_dict(state)
+        self._weights_version += 1
 
 
 # --------------------------------------------------------------------------- building a sharded PPO run
@@ -213,6 +254,9 @@ class PPORun:
     """PNG of the training curves written by rank 0 at the end (needs ``metrics``)."""
     live: bool = True
     """Rank 0 prints one summary line per step."""
+    rollout_cache: bool = True
+    """Sample from a KV-cached full replica synced from the shards each step (``runtime/rollout_engine.py``);
+    False: recompute every prefix through the sharded program (no replica memory)."""
 
 
 def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu") -> torch.nn.Module:
@@ -238,14 +282,18 @@ def build_engines(
     lr: float,
     reference_plan: Any = None,
     device: str = "cpu",
+    rollout_cache: bool | None = None,
 ) -> tuple[ProgramEngine, ProgramEngine]:
     """(policy, frozen reference) engines over ``plan`` (and ``reference_plan``, default ``plan``).
 
     Both programs start from ``model``'s weights; the reference reuses the
     policy's ``RankContext`` (module note: the frozen reference).
+    ``rollout_cache`` (default: on when the plan has pp == 1) gives the policy
+    a ``RolloutEngine`` (module note: the rollout engine).
     """
     from autoshard.runtime.optimizer import OptimizerConfig
     from autoshard.runtime.program import build_program
+    from autoshard.runtime.rollout_engine import RolloutEngine
     from autoshard.train import TrainSpec
 
     reference_plan = plan if reference_plan is None else reference_plan
@@ -262,7 +310,9 @@ def build_engines(
         optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device,
     )
     config = model.config
-    policy = ProgramEngine(policy_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len)
+    use_cache = plan.mesh.pp == 1 if rollout_cache is None else rollout_cache
+    rollout = RolloutEngine.for_program(policy_program, model) if use_cache and policy_program.pipeline is None else None
+    policy = ProgramEngine(policy_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len, rollout=rollout)
     reference = ProgramEngine(reference_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len, frozen=True)
     return policy, reference
 
@@ -304,7 +354,9 @@ def sharded_trainer(
 
     model = model if model is not None else build_policy_model(run.model, run.seed, device)
     graph = graph if graph is not None else capture_policy(model, run.model)
-    policy, reference = build_engines(model, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device)
+    policy, reference = build_engines(
+        model, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device, rollout_cache=run.rollout_cache
+    )
     task = get_task(run.task, **TASK_PRESETS.get(run.task, {}))
     config = ppo_config(run, policy.dp.world_size, task.max_response_len)
     flops_per_token = 6.0 * sum(p.numel() for p in model.parameters())
@@ -460,6 +512,8 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--no-live", action="store_true")
+    parser.add_argument("--no-rollout-cache", action="store_true",
+                        help="sample by recomputing prefixes through the sharded program (no full replica per rank)")
 
 
 def run_from_args(args: argparse.Namespace) -> PPORun:
@@ -467,7 +521,7 @@ def run_from_args(args: argparse.Namespace) -> PPORun:
     return PPORun(
         model=args.model, task=args.task, steps=args.steps, seed=args.seed, global_batch=args.batch,
         metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every, resume=args.resume,
-        plot=args.plot, live=not args.no_live,
+        plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
     )
 
 
