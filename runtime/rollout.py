@@ -110,6 +110,25 @@ def _next_logits(engine: Sampler, tokens: torch.Tensor, cache: Any, start_pos: i
     return logits[:, -1].float()
 
 
+def _all_done(engine: Sampler, done: torch.Tensor, cache: Any) -> bool:
+    """Whether decoding may stop: this rank's sequences are all finished and, when decoding
+    without a cache, every data-parallel rank's are too.
+
+    Without a cache each decode step re-runs ``engine.forward``, which on a sharded program is
+    a collective over the data-parallel ranks (ZeRO-3 gathers, EP all-to-alls): a rank that
+    stopped early would leave the others waiting in that collective forever. So every rank
+    all-reduces its count of unfinished sequences at every step (a rank-uniform rule, since
+    all ranks run the same engine) and stops only when the sum is zero; finished sequences
+    keep receiving ``pad_id`` with mask 0. With a cache, decoding is local and ranks stop
+    independently.
+    """
+    dp = getattr(engine, "dp", None)
+    if cache is not None or dp is None:
+        return bool(done.all())
+    remaining = torch.tensor(float((~done).sum()), dtype=torch.float64)
+    return float(dp.all_reduce_sum(remaining)) == 0.0
+
+
 @torch.no_grad()
 def generate(
     engine: Sampler,
@@ -145,6 +164,6 @@ def generate(
         logps.append(logprobs.gather(-1, choice[:, None]).squeeze(1) * alive)
         done = done | (choice == eos_id)
         tokens = torch.cat([tokens, picked[-1][:, None]], dim=1)
-        if bool(done.all()):
+        if _all_done(engine, done, cache):
             break
     return Rollout(prompts, torch.stack(picked, 1), torch.stack(masks, 1), torch.stack(logps, 1))
