@@ -39,6 +39,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from autoshard.cli import _positive_int  # one parser for positive-int flags across the CLI
 from autoshard.errors import AutoshardError
 
 DEFAULT_STEPS = 150
@@ -210,16 +211,6 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
 
 def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
 
 
 __all__ = ["add_plot_command_arguments", "add_ppo_arguments", "cmd_plot", "cmd_ppo"]
