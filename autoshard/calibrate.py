@@ -32,11 +32,24 @@ synchronised around each):
   when the world lies in one node, else ``inter_node`` (a ring across nodes
   pays the slowest link).
 
+- **optimizer** (``autoshard/calibrate_probe.py``): the AdamW slot step of
+  ``runtime/optimizer.py`` (cast, norm, clip scale, update, write-back) over
+  one flat fp32 buffer of ``optimizer_params`` elements and over
+  ``optimizer_tensors`` tiny tensors: ``adamw_s_per_param`` (slope) and
+  ``adamw_s_per_tensor`` (per-tensor floor), what the cost model's optimizer
+  term uses instead of its pass count over HBM bandwidth.
+- **model probe** (only with ``--model``; ``autoshard/calibrate_probe.py``):
+  forward and backward seconds of each distinct layer of the reference model
+  at ``--seq`` for each ``--micro-batch`` size and ``--probe-tp`` shard, in
+  the compute dtype; the file's ``layer_times``, which the cost model uses
+  instead of its FLOP/byte terms (``search/measured.py``).
+
 Efficiencies are clipped to (0, 1]: a CPU "peak" from a preset is only an
 estimate, and a measured value above it means the preset is low, not that
 the model should expect more than peak. The file holds only the keys
 ``Cluster.with_calibration`` accepts (``device``, ``date``, ``matmul_efficiency``,
-``hbm_efficiency``, ``kernel_overhead_s``, ``gemm_knee_flops``, ``intra_node``/``inter_node``); the raw samples go to
+``hbm_efficiency``, ``kernel_overhead_s``, ``gemm_knee_flops``, ``intra_node``/``inter_node``,
+``adamw_s_per_param``, ``adamw_s_per_tensor``, ``layer_times``); the raw samples go to
 ``--raw FILE`` when asked.
 
 Under torchrun every rank measures (collectives need them all); rank 0 writes.
@@ -59,6 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoshard.calibrate_probe import ProbeSpec, parse_int_list, probe_adamw, probe_layers
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 
@@ -77,13 +91,15 @@ class CalibrationSizes:
     copy_bytes: int = 1 << 30
     message_bytes: tuple[int, ...] = tuple(1 << k for k in range(16, 30, 2))  # 64 KiB … 256 MiB
     overhead_ops: int = 500
+    optimizer_params: int = 1 << 24  # elements of the flat AdamW buffer (64 MiB of fp32 each state)
+    optimizer_tensors: int = 256  # tiny tensors of the per-tensor AdamW floor
     iters: int = 10
 
     @classmethod
     def quick(cls) -> CalibrationSizes:
         """Tiny sizes: seconds on a CPU."""
         return cls(matmul_sizes=(32, 64, 128, 256), copy_bytes=1 << 22, message_bytes=(1 << 12, 1 << 18, 1 << 22),
-                   overhead_ops=50, iters=3)
+                   overhead_ops=50, optimizer_params=1 << 16, optimizer_tensors=16, iters=3)
 
 
 @dataclass(frozen=True)
@@ -109,6 +125,9 @@ class Calibration:
     link_level: str | None = None  # "intra_node" | "inter_node" | None (single rank)
     latency_s: float | None = None
     bandwidth: float | None = None
+    adamw_s_per_param: float | None = None
+    adamw_s_per_tensor: float | None = None
+    layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
     copy_bytes_per_s: float = 0.0
     comm: tuple[CommSample, ...] = ()
@@ -120,6 +139,9 @@ class Calibration:
                                "gemm_knee_flops": self.gemm_knee_flops}
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
+        for key in ("adamw_s_per_param", "adamw_s_per_tensor", "layer_times"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
         return out
 
     def to_raw_dict(self) -> dict[str, Any]:
@@ -245,8 +267,9 @@ def _clip(value: float) -> float:
 
 
 def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = CalibrationSizes(),
-              dtype: str | None = None) -> Calibration:
-    """Measure ``device`` (and the world's collectives, if any) against ``cluster``'s figures."""
+              dtype: str | None = None, probe: ProbeSpec | None = None) -> Calibration:
+    """Measure ``device`` (and the world's collectives, if any) against ``cluster``'s figures;
+    with ``probe``, also time the layers of ``probe.model`` (module docstring)."""
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     if dtype not in _DTYPES or dtype not in cluster.device.peak_flops:
         raise AutoshardError(f"calibrate dtype={dtype!r}: allowed {sorted(set(_DTYPES) & set(cluster.device.peak_flops))}")
@@ -259,6 +282,12 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         comm = measure_collectives(sizes.message_bytes, device, sizes.iters)
         latency, bandwidth = fit_alpha_beta(comm)
         level = "inter_node" if dist.get_world_size() > cluster.devices_per_node else "intra_node"
+    per_param, per_tensor = probe_adamw(device, _DTYPES[dtype], big_params=sizes.optimizer_params,
+                                        small_tensors=sizes.optimizer_tensors, iters=sizes.iters)
+    layer_times = None
+    if probe is not None:
+        layer_times = {"model": probe.model, "dtype": dtype, "seq_len": probe.seq_len,
+                       "samples": probe_layers(probe, device, _DTYPES[dtype])}
     return Calibration(
         device=cluster.device.name,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -267,6 +296,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         kernel_overhead_s=overhead,
         gemm_knee_flops=fit_gemm_knee(matmul, cluster.device.peak_flops[dtype], overhead),
         link_level=level, latency_s=latency, bandwidth=bandwidth,
+        adamw_s_per_param=per_param, adamw_s_per_tensor=per_tensor, layer_times=layer_times,
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
 
@@ -282,6 +312,14 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", choices=sorted(_DTYPES), help="matmul dtype (default bf16 on GPUs, fp32 on CPUs)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes (seconds; for CPUs and tests)")
     parser.add_argument("--iters", type=int, help="timed runs per measurement (median reported)")
+    parser.add_argument("--model", metavar="SPEC",
+                        help="also probe this reference model's layers (e.g. llama:350m): forward/backward seconds "
+                             "per layer, used by the cost model instead of FLOP estimates")
+    parser.add_argument("--seq", type=int, metavar="N", help="sequence length of the model probe (required with --model)")
+    parser.add_argument("--micro-batch", type=parse_int_list, default=(1, 2, 4, 8), metavar="B,B,…",
+                        help="micro-batch sizes the model probe times (default 1,2,4,8)")
+    parser.add_argument("--probe-tp", type=parse_int_list, default=(1, 2), metavar="T,T,…",
+                        help="Megatron TP shards the model probe times (default 1,2; 1 = unsharded)")
 
 
 def _join_world() -> bool:
@@ -303,13 +341,25 @@ def calibrate_main(args: argparse.Namespace, console: Any = None) -> int:
         sizes = CalibrationSizes.quick() if args.quick else CalibrationSizes()
         if args.iters:
             sizes = CalibrationSizes(**{**asdict(sizes), "iters": args.iters})
-        result = calibrate(Cluster.detect(), device, sizes, args.dtype)
+        result = calibrate(Cluster.detect(), device, sizes, args.dtype, _probe_spec(args))
         if not dist.is_initialized() or dist.get_rank() == 0:
             _write(args, result, console)
     finally:
         if owns_group:
             dist.destroy_process_group()
     return 0
+
+
+def _probe_spec(args: argparse.Namespace) -> ProbeSpec | None:
+    """The ``--model`` probe of the command line, or None."""
+    model = getattr(args, "model", None)
+    if model is None:
+        return None
+    if not getattr(args, "seq", None):
+        raise AutoshardError(f"--model {model} needs --seq N (the training sequence length to probe)")
+    iters = {"iters": args.iters} if args.iters else ({"iters": 3, "reps": 1} if args.quick else {})
+    return ProbeSpec(model=model, seq_len=args.seq, micro_batches=tuple(args.micro_batch), tp=tuple(args.probe_tp),
+                     **iters)
 
 
 def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
@@ -319,9 +369,12 @@ def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
         args.raw.write_text(json.dumps(result.to_raw_dict(), indent=2) + "\n")
     link = (f", {result.link_level}: α={result.latency_s * 1e6:.1f} µs β={result.bandwidth / 1e9:.1f} GB/s"
             if result.link_level else "")
+    probed = (f", {len(result.layer_times['samples'])} layer samples of {result.layer_times['model']}"
+              if result.layer_times else "")
     line = (f"{result.device}: matmul efficiency {result.matmul_efficiency:.2f}, "
             f"HBM efficiency {result.hbm_efficiency:.2f}, kernel overhead {result.kernel_overhead_s * 1e6:.1f} µs, "
-            f"GEMM knee {result.gemm_knee_flops:.3g} FLOP{link} → {args.out}")
+            f"GEMM knee {result.gemm_knee_flops:.3g} FLOP{link}, AdamW {result.adamw_s_per_param * 1e12:.0f} ps/param "
+            f"+ {result.adamw_s_per_tensor * 1e6:.0f} µs/tensor{probed} → {args.out}")
     (console.print if console is not None else print)(line)
 
 

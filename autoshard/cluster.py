@@ -62,9 +62,12 @@ _CLUSTER_KINDS = {
     "calibration": "calibration",
 }
 _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
-                     "kernel_overhead_s", "gemm_knee_flops")
+                     "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
+                     "layer_times")
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
-_COST_MODEL_KEYS = ("kernel_overhead_s", "gemm_knee_flops")
+_COST_MODEL_KEYS = ("kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
+_LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
+_LAYER_SAMPLE_KEYS = ("signature", "layer", "tp", "tokens", "fwd_s", "bwd_s")
 
 
 def _fail(where: str, value: Any, allowed: str) -> ClusterError:
@@ -430,10 +433,16 @@ class Cluster:
              "matmul_efficiency": 0.79, "hbm_efficiency": 0.9,
              "intra_node": {"bandwidth": 3.6e11, "latency": 6e-6},
              "inter_node": {"bandwidth": 4.5e10, "latency": 1.2e-5},
-             "kernel_overhead_s": 8e-6, "gemm_knee_flops": 2e9}
+             "kernel_overhead_s": 8e-6, "gemm_knee_flops": 2e9,
+             "adamw_s_per_param": 1.1e-10, "adamw_s_per_tensor": 9e-5,
+             "layer_times": {"model": "llama:350m", "dtype": "bf16", "seq_len": 1024,
+                             "samples": [{"signature": "mlp:ac8a8be383", "layer": "blocks.0.mlp", "tp": 1,
+                                          "tokens": 8192, "fwd_s": 1.2e-3, "bwd_s": 2.5e-3}, ...]}}
 
-        ``kernel_overhead_s`` and ``gemm_knee_flops`` (cost-model constants,
-        ``search/layer_terms.py``) are kept in ``calibration`` as given.
+        ``kernel_overhead_s``, ``gemm_knee_flops`` and the optimizer rates (cost-model
+        constants, ``search/layer_terms.py``) are kept in ``calibration`` as given;
+        ``layer_times`` (the model probe) becomes one flat key per number
+        (``search/measured.py``).
 
         A ``device`` naming hardware of another preset than this cluster's
         device is refused. ``calibration`` records what was applied.
@@ -452,6 +461,7 @@ class Cluster:
                 cluster_io.check_keys(overrides[link], ("bandwidth", "latency"), f"calibration.{link}")
         device_overrides = {k: overrides.pop(k) for k in ("matmul_efficiency", "hbm_efficiency") if k in overrides}
         constants = {k: overrides.pop(k) for k in _COST_MODEL_KEYS if k in overrides}
+        constants.update(_layer_time_keys(overrides.pop("layer_times", None)))
         data = cluster_io.deep_merge(self.to_dict(), {"device": device_overrides, **overrides})
         applied = _flatten(self.from_dict(data).to_dict(), measured)
         data["calibration"] = {**self.calibration, **applied, **constants}
@@ -507,6 +517,26 @@ def _read_field(kind: str, value: Any, where: str) -> Any:
         raise _fail(where, value, "must be a mapping")
     return {str(k): v if isinstance(v, str) else cluster_io.parse_quantity(v, "number", f"{where}.{k}")
             for k, v in value.items()}
+
+
+def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
+    """The model probe of a calibration file as flat ``cluster.calibration`` keys (``search/measured.py``)."""
+    from autoshard.search.measured import sample_key  # search imports this module
+
+    if probe is None:
+        return {}
+    cluster_io.check_keys(probe, _LAYER_TIMES_KEYS, "calibration.layer_times")
+    cluster_io.require_keys(probe, _LAYER_TIMES_KEYS, "calibration.layer_times")
+    out: dict[str, float | str] = {"layer_times.model": str(probe["model"])}
+    for i, sample in enumerate(probe["samples"]):
+        where = f"calibration.layer_times.samples[{i}]"
+        cluster_io.check_keys(sample, _LAYER_SAMPLE_KEYS, where)
+        cluster_io.require_keys(sample, _LAYER_SAMPLE_KEYS, where)
+        for field in ("fwd_s", "bwd_s"):
+            key = sample_key(str(sample["signature"]), str(probe["dtype"]), int(sample["tp"]), int(probe["seq_len"]),
+                             int(sample["tokens"]), field)
+            out[key] = cluster_io.parse_quantity(sample[field], "seconds", f"{where}.{field}")
+    return out
 
 
 def _flatten(applied: dict[str, Any], measured: Mapping[str, Any]) -> dict[str, float | str]:

@@ -7,7 +7,10 @@ replicate·TP×50; m=1 mb=16"``: the mesh, one ZeRO state on every layer, Megatr
 TP on every tp-able layer when the summary says ``TP``, the micro-batch count)
 and predicts it on the preset cluster the run detected, with the cost model's
 default constants and, when ``--calibration`` is given, with that calibration
-file applied. Error = (predicted − measured) / measured. Rows that did not run
+file applied (a file written by ``autoshard cluster calibrate --model MODEL --seq
+S`` carries measured layer and optimizer times, which the calibrated column then
+uses: ``search/measured.py``). Peak memory is compared as allocated bytes
+(``torch.cuda.max_memory_allocated``, what the run recorded). Error = (predicted − measured) / measured. Rows that did not run
 (``status`` not ``ok``) are skipped.
 
 The plan summary does not record per-layer choices beyond the state and TP, so a
@@ -103,7 +106,8 @@ def repredict(results: dict, calibration: Path | None) -> list[dict]:
         new = _predict(graph, plan, cluster, meta)
         entry = {"config": row["config"], "plan": row["plan"], "measured_s": row["median_step_s"],
                  "recorded_s": (row.get("predicted") or {}).get("step_time_s"), "predicted_s": new.step_time_s,
-                 "compute_s": new.compute_s, "exposed_comm_s": new.exposed_comm_s, "optimizer_s": new.optimizer_s}
+                 "compute_s": new.compute_s, "exposed_comm_s": new.exposed_comm_s, "optimizer_s": new.optimizer_s,
+                 "measured_bytes": row.get("peak_memory_bytes"), "predicted_bytes": new.peak_memory_bytes}
         if calibrated is not None:
             entry["calibrated_s"] = _predict(graph, plan, calibrated, meta).step_time_s
         out.append(entry)
@@ -119,22 +123,28 @@ def markdown(rows: list[dict], meta: dict) -> str:
     lines = [f"{meta['model']}, batch {meta['global_batch']} × seq {meta['seq_len']}, {meta['precision']}, "
              f"{meta['cluster']}, cost model v{COST_MODEL_VERSION}", "",
              "| config | plan | measured ms | recorded pred ms | err | new pred ms | err | calibrated ms | err "
-             "| compute ms | exposed comm ms | optimizer ms |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| compute ms | exposed comm ms | optimizer ms | measured GiB | pred GiB | err |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         ms = r["measured_s"]
         cal = r.get("calibrated_s")
         fmt = (lambda v: "–" if v is None else f"{v * 1e3:.1f}")  # noqa: E731
+        gib = (lambda v: "–" if v is None else f"{v / 2**30:.2f}")  # noqa: E731
         lines.append(f"| {r['config']} | {r['plan']} | {fmt(ms)} "
                      f"| {fmt(r['recorded_s'])} | {_err(r['recorded_s'], ms)} "
                      f"| {fmt(r['predicted_s'])} | {_err(r['predicted_s'], ms)} | {fmt(cal)} | {_err(cal, ms)} "
-                     f"| {fmt(r['compute_s'])} | {fmt(r['exposed_comm_s'])} | {fmt(r['optimizer_s'])} |")
+                     f"| {fmt(r['compute_s'])} | {fmt(r['exposed_comm_s'])} | {fmt(r['optimizer_s'])} "
+                     f"| {gib(r.get('measured_bytes'))} | {gib(r['predicted_bytes'])} "
+                     f"| {_err(r['predicted_bytes'], r['measured_bytes']) if r.get('measured_bytes') else '–'} |")
     lines.append("")
     for key in ("recorded_s", "predicted_s", "calibrated_s"):
         errs = [abs(r[key] - r["measured_s"]) / r["measured_s"] for r in rows if r.get(key) is not None]
         if errs:
             median = statistics.median(errs)
             lines.append(f"- median |error| {key.removesuffix('_s')}: {median:.0%} over {len(errs)} rows")
+    mem = [abs(r["predicted_bytes"] - r["measured_bytes"]) / r["measured_bytes"] for r in rows if r.get("measured_bytes")]
+    if mem:
+        lines.append(f"- median |error| peak memory (allocated): {statistics.median(mem):.1%} over {len(mem)} rows")
     return "\n".join(lines)
 
 

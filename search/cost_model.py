@@ -25,6 +25,12 @@ Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_overhead_s``, ``loss_*_s``,
     loss_fwd|bwd = T·vocab/t_mm · 18 B / (hbm·hbm_eff)   (head only: fp32 log-softmax)
     recompute   = fwd_compute (full) | attention core (selective) | 0
 
+Measured (v4): when ``cluster.calibration`` holds the model probe's samples for the layer's
+signature, the training precision, ``t_mm`` and ``s`` (``search/measured.py``), ``fwd_compute`` and
+``bwd_compute`` are the interpolated measured seconds at ``T`` tokens (``T/t`` under SP for layers
+TP does not split) instead of the formulas; ``detail["fwd_measured"]`` is 1 then. Not for attention
+with cp > 1 or MoE with EP.
+
 ``o`` = ``calibration["kernel_overhead_s"]`` or ``KERNEL_OVERHEAD_S`` (8 µs),
 ``knee`` = ``calibration["gemm_knee_flops"]`` or ``GEMM_KNEE_FLOPS`` (2e9),
 ``attn_eff`` = ``calibration["attention_efficiency"]`` or ``ATTENTION_EFFICIENCY`` (0.35).
@@ -111,21 +117,23 @@ Optimizer step (``optimizer_*``): ``Ψ_opt`` = Ψ/N for sharded states, Ψ for
 replicate; the eager per-tensor update of ``runtime/optimizer.py`` makes
 ``P`` fp32 passes (AdamW 22, SGD 6) and the write-back reads the master and
 writes the compute copy: ``optimizer_hbm_s = Ψ_opt·(4P + 4 + p)/(hbm·hbm_eff)``
-(94 B/param for bf16 AdamW). Offload: ``Ψ_opt·g/host_bw`` (grads down) ``+
+(94 B/param for bf16 AdamW), or ``Ψ_opt·calibration["adamw_s_per_param"]`` when measured. Offload: ``Ψ_opt·g/host_bw`` (grads down) ``+
 Ψ_opt/cpu_adam_params_per_s`` ``+ Ψ_opt·p/host_bw`` (params up). Each
-parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11):
+parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11; measured:
+``calibration["adamw_s_per_tensor"]``):
 ``optimizer_overhead_s`` = Σ_tensors max(share, floor) − the sum above.
 
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
 Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
 
-    peak_k = (Σ (params + grads + optimizer) + (1 + prefetch)·max buffers
-              + in_flight_k·Σ activations)
-             · (1 + ALLOCATOR_FRAGMENTATION) + reserved
+    peak_k = Σ (params + grads + optimizer) + (1 + prefetch)·max buffers
+             + in_flight_k·Σ activations
 
-with ``ALLOCATOR_FRAGMENTATION = 0.05`` and ``reserved`` =
-``calibration["reserved_bytes"]`` or ``RESERVED_BYTES`` = 1 GiB (CUDA context,
-NCCL and cuBLAS workspaces). MFU counts model FLOPs from the graph,
+bytes of live tensors (``torch.cuda.max_memory_allocated``); the head's activations include the
+loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
+(``ALLOCATOR_FRAGMENTATION = 0.05``) and ``reserved`` = ``calibration["reserved_bytes"]`` or
+``RESERVED_BYTES`` = 1 GiB (CUDA context, NCCL) are headroom in the limit
+(``usable_memory_bytes``), not part of the peak. MFU counts model FLOPs from the graph,
 ``3·Σ forward_flops`` per sequence (no recompute), over ``world·peak``;
 ``tokens_per_s`` is the whole job's (global_batch·seq_len/step).
 """
@@ -168,7 +176,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "3"
+COST_MODEL_VERSION = "4"
 
 
 @dataclass(frozen=True)
@@ -378,7 +386,9 @@ class _RankTotals:
         return self.static.total_static + self.activations
 
     def peak_bytes(self, cluster: Cluster) -> float:
-        return self.allocated_bytes() * (1.0 + ALLOCATOR_FRAGMENTATION) + layer_terms.reserved_bytes(cluster)
+        """Peak bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports); the allocator's
+        fragmentation and the reserved bytes are headroom the memory limit keeps (``usable_memory_bytes``)."""
+        return self.allocated_bytes()
 
     def breakdown(self, cluster: Cluster) -> dict[str, int]:
         s = self.static
@@ -388,8 +398,8 @@ class _RankTotals:
             "optimizer": int(s.optimizer),
             "activations": int(self.activations),
             "buffers": int(s.buffers),
-            "fragmentation": int(self.allocated_bytes() * ALLOCATOR_FRAGMENTATION),
-            "reserved": int(layer_terms.reserved_bytes(cluster)),
+            "headroom_fragmentation": int(self.allocated_bytes() * ALLOCATOR_FRAGMENTATION),  # not in the peak
+            "headroom_reserved": int(layer_terms.reserved_bytes(cluster)),  # not in the peak
             "host": int(s.host),
         }
 

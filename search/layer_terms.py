@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo
 from autoshard.plan import LayerStrategy, Mesh, Schedule
-from autoshard.search import comm
+from autoshard.search import comm, measured
 from autoshard.search.memory import (
     TP_SPLIT_ROLES,
     MemoryBreakdown,
@@ -76,6 +76,14 @@ DP_KERNELS = {"gather": 1, "reduce": 2}
 # update's ops + norm + write-back + grad cast.
 OPTIMIZER_FP32_PASSES = {"adamw": 22, "sgd": 6}
 OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 11, "sgd": 5}
+# Memory of the loss over the vocabulary, bytes per logit of one micro-batch. The runtime all-gathers
+# vocab-parallel logits before the user's loss (passes/insert_collectives.py: vocab_shard → replicate),
+# so every tp rank holds all V logits. Counted from the reference loss (cross-entropy on
+# logits.float(): log_softmax + nll): at the start of its backward the bf16 logits (2), the saved
+# fp32 log-probabilities (4), the incoming fp32 gradient of the log-probabilities (4) and the fp32
+# gradient of the logits being produced (4) are live together: 14. Capture sees the model up to the
+# logits only, so none of this is in the head's captured saved bytes.
+LOSS_PEAK_BYTES_PER_LOGIT = 14.0
 
 _COMM_DTYPE_BYTES = {"bf16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 _QUANTIZED = ("fp8", "int8", "int4")
@@ -184,6 +192,7 @@ class Sharding:
     tp_mm: int  # divides matmul/attention FLOPs
     tp_boundary: int  # divides boundary (replicated-under-TP) elementwise work: t under SP
     tp_interior: int  # divides interior elementwise work
+    cp: int = 1  # context-parallel degree (tokens is already divided by it)
 
     def elementwise_split(self, layer: LayerInfo) -> float:
         """Fraction of the layer's elementwise work one rank does."""
@@ -198,7 +207,7 @@ def sharding(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Sc
     tp_mm = mesh.tp if strategy.tp == "megatron" and tp_shardable(layer) else 1
     tp_boundary = mesh.tp if sp else 1
     tokens = schedule.micro_batch * seq_len / mesh.cp
-    return Sharding(tokens, seq_len, tp_mm, tp_boundary, max(tp_mm, tp_boundary))
+    return Sharding(tokens, seq_len, tp_mm, tp_boundary, max(tp_mm, tp_boundary), mesh.cp)
 
 
 def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, cluster: Cluster,
@@ -220,6 +229,10 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
     logits = t * (layer.vocab or 0) / sh.tp_mm if layer.kind == "head" else 0.0
     loss_fwd, loss_bwd = logits * LOSS_BYTES_PER_LOGIT_FWD / hbm, logits * LOSS_BYTES_PER_LOGIT_BWD / hbm
     fwd = roofline + overhead + loss_fwd
+    bwd = 2.0 * roofline + BACKWARD_KERNEL_FACTOR * overhead + loss_bwd
+    probed = probed_time(layer, strategy, sh, cluster, train)
+    if probed is not None:
+        fwd, bwd = probed.fwd_s, probed.bwd_s
     recompute = {
         "none": 0.0,
         "selective": max(attn_s, score_bytes / hbm),
@@ -232,10 +245,26 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
         "loss_fwd_s": loss_fwd,
         "loss_bwd_s": loss_bwd,
         "gemm_efficiency": gemm_eff,
+        "fwd_measured": 0.0 if probed is None else 1.0,
         "fwd_compute_s": fwd,
-        "bwd_compute_s": 2.0 * roofline + BACKWARD_KERNEL_FACTOR * overhead + loss_bwd,
+        "bwd_compute_s": bwd,
         "recompute_s": recompute,
     }
+
+
+def probed_time(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, cluster: Cluster,
+                train: TrainSpec) -> measured.LayerTime | None:
+    """The layer's measured forward/backward seconds for this sharding (``search/measured.py``), or None.
+
+    Layers TP splits were probed at their tp shard on all ``T`` tokens (SP gathers the sequence
+    before them); the others see ``T/t`` tokens under SP. Not used (analytic terms instead) for
+    attention under context parallelism and MoE under expert parallelism, whose per-rank work the
+    probe does not reproduce.
+    """
+    if (layer.kind == "attention" and sh.cp > 1) or (layer.kind == "moe" and strategy.ep):
+        return None
+    tokens = sh.tokens if sh.tp_mm > 1 else sh.tokens / sh.tp_boundary
+    return measured.measured_layer_time(layer, cluster, train.precision, sh.tp_mm, sh.seq_len, tokens)
 
 
 # ---- critical-path communication -------------------------------------------------------------
@@ -455,11 +484,14 @@ def optimizer_terms(layer: LayerInfo, groups: list[ParamGroup], strategy: LayerS
             "optimizer_cpu_s": local / cluster.cpu_adam_params_per_s,
             "optimizer_h2d_s": local * sizes.param / host,
         }
+    elif (per_param := cluster.calibration.get(f"{name}_s_per_param")) is not None:
+        terms = {"optimizer_hbm_s": local * per_param}  # measured by the calibration probe
     else:
         touched = 4.0 * OPTIMIZER_FP32_PASSES[name] + 4.0 + sizes.param  # + write-back: master read, copy write
         terms = {"optimizer_hbm_s": local * touched / hbm_bandwidth(cluster)}
     base = sum(terms.values())
-    floor = OPTIMIZER_KERNELS_PER_TENSOR[name] * kernel_overhead_s(cluster)
+    floor = cluster.calibration.get(f"{name}_s_per_tensor",
+                                    OPTIMIZER_KERNELS_PER_TENSOR[name] * kernel_overhead_s(cluster))
     total = sum(p.numel for p in layer.params)
     per_tensor = sum(max(base * p.numel / total, floor) for p in layer.params) if total else 0.0
     terms["optimizer_overhead_s"] = max(per_tensor - base, 0.0)
@@ -476,4 +508,18 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
-    return states + MemoryBreakdown(activations=acts)
+    return states + MemoryBreakdown(activations=acts + loss_bytes(layer, sh))
+
+
+def loss_bytes(layer: LayerInfo, sh: Sharding) -> float:
+    """Bytes of the loss over the head's logits of one micro-batch: ``T·V·LOSS_PEAK_BYTES_PER_LOGIT``.
+
+    Full ``V`` whatever the tp degree (the runtime gathers the logits), all ``T`` tokens of the
+    micro-batch (SP gathers the sequence before the head); any recompute policy (the loss is outside
+    the layer's checkpoint). Counted with the activations, i.e. once per in-flight micro-batch: exact
+    for one stage and for the last stage of 1F1B (one in flight), an over-estimate under GPipe,
+    where only the 4-byte log-probabilities of the other micro-batches stay saved.
+    """
+    if layer.kind != "head" or not layer.vocab:
+        return 0.0
+    return sh.tokens * layer.vocab * LOSS_PEAK_BYTES_PER_LOGIT

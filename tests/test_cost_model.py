@@ -470,7 +470,10 @@ def test_predict_sanity_and_lower_bound():
         assert 0 < bound <= pred.step_time_s
         assert 0 < pred.mfu < 0.5  # peak · 0.5 efficiency caps it
         assert pred.tokens_per_s == pytest.approx(32 * 512 / pred.step_time_s)
-        assert pred.peak_memory_bytes > 2**30  # reserved bytes counted
+        # allocated bytes (comparable to torch.cuda.max_memory_allocated); reserved bytes are headroom
+        parts = ("params", "grads", "optimizer", "activations", "buffers")
+        assert pred.peak_memory_bytes == pytest.approx(sum(pred.memory_breakdown[k] for k in parts), abs=8)
+        assert pred.memory_breakdown["headroom_reserved"] == 2**30
     assert usable_memory_bytes(cluster) < cluster.device.memory_bytes
     assert COST_MODEL_VERSION
 

@@ -322,10 +322,9 @@ def test_objective_and_memory_equal_predict(small, mesh, limit_gib):
     pred = cost_model.predict(graph, plan, cluster, train)
     assert pred.step_time_s == pytest.approx(plan.solver.objective, rel=1e-9)
     assert pred.step_time_s == pytest.approx(ev.step_s, rel=1e-9)
-    fragmentation = 1 + cost_model.ALLOCATOR_FRAGMENTATION
-    assert pred.peak_memory_bytes == pytest.approx(ev.peak_memory_bytes * fragmentation + GiB, rel=1e-9)
-    assert [m for m in pred.memory_by_stage] == pytest.approx(
-        [m * fragmentation + GiB for m in ev.rank_memory_bytes], rel=1e-9)
+    # predict reports allocated bytes, as the solver's memory rows (headroom is in the limit)
+    assert pred.peak_memory_bytes == pytest.approx(ev.peak_memory_bytes, rel=1e-9)
+    assert [m for m in pred.memory_by_stage] == pytest.approx(list(ev.rank_memory_bytes), rel=1e-9)
     if limit is not None:
         assert pred.peak_memory_bytes <= limit
 
@@ -349,8 +348,7 @@ def test_full_recompute_region_counts_one_input_per_block(small):
     assert acts == pytest.approx(kept + sum(o.activation_bytes for o, l in zip(options, graph.layers)
                                             if l.block is None), rel=1e-9)
     pred = cost_model.predict(graph, plan, cluster, train)
-    assert pred.peak_memory_bytes == pytest.approx(
-        chained.peak_memory_bytes * (1 + cost_model.ALLOCATOR_FRAGMENTATION) + GiB, rel=1e-9)
+    assert pred.peak_memory_bytes == pytest.approx(chained.peak_memory_bytes, rel=1e-9)
 
 
 # ----------------------------------------------------------------------------- bad inputs
@@ -405,6 +403,9 @@ def test_prefix_memory_rows_bound_every_candidate_and_see_the_first_stage(small)
     from autoshard.search.evaluate import anchor_blocks, num_anchor_blocks
 
     graph, cluster, _ = small
+    # Without the loss over the vocabulary: its T·V·14 bytes on the last stage (one micro-batch in
+    # flight under 1F1B) would set the all-rank row, and this test is about the first stages.
+    graph = dataclasses.replace(graph, layers=tuple(dataclasses.replace(l, vocab=None) for l in graph.layers))
     train = TrainSpec(global_batch=64, seq_len=4096)
     constraints = Constraints(mesh={"pp": 4, "tp": 2}, max_memory_bytes=int(12 * GiB))
     search = solver._new_search(graph, cluster, train, constraints, cost_model.layer_cost)

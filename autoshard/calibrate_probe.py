@@ -1,0 +1,273 @@
+"""Model probe of ``autoshard cluster calibrate --model``: time the model's own layers and the optimizer.
+
+Layer times (``probe_layers``): the reference model ``spec`` is built with one
+block on the device in the compute dtype (eager, the code of
+``autoshard/models`` the runtime executes) and captured on ``meta`` to name its
+layers. For each structurally distinct layer (``search/measured.py``
+``layer_signature``: embedding, norm, attention, MLP/MoE, head, value head)
+and each micro-batch ``b`` of ``micro_batches``, at sequence length ``seq_len``
+(``T = b·s`` tokens), it times
+
+- ``fwd_s``: the forward with autograd recording, as in training;
+- ``bwd_s``: forward + backward minus ``fwd_s``, the backward seeded with a
+  random output gradient (parameter gradients reset to ``None`` first, as
+  for the first micro-batch of a step);
+
+each the median over ``iters`` runs of ``reps`` back-to-back calls with one
+device synchronisation, divided by ``reps`` (the steady state of eager
+execution: the CPU's dispatch overlaps the device's kernels as in a step).
+Blocks add their residual (``x + attn(norm(x))`` is timed as ``x + attn(y)``).
+The head is timed with the loss the cost model assumes, cross-entropy on
+``logits.float()`` (fp32 log-softmax over all ``V``); the value head with
+``values.float().pow(2).mean()``.
+
+TP shards (``tp`` degrees > 1, when heads, kv heads, FFN width and vocabulary
+divide): the layer rebuilt as one Megatron rank sees it, column linears
+(q, k, v, up, gate, head) with ``out/t`` outputs and row linears (o, down)
+with ``in/t`` inputs; the head then concatenates ``t`` copies of its local
+logits before the loss, standing in for the all-gather the runtime inserts
+(the loss runs on all ``V`` on every rank). Collectives are not timed here:
+they keep their α-β model.
+
+Optimizer (``probe_adamw``): the per-parameter work of ``runtime/optimizer.py``'s
+AdamW step on one slot — bf16 gradient cast to fp32, its squared norm in fp64
+(clipping), the clip scale, the AdamW update (``lerp_``, ``mul_``,
+``addcmul_``, ``sqrt``, ``div``, ``add_``, ``addcdiv_``) and the write-back to
+the bf16 parameter — over one large flat fp32 buffer (``s_per_param`` =
+slope) and over many tiny tensors (``s_per_tensor`` = the per-tensor floor).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from autoshard.errors import AutoshardError
+
+_PROBED_KINDS = ("embedding", "norm", "attention", "mlp", "moe", "head", "value_head")
+_TP_KINDS = ("attention", "mlp", "head")  # what the probe shards (MoE experts are EP's, not TP's)
+_COLUMN_ROLES = ("column", "vocab")
+
+
+@dataclass(frozen=True, kw_only=True)
+class ProbeSpec:
+    """What the model probe measures (module docstring)."""
+
+    model: str  # reference model spec, e.g. "llama:350m"
+    seq_len: int
+    micro_batches: tuple[int, ...] = (1, 2, 4, 8)
+    tp: tuple[int, ...] = (1, 2)
+    reps: int = 2
+    iters: int = 5
+
+    def __post_init__(self) -> None:
+        if self.seq_len < 2 or not self.micro_batches or min(self.micro_batches) < 1 or min(self.tp, default=0) < 1:
+            raise AutoshardError(f"probe seq_len={self.seq_len}, micro_batches={self.micro_batches}, tp={self.tp}: "
+                                 "need seq_len ≥ 2 and positive micro-batch sizes and tp degrees")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def time_call(fn: Callable[[], Any], device: torch.device, reps: int, iters: int) -> float:
+    """Seconds per call: median over ``iters`` of ``reps`` calls between two synchronisations, after a warm-up."""
+    fn()
+    _sync(device)
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        _sync(device)
+        samples.append((time.perf_counter() - start) / reps)
+    return statistics.median(samples)
+
+
+# --------------------------------------------------------------------------- layers
+
+
+def _role(name: str) -> str:
+    """Megatron TP role of a reference-model parameter (``tp_role``; tied heads included)."""
+    from autoshard.models.transformer import tp_role
+
+    try:
+        return tp_role(name)
+    except AssertionError:
+        return "replicate"
+
+
+def _shard_linears(module: nn.Module, prefix: str, tp: int) -> nn.Module:
+    """A copy of ``module`` with every column/vocab linear split by output and every row linear by input."""
+    out = copy.deepcopy(module)
+    targets = [out] if isinstance(out, nn.Linear) else []
+    names = [""] if targets else []
+    for name, child in out.named_modules():
+        if isinstance(child, nn.Linear) and child is not out:
+            targets.append(child)
+            names.append(name)
+    for name, linear in zip(names, targets):
+        role = _role(f"{prefix}{'.' + name if name else ''}.weight")
+        if role in _COLUMN_ROLES:
+            linear.weight = nn.Parameter(linear.weight.detach()[: linear.out_features // tp].clone())
+            if linear.bias is not None:
+                linear.bias = nn.Parameter(linear.bias.detach()[: linear.out_features // tp].clone())
+            linear.out_features //= tp
+        elif role == "row":
+            linear.weight = nn.Parameter(linear.weight.detach()[:, : linear.in_features // tp].clone())
+            linear.in_features //= tp
+    return out
+
+
+def _tp_divides(layer: Any, tp: int) -> bool:
+    sizes = [layer.num_heads, layer.num_kv_heads, layer.ffn_hidden, layer.vocab]
+    return all(n is None or n % tp == 0 for n in sizes)
+
+
+@dataclass
+class _LayerRun:
+    """One probed layer: a forward closure returning the output to differentiate, and its seed gradient."""
+
+    forward: Callable[[], torch.Tensor]
+    params: list[nn.Parameter]
+
+    def step(self) -> None:
+        for p in self.params:
+            p.grad = None
+        out = self.forward()
+        out.backward(torch.ones_like(out) if out.dim() == 0 else torch.randn_like(out))
+
+
+def _layer_run(model: nn.Module, layer: Any, module: nn.Module, tp: int, batch: int, seq_len: int,
+               dtype: torch.dtype, device: torch.device) -> _LayerRun:
+    """Closure calling ``module`` as the model does for ``layer.kind`` on ``batch`` sequences."""
+    cfg = model.config
+    hidden = cfg.hidden
+    tokens = torch.randint(0, cfg.vocab_size, (batch, seq_len), device=device)
+    x = torch.randn(batch, seq_len, hidden, device=device, dtype=dtype, requires_grad=True)
+    params = list(module.parameters())
+    kind = layer.kind
+    if kind == "embedding":
+        params = list(model.parameters())
+        return _LayerRun(lambda: model._embed(tokens, 0)[0], params)
+    if kind == "attention":
+        with torch.no_grad():
+            rope = model._embed(tokens[:1], 0)[1]
+        return _LayerRun(lambda: x + module(x, rope, None, 0), params)
+    if kind in ("mlp", "moe"):
+        return _LayerRun(lambda: x + module(x), params)
+    if kind == "head":
+        targets = tokens.reshape(-1)
+
+        def head_loss() -> torch.Tensor:
+            logits = module(x)  # [B, S, V/t]
+            if tp > 1:  # the runtime's all-gather of vocab-parallel logits
+                logits = torch.cat([logits] * tp, dim=-1)
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets)
+
+        return _LayerRun(head_loss, params)
+    if kind == "value_head":
+        return _LayerRun(lambda: module(x).squeeze(-1).float().pow(2).mean(), params)
+    return _LayerRun(lambda: module(x), params)  # norm
+
+
+def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
+    """Samples ``{"signature", "layer", "tp", "tokens", "fwd_s", "bwd_s"}`` (module docstring)."""
+    from autoshard.models import build
+    from autoshard.passes.capture import capture_reference
+    from autoshard.search.measured import layer_signature
+
+    overrides: dict[str, Any] = {"num_layers": 1}
+    meta_graph = capture_reference(spec.model, seq_lens=(max(2, spec.seq_len // 2), spec.seq_len), dtype=dtype,
+                                   **overrides)
+    model = build(spec.model, device=device, dtype=dtype, **overrides)
+    if model.config.max_seq_len < spec.seq_len:
+        raise AutoshardError(f"probe seq_len={spec.seq_len} exceeds {spec.model}'s max_seq_len="
+                             f"{model.config.max_seq_len}; probe a sequence length the model supports")
+    model.train()
+    samples, seen = [], set()
+    for layer in meta_graph:
+        signature = layer_signature(layer)
+        if layer.kind not in _PROBED_KINDS or signature in seen:
+            continue
+        seen.add(signature)
+        module = model if layer.kind == "embedding" else model.get_submodule(layer.name)
+        for tp in spec.tp:
+            if tp > 1 and (layer.kind not in _TP_KINDS or not _tp_divides(layer, tp)):
+                continue
+            local = _shard_linears(module, layer.name, tp) if tp > 1 else module
+            for batch in spec.micro_batches:
+                run = _layer_run(model, layer, local, tp, batch, spec.seq_len, dtype, device)
+                fwd = time_call(run.forward, device, spec.reps, spec.iters)
+                both = time_call(run.step, device, spec.reps, spec.iters)
+                samples.append({"signature": signature, "layer": layer.name, "tp": tp,
+                                "tokens": batch * spec.seq_len, "fwd_s": fwd, "bwd_s": max(both - fwd, 0.0)})
+                del run
+    return samples
+
+
+# --------------------------------------------------------------------------- optimizer
+
+
+def _adamw_slot(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad16: torch.Tensor,
+                param16: torch.Tensor, step: int) -> torch.Tensor:
+    """One slot of ``ShardedOptimizer.step`` (runtime/optimizer.py), collectives left out; returns ‖g‖²."""
+    beta1, beta2, lr, eps = 0.9, 0.999, 1e-3, 1e-8
+    grad = grad16.to(torch.float32)  # set_grad
+    norm_sq = grad.double().pow(2).sum() / 1.0  # clip_scale: ‖g‖² ÷ replication, per slot
+    grad = grad * 0.5  # the clip scale
+    exp_avg.lerp_(grad, 1 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
+    master.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
+    param16.copy_(master.to(param16.dtype))  # write_back
+    return norm_sq
+
+
+def probe_adamw(device: torch.device, dtype: torch.dtype, *, big_params: int, small_tensors: int,
+                iters: int) -> tuple[float, float]:
+    """(seconds per parameter, seconds per tensor) of the AdamW slot step (module docstring)."""
+
+    def slots(n: int, count: int) -> list[tuple[torch.Tensor, ...]]:
+        return [(torch.randn(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device),
+                 torch.randn(n, device=device).to(dtype), torch.empty(n, device=device, dtype=dtype))
+                for _ in range(count)]
+
+    def run(group: list[tuple[torch.Tensor, ...]]) -> Callable[[], None]:
+        def step() -> None:
+            total = torch.zeros((), dtype=torch.float64, device=device)
+            for s in group:
+                total = total + _adamw_slot(*s, step=1)
+            float(total.sqrt())  # the clip scale reaches the host once per step
+
+        return step
+
+    small = slots(1024, small_tensors)
+    per_tensor = time_call(run(small), device, 1, iters) / small_tensors
+    big = slots(big_params, 1)
+    per_param = max(time_call(run(big), device, 1, iters) - per_tensor, 0.0) / big_params
+    return per_param, per_tensor
+
+
+def parse_int_list(text: str) -> tuple[int, ...]:
+    """``"1,2,4"`` → (1, 2, 4) (CLI helper); raises ``AutoshardError`` naming the text."""
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        values = ()
+    if not values or min(values) < 1:
+        raise AutoshardError(f"{text!r}: expected positive integers separated by commas, e.g. 1,2,4,8")
+    return values
+
+
+__all__ = ["ProbeSpec", "parse_int_list", "probe_adamw", "probe_layers", "time_call"]

@@ -1,0 +1,138 @@
+"""The model probe of ``autoshard cluster calibrate --model`` and the cost model's use of it.
+
+``autoshard/calibrate_probe.py`` (timing the reference layers and the AdamW slot step),
+``search/measured.py`` (signatures, interpolation) and the probe-driven terms of
+``search/layer_terms.py``; on the CPU with the tiny Llama.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import pytest
+import torch
+
+from autoshard.calibrate import add_calibrate_arguments, calibrate_main
+from autoshard.calibrate_probe import ProbeSpec, probe_adamw, probe_layers
+from autoshard.cluster import Cluster
+from autoshard.errors import AutoshardError
+from autoshard.passes.capture import capture_reference
+from autoshard.plan import LayerStrategy, Mesh, Schedule
+from autoshard.search import cost_model, layer_terms
+from autoshard.search.measured import interpolate, layer_signature, measured_layer_time
+from autoshard.train import TrainSpec
+
+SEQ = 32
+
+
+@pytest.fixture(scope="module")
+def probed():
+    """(samples, calibrated cluster, full tiny graph) from one CPU probe of llama:tiny."""
+    spec = ProbeSpec(model="llama:tiny", seq_len=SEQ, micro_batches=(1, 2), tp=(1, 2), reps=1, iters=1)
+    samples = probe_layers(spec, torch.device("cpu"), torch.float32)
+    file = {"adamw_s_per_param": 1e-9, "adamw_s_per_tensor": 2e-5,
+            "layer_times": {"model": spec.model, "dtype": "fp32", "seq_len": SEQ, "samples": samples}}
+    graph = capture_reference("llama:tiny", seq_lens=(SEQ // 2, SEQ), dtype=torch.float32)
+    return samples, Cluster.preset("h100-sxm", 1, 2).with_calibration(file), graph
+
+
+def test_probe_times_every_distinct_layer_at_each_size(probed):
+    samples, _, graph = probed
+    kinds = {s["signature"].split(":")[0] for s in samples}
+    assert kinds == {"embedding", "norm", "attention", "mlp", "head", "value_head"}
+    assert all(s["fwd_s"] > 0 and s["bwd_s"] >= 0 for s in samples)
+    tp2 = {s["signature"].split(":")[0] for s in samples if s["tp"] == 2}
+    assert tp2 == {"attention", "mlp", "head"}  # norms and embeddings are not TP-split by the probe
+    assert {s["tokens"] for s in samples} == {SEQ, 2 * SEQ}
+    # the one-block probe model names the same layers as the full model: every full layer is covered
+    assert {layer_signature(l) for l in graph} == {s["signature"] for s in samples}
+
+
+def test_cost_model_uses_measured_times_and_falls_back(probed):
+    samples, cluster, graph = probed
+    attn = next(l for l in graph if l.kind == "attention")
+    row = {s["tokens"]: s for s in samples if s["signature"] == layer_signature(attn) and s["tp"] == 1}
+    train = TrainSpec(global_batch=4, seq_len=SEQ, precision="fp32", micro_batch=2)
+    cost = cost_model.layer_cost(attn, LayerStrategy(layer=attn.name), Mesh(), cluster, train,
+                                 Schedule(micro_batch=2, num_micro_batches=2))
+    assert cost.detail["fwd_measured"] == 1.0
+    assert cost.detail["fwd_compute_s"] == pytest.approx(row[2 * SEQ]["fwd_s"])
+    assert cost.detail["bwd_compute_s"] == pytest.approx(row[2 * SEQ]["bwd_s"])
+    # another precision or sequence length was not probed: analytic terms
+    for other in (TrainSpec(global_batch=4, seq_len=SEQ, precision="bf16", micro_batch=2),
+                  TrainSpec(global_batch=4, seq_len=2 * SEQ, precision="fp32", micro_batch=2)):
+        cost = cost_model.layer_cost(attn, LayerStrategy(layer=attn.name), Mesh(), cluster, other,
+                                     Schedule(micro_batch=2, num_micro_batches=2))
+        assert cost.detail["fwd_measured"] == 0.0
+    # the optimizer rates of the file replace the pass count
+    opt = cost_model.layer_cost(attn, LayerStrategy(layer=attn.name), Mesh(), cluster, train, Schedule())
+    assert opt.detail["optimizer_hbm_s"] == pytest.approx(attn.param_count * 1e-9)
+
+
+def test_tp_probe_is_used_for_megatron_layers(probed):
+    _, cluster, graph = probed
+    mlp = next(l for l in graph if l.kind == "mlp")
+    train = TrainSpec(global_batch=4, seq_len=SEQ, precision="fp32", micro_batch=2)
+    strategy = LayerStrategy(layer=mlp.name, tp="megatron")
+    sh = layer_terms.sharding(mlp, strategy, Mesh(tp=2, dp_shard=1), Schedule(micro_batch=2), SEQ)
+    assert sh.tp_mm == 2
+    assert layer_terms.probed_time(mlp, strategy, sh, cluster, train) is not None
+    sh4 = layer_terms.sharding(mlp, strategy, Mesh(tp=4), Schedule(micro_batch=2), SEQ)
+    assert layer_terms.probed_time(mlp, strategy, sh4, cluster, train) is None  # tp 4 not probed
+
+
+def test_interpolation_is_linear_and_extends_the_end_segments():
+    points = ((1024.0, 1.0), (2048.0, 1.5), (4096.0, 2.5))
+    assert interpolate(points, 1536.0) == pytest.approx(1.25)
+    assert interpolate(points, 8192.0) == pytest.approx(4.5)  # last segment's slope
+    assert interpolate(points, 512.0) == pytest.approx(0.75)  # first segment's line
+    assert interpolate(points, 1.0) == pytest.approx(0.5 + 0.5 / 1024)
+    assert interpolate(((1000.0, 1.0), (2000.0, 3.0)), 100.0) == pytest.approx(0.1)  # never below proportional
+    assert interpolate(((100.0, 2.0),), 50.0) == pytest.approx(1.0)
+
+
+def test_measured_layer_time_without_probe_is_none(probed):
+    _, _, graph = probed
+    assert measured_layer_time(graph.layers[1], Cluster.preset("h100-sxm", 1, 2), "fp32", 1, SEQ, 64) is None
+
+
+def test_loss_memory_counts_full_vocab_logits(probed):
+    _, cluster, graph = probed
+    head = next(l for l in graph if l.kind == "head")
+    train = TrainSpec(global_batch=4, seq_len=SEQ, precision="fp32", micro_batch=2)
+    base = cost_model.layer_cost(head, LayerStrategy(layer=head.name), Mesh(), cluster, train, Schedule(micro_batch=2))
+    tp = cost_model.layer_cost(head, LayerStrategy(layer=head.name, tp="megatron"), Mesh(tp=2), cluster, train,
+                               Schedule(micro_batch=2))
+    logits = 2 * SEQ * head.vocab
+    assert base.memory.activations >= logits * layer_terms.LOSS_PEAK_BYTES_PER_LOGIT
+    # the runtime gathers the logits: the loss memory does not shrink with tp
+    assert tp.memory.activations - layer_terms.LOSS_PEAK_BYTES_PER_LOGIT * logits >= 0
+
+
+def test_adamw_probe_per_param_and_per_tensor():
+    per_param, per_tensor = probe_adamw(torch.device("cpu"), torch.float32, big_params=1 << 14, small_tensors=4,
+                                        iters=1)
+    assert per_param >= 0 and per_tensor > 0
+
+
+def test_cli_writes_layer_times(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_calibrate_arguments(parser)
+    out = tmp_path / "c.json"
+    args = parser.parse_args(["--out", str(out), "--quick", "--iters", "1", "--model", "llama:tiny", "--seq", "16",
+                              "--micro-batch", "1", "--probe-tp", "1"])
+    assert calibrate_main(args) == 0
+    written = json.loads(out.read_text())
+    assert written["layer_times"]["model"] == "llama:tiny" and written["layer_times"]["seq_len"] == 16
+    assert written["adamw_s_per_param"] >= 0 and written["adamw_s_per_tensor"] > 0
+    applied = Cluster.detect().with_calibration(out)
+    assert sum(k.startswith("layer_time|") for k in applied.calibration) == 2 * len(written["layer_times"]["samples"])
+
+
+def test_cli_model_needs_seq(tmp_path):
+    parser = argparse.ArgumentParser()
+    add_calibrate_arguments(parser)
+    args = parser.parse_args(["--out", str(tmp_path / "c.json"), "--quick", "--model", "llama:tiny"])
+    with pytest.raises(AutoshardError, match="--seq"):
+        calibrate_main(args)
