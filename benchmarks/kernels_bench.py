@@ -17,9 +17,21 @@ What is measured, per element count ``n`` (bf16 input unless stated):
   copy GB/s at the same ``n``. Goal: >= 0.9.
 - ``--sweep``: the same for the launch configs of ``sweep_grid`` (variant, tile, warps,
   pipelining); each config is checked bit for bit at the smallest size before it is timed.
+- candidates (on by default, ``--no-candidates`` to skip): at the smallest size only, the
+  few launch configs of ``candidate_grid`` for the cases closest to the goal (int4 quantize,
+  int4 dequantize+reduce); ``best`` in the JSON lists, per (block, kernel, size), the
+  default's ratio beside the best bit-exact config's. The default is what the launcher
+  picks (``default_config``: per format, block and size); the report picks nothing else.
+- ``ratio_same_bytes`` (smallest size): kernel GB/s over a bf16 copy moving the same number
+  of bytes as the kernel (a 64M-element dequantize+reduce moves ~0.4x the bytes of the
+  64M-element copy, so fixed launch/ramp/tail costs weigh more on it); ``host_us``: host
+  time per launch (do_bench flushes L2 before each call, a ~90 us GPU job, so a launch
+  slower than that on the host would show up in the kernel's time).
 - qwZ: all-gather of a ``--gather-bytes`` bf16 tensor over ``--world`` processes (NCCL on
   GPUs, gloo on CPU): bf16 ``all_gather_into_tensor`` against quantize + gather of
-  quantized rows + dequantize, for int8 and fp8; median of ``--iters`` timed iterations.
+  quantized rows + dequantize, for int8 and fp8; median of ``--iters`` timed iterations
+  (spawned processes; ``benchmarks/qcomm_bench.py`` is the torchrun version with per-step
+  times and an error-bound check, the one whose numbers the docs record).
 
 Bit-exactness against the pure-torch reference on the same device, recorded in the JSON:
 the defaults at two awkward sizes (``bit_exact``; skip with ``--no-small-check``), and every
@@ -68,7 +80,26 @@ def _config_name(cfg) -> str:
     if cfg is None:
         return "default"
     loop = f"/s{cfg.stages}x{cfg.progs_per_sm}" if cfg.stages > 1 else ""
-    return f"{cfg.variant}/{cfg.elems}/w{cfg.num_warps}{loop}{'/cs' if cfg.stream else ''}"
+    unroll = "" if cfg.unroll == 8 else f"/u{cfg.unroll}"
+    return f"{cfg.variant}/{cfg.elems}/w{cfg.num_warps}{loop}{'/cs' if cfg.stream else ''}{unroll}"
+
+
+def candidate_grid(block: int) -> dict[tuple[str, str], list]:
+    """Launch configs tried at the smallest size for the cases closest to the 0.9 goal (H100, 64M).
+
+    int4 quantize: fewer warps per program, so a block's absmax reduction spans fewer warps
+    (a 2048-element block is 1024 words: one warp holds it at 1 warp, 32 words a thread).
+    int4 dequantize+reduce: bigger or smaller tiles, fewer warps, the tile kernel, and the
+    runtime row loop (``u0``, the kernel before the rows were unrolled) for comparison.
+    """
+    kc = triton_kernels().KernelConfig
+    return {
+        ("quantize", "int4"): [kc("pairs", 8192, 8, stream=True), kc("pairs", 4096, 4, stream=True),
+                               kc("pairs", 4096, 2, stream=True), kc("pairs", 2048, 2, stream=True),
+                               kc("pairs", 2048, 1, stream=True)],
+        ("dequantize_reduce", "int4"): [kc("pairs", 4096, 4, unroll=0), kc("pairs", 8192, 4), kc("pairs", 8192, 8),
+                                        kc("pairs", 2048, 2), kc("tile", 4096, 4)],
+    }
 
 
 def sweep_grid(block: int, grid: str = "full") -> dict[str, list]:
@@ -150,15 +181,48 @@ def check_bit_exact(device: torch.device, block: int) -> dict[str, bool]:
     return out
 
 
+class _CopyRef:
+    """bf16 device-copy bandwidth: per element count (the ratio's reference), and per byte
+    count at the smallest size (``ratio_same_bytes``), each measured once and cached."""
+
+    def __init__(self, device: torch.device):
+        self.device, self._by_bytes = device, {}
+
+    def bytes_per_s(self, nbytes: int) -> float:
+        elems = max(1, round(nbytes / 4))  # bf16 copy: 2 bytes read + 2 written per element
+        if elems not in self._by_bytes:
+            src = torch.randn(elems, device=self.device, dtype=torch.bfloat16)
+            dst = torch.empty_like(src)
+            self._by_bytes[elems] = 4 * elems / _bench(lambda: dst.copy_(src), self.device)
+            del src, dst
+        return self._by_bytes[elems]
+
+
+def _host_us(fn, device: torch.device) -> float:
+    """Host (CPU) microseconds per launch of ``fn``, the GPU left to run behind."""
+    calls = 20 if device.type == "cuda" else 1
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    host = (time.perf_counter() - start) / calls * 1e6
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return host
+
+
 def bench_kernels(sizes: list[int], blocks: list[int], rows: int, sweep: str | None, device: torch.device,
-                  deadline_s: float = float("inf"), on_record=None) -> list[dict]:
-    """One record per (block, kernel, config, size); the defaults first, then the sweep grid.
+                  deadline_s: float = float("inf"), on_record=None, candidates: bool = True) -> list[dict]:
+    """One record per (block, kernel, config, size): the defaults first, then the candidate
+    configs at the smallest size (``candidates``), then the sweep grid.
 
     Each config is checked bit for bit against the reference at the smallest size (the
     input holds a NaN and an all-zero block) before it is timed. Configs are skipped once
     ``deadline_s`` seconds have passed (records say how many were skipped).
     """
     start, records, skipped = time.perf_counter(), [], 0
+    copies = _CopyRef(device)
     for block in blocks:
         inputs = [_Inputs(n, block, rows, device) for n in sizes]
         copy_bw = {}
@@ -169,16 +233,22 @@ def bench_kernels(sizes: list[int], blocks: list[int], rows: int, sweep: str | N
             records.append({"block": block, "n": inp.n, "kernel": "copy", "seconds": secs,
                             "gbps": copy_bw[inp.n] / 1e9, "ratio": 1.0})
             del dst
+        plan = [(kernel, qd, None, inputs) for kernel in ("quantize", "dequantize", "dequantize_reduce")
+                for qd in QDTYPES]
+        if candidates:  # at the smallest size; a candidate equal to the resolved default is not re-timed
+            n0 = inputs[0].n
+            plan += [(kernel, qd, cfg, inputs[:1]) for (kernel, qd), cfgs in candidate_grid(block).items()
+                     for cfg in cfgs if cfg != triton_kernels().default_config(kernel, qd, block, n0)[0]]
         grid = sweep_grid(block, sweep) if sweep else {}
-        for kernel in ("quantize", "dequantize", "dequantize_reduce"):
-            for cfg in [None, *grid.get(kernel, [])]:
-                for qd in QDTYPES:
-                    if time.perf_counter() - start > deadline_s:
-                        skipped += 1
-                        continue
-                    records += _time_config(inputs, kernel, qd, cfg, block, copy_bw, device)
-                    if on_record:
-                        on_record(records)
+        plan += [(kernel, qd, cfg, inputs) for kernel in ("quantize", "dequantize", "dequantize_reduce")
+                 for cfg in grid.get(kernel, []) for qd in QDTYPES]
+        for kernel, qd, cfg, inps in plan:
+            if time.perf_counter() - start > deadline_s:
+                skipped += 1
+                continue
+            records += _time_config(inps, kernel, qd, cfg, block, copy_bw, copies, device)
+            if on_record:
+                on_record(records)
         del inputs
         if device.type == "cuda":
             torch.cuda.empty_cache()
@@ -187,16 +257,44 @@ def bench_kernels(sizes: list[int], blocks: list[int], rows: int, sweep: str | N
     return records
 
 
-def _time_config(inputs, kernel, qd, cfg, block, copy_bw, device) -> list[dict]:
-    """Records of one (kernel, format, config) at every size; bit-exact check at the first."""
-    out = []
+def _time_config(inputs, kernel, qd, cfg, block, copy_bw, copies, device) -> list[dict]:
+    """Records of one (kernel, format, config) at every size; bit-exact check, host launch
+    time and the same-bytes copy ratio at the first."""
+    tk, out = triton_kernels(), []
     for i, inp in enumerate(inputs):
         fn, nbytes, ref = inp.case(kernel, qd)
-        exact = _same(fn(cfg), ref()) if i == 0 else None
+        rec = {"block": block, "n": inp.n, "kernel": f"{kernel}/{qd}", "config": _config_name(cfg)}
+        if cfg is None:  # what the launcher picks at this block and size
+            lay = inp.row_lay[qd] if kernel == "dequantize_reduce" else inp.lay[qd]
+            rec["resolved"] = _config_name(tk.default_config(kernel, qd, block, lay.numel)[0])
+        if i == 0:
+            rec["bit_exact"] = _same(fn(cfg), ref())
+            rec["host_us"] = _host_us(lambda: fn(cfg), device)
         secs = _bench(lambda: fn(cfg), device)
-        out.append({"block": block, "n": inp.n, "kernel": f"{kernel}/{qd}", "config": _config_name(cfg),
-                    "seconds": secs, "gbps": nbytes / secs / 1e9, "ratio": nbytes / secs / copy_bw[inp.n],
-                    **({"bit_exact": exact} if exact is not None else {})})
+        rec.update(seconds=secs, gbps=nbytes / secs / 1e9, ratio=nbytes / secs / copy_bw[inp.n])
+        if i == 0:
+            rec["ratio_same_bytes"] = nbytes / secs / copies.bytes_per_s(nbytes)
+        out.append(rec)
+    return out
+
+
+def best_configs(records: list[dict]) -> list[dict]:
+    """Per (block, kernel, size) timed with more than the default: the default's ratio beside
+    the best bit-exact config's (the default is what the launcher runs; nothing is re-chosen)."""
+    groups: dict[tuple, list[dict]] = {}
+    for r in records:
+        if r.get("config") is not None:
+            groups.setdefault((r["block"], r["kernel"], r["n"]), []).append(r)
+    out = []
+    for (block, kernel, n), recs in groups.items():
+        default = next((r for r in recs if r["config"] == "default"), None)
+        exact = [r for r in recs if r.get("bit_exact", True)]
+        if default is None or len(recs) < 2 or not exact:
+            continue
+        best = max(exact, key=lambda r: r["ratio"])
+        out.append({"block": block, "kernel": kernel, "n": n, "default": default.get("resolved", "default"),
+                    "default_ratio": default["ratio"], "best": best["config"], "best_ratio": best["ratio"],
+                    "default_is_best": best is default or best["config"] == default.get("resolved")})
     return out
 
 
@@ -246,7 +344,7 @@ def bench_all_gather(world: int, nbytes: int, block: int, iters: int, workdir: P
     return json.loads(result_path.read_text())
 
 
-def markdown(records: list[dict], gather: dict | None) -> str:
+def markdown(records: list[dict], gather: dict | None, best: list[dict] | None = None) -> str:
     """Markdown tables: ratio to copy per (block, kernel, config) across sizes; the all-gather comparison."""
     sizes = sorted({r["n"] for r in records if "n" in r})
     rows: dict[tuple, dict[int, float]] = {}
@@ -261,6 +359,19 @@ def markdown(records: list[dict], gather: dict | None) -> str:
         cells = " | ".join(f"{by_n[n]:.{0 if key[1] == 'copy' else 3}f}" if n in by_n else "" for n in sizes)
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells} | {exact.get(key, '')} |")
     lines += [f"skipped (deadline): {r['count']}" for r in records if r["kernel"] == "skipped"]
+    if best:
+        lines += ["", "| block | kernel | size | default (resolved) | ratio | best bit-exact | ratio |",
+                  "| --- " * 7 + "|"]
+        for b in best:
+            lines.append(f"| {b['block']} | {b['kernel']} | {b['n'] >> 20}M | {b['default']} | "
+                         f"{b['default_ratio']:.3f} | {b['best']} | {b['best_ratio']:.3f} |")
+    same = [r for r in records if "ratio_same_bytes" in r and r.get("config") == "default"]
+    if same:
+        lines += ["", "| block | kernel (default) | size | ratio | ratio to a same-bytes copy | host us/launch |",
+                  "| --- " * 6 + "|"]
+        for r in same:
+            lines.append(f"| {r['block']} | {r['kernel']} | {r['n'] >> 20}M | {r['ratio']:.3f} | "
+                         f"{r['ratio_same_bytes']:.3f} | {r['host_us']:.0f} |")
     if gather:
         base = gather["bf16"]["seconds"]
         lines += ["", "| all-gather | bytes received / rank | ms | speed-up |", "| --- | --- | --- | --- |"]
@@ -280,6 +391,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sweep", nargs="?", const="full", choices=("full", "confirm"),
                    help="also time the sweep_grid() launch configs")
     p.add_argument("--deadline", type=float, default=float("inf"), help="seconds after which configs are skipped")
+    p.add_argument("--no-candidates", action="store_true", help="skip the candidate_grid() configs")
     p.add_argument("--no-small-check", action="store_true", help="skip the awkward-size bit-exact check")
     p.add_argument("--world", type=int, default=2, help="processes for the all-gather (0: skip)")
     p.add_argument("--gather-bytes", type=int, default=GiB)
@@ -296,19 +408,23 @@ def main(argv: list[str] | None = None) -> dict:
     report = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu",
               "torch": torch.__version__, "triton": triton.__version__, "blocks": args.blocks, "rows": args.rows,
               "defaults": {"/".join(k): _config_name(c) for k, c in triton_kernels().CUDA_CONFIGS.items()},
+              "default_rules": [{"kernel": k, "qdtype": qd, "min_block": b, "max_numel": m, "config": _config_name(c),
+                                 "why": why} for k, qd, b, m, c, why in triton_kernels().CUDA_CONFIG_RULES],
               "bit_exact": {} if args.no_small_check else check_bit_exact(device, args.blocks[0]),
               "kernels": [], "all_gather": None}
 
     def save(records):
         report["kernels"] = records
+        report["best"] = best_configs(records)
         args.out.write_text(json.dumps(report, indent=1))
 
-    save(bench_kernels(args.sizes, args.blocks, args.rows, args.sweep, device, args.deadline, save))
+    save(bench_kernels(args.sizes, args.blocks, args.rows, args.sweep, device, args.deadline, save,
+                       candidates=not args.no_candidates))
     if args.world > 1:
         report["all_gather"] = bench_all_gather(args.world, args.gather_bytes, args.blocks[0], args.iters,
                                                 args.out.parent)
     save(report["kernels"])
-    print(markdown(report["kernels"], report["all_gather"]))
+    print(markdown(report["kernels"], report["all_gather"], report["best"]))
     exact = list(report["bit_exact"].values()) + [r["bit_exact"] for r in report["kernels"] if "bit_exact" in r]
     print("bit-exact vs reference:", all(exact))
     return report

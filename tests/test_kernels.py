@@ -138,6 +138,49 @@ def test_pair_word_kernels_match_reference_bit_exact(qdtype, config):
 
 
 @needs_triton
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_dequantize_reduce_unrolled_and_runtime_row_loops_agree(qdtype):
+    # rows unrolled at compile time (world <= unroll) and the runtime loop (world > unroll, or
+    # unroll=0) sum in the same rank order: both equal the reference bit for bit
+    from autoshard.kernels import triton_kernels as tk
+
+    gen = torch.Generator().manual_seed(11)
+    for world, numel in ((3, 3 * 64 * 5 + 17), (4, 4 * 64 * 6)):  # odd shard (tile kernel) and even (pairs)
+        x = _sample("student_t", numel, gen)
+        x[5], x[64:128] = float("nan"), 0.0
+        lay = QuantLayout(qdtype, 64, numel, world)
+        q = reference.quantize_ref(x, lay)
+        want = reference.dequantize_reduce_ref(q, lay, torch.float32)
+        for variant in ("tile", "pairs"):
+            for unroll in (0, 2, 8):
+                cfg = tk.KernelConfig(variant, 256, 4, unroll=unroll)
+                got = tk.dequantize_reduce_triton(q, lay, torch.float32, cfg)
+                assert _nan_equal(got, want), (world, variant, unroll)
+
+
+def test_default_launch_config_by_block_and_size(monkeypatch):
+    from autoshard.kernels import triton_kernels as tk
+
+    base = tk.CUDA_CONFIGS[("quantize", "int4")]
+    assert tk.default_config("quantize", "int4", 512, 1 << 26) == (base, "per-format default (CUDA_CONFIGS)")
+    big_block, why = tk.default_config("quantize", "int4", 2048, 1 << 26)
+    assert big_block != base and big_block.num_warps == 4 and "2048" in why
+    assert tk.default_config("quantize", "int8", 2048, 1 << 26)[0] == tk.CUDA_CONFIGS[("quantize", "int8")]
+    # a size-bounded rule applies up to its max_numel only, and the first matching rule wins
+    small = tk.KernelConfig("pairs", 2048, 2)
+    rules = (("dequantize_reduce", "int4", 64, 1 << 27, small, "small tensors"), *tk.CUDA_CONFIG_RULES)
+    monkeypatch.setattr(tk, "CUDA_CONFIG_RULES", rules)
+    assert tk.default_config("dequantize_reduce", "int4", 512, 1 << 26) == (small, "small tensors")
+    assert tk.default_config("dequantize_reduce", "int4", 512, (1 << 27) + 1)[0] == \
+        tk.CUDA_CONFIGS[("dequantize_reduce", "int4")]
+    # the launcher resolves through the same table (under the interpreter with bigger tiles)
+    lay = QuantLayout("int4", 512, 1 << 26, 4)
+    assert tk._resolve("dequantize_reduce", lay, torch.device("cpu"), None).num_warps == 4
+    assert tk._resolve("dequantize_reduce", lay, torch.device("cpu"), None).elems == tk.INTERPRETER_ELEMS
+    assert tk._resolve("dequantize_reduce", lay, torch.device("cuda"), None) == small
+
+
+@needs_triton
 def test_fp8_encoding_covers_every_code():
     # every e4m3fn value (and the midpoints between neighbours) round-trips like torch's cast
     codes = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
@@ -357,3 +400,29 @@ def test_benchmark_smoke_run(tmp_path):
     assert {"copy", "quantize/int8", "dequantize/fp8", "dequantize_reduce/int4"} <= kernels
     assert set(report["all_gather"]) == {"bf16", "int8", "fp8"}
     assert "| all-gather |" in proc.stdout
+    # candidate configs at the smallest size, reported beside the default the launcher picks
+    best = {(b["kernel"], b["block"]): b for b in report["best"]}
+    assert {("quantize/int4", 512), ("dequantize_reduce/int4", 512)} <= set(best)
+    assert all(r["bit_exact"] for r in report["kernels"] if "bit_exact" in r)
+    first = [r for r in report["kernels"] if r.get("config") == "default" and "ratio_same_bytes" in r]
+    assert first and all("resolved" in r and r["host_us"] > 0 for r in first)
+
+
+@pytest.mark.slow
+@needs_triton
+def test_qcomm_benchmark_smoke_run_under_torchrun(tmp_path):
+    # the qwZ all-gather benchmark as the GPU session runs it (torchrun, 2 ranks), on gloo
+    out = tmp_path / "qcomm.json"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           str(REPO / "benchmarks" / "qcomm_bench.py"), "--smoke", "--out", str(out)]
+    proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["backend"] == "gloo" and report["world"] == 2
+    for qd in ("int8", "fp8"):
+        r = report[qd]
+        assert r["bytes_ratio"] >= 1.9 and r["within_error_bound"] is True
+        assert set(r["steps_seconds"]) == {"quantize", "all_gather", "dequantize"}
+        assert len(r["per_rank_seconds"]) == 2 and r["seconds"] > 0
+    assert "| int8 |" in proc.stdout
