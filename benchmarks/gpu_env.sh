@@ -1,7 +1,7 @@
 # Sourced by the GPU scripts: make autoshard importable on an offline CUDA machine.
 #
 # 1. installs the carried wheelhouse .whl/ (scripts/build_wheelhouse.py) into $SITE, except
-#    autoshard's own wheel;
+#    autoshard's own wheel (once: a stamp file in $SITE lists what was installed);
 # 2. builds a symlink shim $SHIM/autoshard that maps passes/ kernels/ search/ runtime/ into the
 #    autoshard package the way pyproject.toml's package-dir does, so the working tree is used
 #    without a build and without network;
@@ -11,8 +11,12 @@ SITE="${SITE:-/tmp/site}"
 SHIM="${SHIM:-/tmp/autoshard_src}"
 if [[ -d "$ROOT/.whl" ]]; then
   mapfile -t WHEELS < <(find "$ROOT/.whl" -maxdepth 1 -type f -name '*.whl' ! -name 'autoshard-*.whl' | sort)
-  if [[ ${#WHEELS[@]} -gt 0 ]]; then
-    "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" "${WHEELS[@]}"
+  # A stamp of the wheel names skips the reinstall when a later script of the same session
+  # sources this file again (gpu_session.sh, then gpu_run.sh): ~30 s each time otherwise.
+  STAMP="$(printf '%s\n' "${WHEELS[@]##*/}")"
+  if [[ ${#WHEELS[@]} -gt 0 && "$(cat "$SITE/.autoshard_wheels" 2>/dev/null)" != "$STAMP" ]]; then
+    "$PYTHON" -m pip install -q --no-index --no-deps --target "$SITE" "${WHEELS[@]}" \
+      && printf '%s\n' "$STAMP" > "$SITE/.autoshard_wheels"
   fi
 else
   echo "gpu_run.sh: no .whl/ wheelhouse in $ROOT; using the packages already installed" >&2

@@ -1,19 +1,48 @@
 #!/usr/bin/env bash
-# Every GPU measurement this project records, in one call on a 2-GPU machine (no network).
+# Every GPU measurement this project records, in one call on a GPU machine (no network).
 #
-#   OUT=/some/dir benchmarks/gpu_session.sh [STEP...]
+#   OUT=/some/dir [NPROC=2] benchmarks/gpu_session.sh [STEP...]
 #
-# Steps (default: all, in this order; each is time-boxed so one failure cannot eat the call):
+# NPROC: processes (GPUs) of the torchrun steps (overlap, bench), default 2.
+# Steps (default: env overlap ppo bench nccl, in this order; each is time-boxed so one failure
+# cannot eat the call):
 #   env       card, driver, torch/triton versions
 #   nccl      NCCL numerics of the autoshard:: collectives (tests/test_collectives_gpu.py)
 #   overlap   ZeRO-3 step time with schedule_overlap on vs off, plus profiler overlap evidence
 #   bench     autoshard's searched + forced plans vs FSDP2 / Megatron-Core / DeepSpeed, calibrated
 #   ppo       PPO on a >= 350m reference policy under its searched plan
-# Results land in $OUT (json/md/log); commit them under benchmarks/results/ with the card and date.
+#   matrix    (4 GPUs) one benchmarks/run.py per (model, world), below; not in the default list
+# Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
+# matrix run); commit them under benchmarks/results/ with the card and date.
+#
+# matrix: autoshard's searched plan next to fsdp2, fsdp2-noreshard, megatron-tp, megatron-tp-sp,
+# deepspeed-z2, deepspeed-z3 (MATRIX_CONFIGS), seq 1024, global batch 16, 6 steps of which 2 are
+# untimed, bf16, no calibration; every row records its per-step losses, and results.md ends with
+# the loss agreement (autoshard's TP plan vs megatron-tp*, ZeRO-3 vs ZeRO-3). Runs, in priority
+# order (MATRIX_RUNS picks a comma-separated subset, in this order):
+#   llama350m_x4   4 GPUs, best + 11 forced plans (--variants: TP 4 and TP 4 + SP first, so the
+#                  Megatron rows have a same-degree autoshard TP plan; >= 10 plans predicted and
+#                  measured)
+#   gpt1.3b_x4     4 GPUs, best (GPT: tied embedding/head, vocabulary padded for Megatron)
+#   1.3b_x2        llama:1.3b (+ tp2) on GPUs 0,1 and gpt:1.3b on GPUs 2,3 at the same time (two
+#                  independent 2-GPU jobs on disjoint NVLink pairs; MATRIX_PARALLEL2=0 runs them
+#                  one after the other on GPUs 0,1)
+#   llama1.3b_x4   4 GPUs, best + tp4 (TP plan for the loss agreement)
+#   gpt350m_x4     4 GPUs, best
+# Time budget (estimate from the code, H100 host; see docs/benchmarks.md "Matrix"): per torchrun
+# ~25 s (start, imports, NCCL, capture, search), per autoshard plan ~10-13 s (build_program exports
+# the model) + steps, per baseline 5-15 s + steps (DeepSpeed import ~8 s once), steps 0.2-1 s each:
+# llama350m_x4 ~250 s, gpt1.3b_x4 ~125 s, 1.3b_x2 ~150 s, llama1.3b_x4 ~140 s, gpt350m_x4 ~95 s,
+# ~760 s in all: more than one 10-minute call. A run starts only while MATRIX_BUDGET_S (default
+# 480, counted from the matrix step's start) leaves >= 90 s, and is killed at the budget's end
+# (results.json is rewritten after every config, so a killed run keeps its finished rows); the
+# rest is named in the log for a second call with MATRIX_RUNS. MATRIX_DRY=1 rehearses the step on
+# the CPU (tiny models, gloo, fp32; what CI cannot do for the shell logic).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
 OUT="${OUT:-$ROOT/out/gpu}"
+NPROC="${NPROC:-2}"
 # Work in a scratch folder and re-pack it into one archive after every step: the device tool
 # returns at most 8 files, and a step killed by the call's limit still leaves the earlier ones.
 RESULTS="$OUT"
@@ -22,11 +51,15 @@ mkdir -p "$RESULTS"
 cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 PYTHONUNBUFFERED=1
+export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # Megatron SP overlap ordering
 STEPS=("$@")
 [[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env overlap ppo bench nccl)
-TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2)
+TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
+ALL_CONFIGS=autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3
 
-step() {  # step NAME SECONDS CMD...
+pack() { tar czf "$RESULTS/gpu_session.tgz" -C "$OUT" .; }
+
+timed() {  # timed NAME SECONDS CMD...: run CMD into $OUT/NAME.log under a time limit
   local name="$1" limit="$2"; shift 2
   echo "=== $name (limit ${limit}s) $(date -u +%H:%M:%S)"
   local t0=$SECONDS
@@ -34,7 +67,70 @@ step() {  # step NAME SECONDS CMD...
   local rc=$?
   echo "=== $name rc=$rc in $((SECONDS - t0))s"
   tail -n 25 "$OUT/$name.log"
-  tar czf "$RESULTS/gpu_session.tgz" -C "$OUT" .
+}
+
+step() { timed "$@"; pack; }  # step NAME SECONDS CMD...
+
+bench_cmd() {  # bench_cmd NAME GPUS ARGS...: sets CMD to one matrix run's torchrun line on GPUS (e.g. 0,1)
+  local name="$1" gpus="$2"; shift 2
+  local n; n=$(awk -F, '{print NF}' <<< "$gpus")
+  local shape=(--seq 1024 --batch 16 --precision bf16) args=("$@")
+  if [[ "${MATRIX_DRY:-0}" == 1 ]]; then  # CPU rehearsal of the shell logic: tiny models, gloo
+    shape=(--seq 16 --batch 8 --precision fp32 --device cpu)
+    args=("${args[@]/%:350m/:tiny}"); args=("${args[@]/%:1.3b/:tiny}")
+  fi
+  CMD=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n"
+    benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-6}"
+    --warmup "${MATRIX_WARMUP:-2}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" "${args[@]}")
+}
+
+matrix_limit() {  # matrix_limit NAME CAP: sets LIMIT, the seconds the next run may take (0: do not start it)
+  local left=$((MATRIX_END - SECONDS))
+  LIMIT=$(( left < 90 ? 0 : (left < $2 ? left : $2) ))
+  ((LIMIT > 0)) || echo "=== matrix $1 not started: ${left}s of the budget left (run it with MATRIX_RUNS=$1)"
+}
+
+matrix_run() {  # matrix_run NAME CAP GPUS ARGS...
+  local name="$1" cap="$2" gpus="$3"; shift 3
+  matrix_limit "$name" "$cap"
+  ((LIMIT > 0)) || return 0
+  bench_cmd "$name" "$gpus" "$@"
+  timed "matrix_$name" "$LIMIT" "${CMD[@]}"
+  pack
+}
+
+matrix_pair() {  # llama:1.3b and gpt:1.3b on 2 GPUs each; at the same time on disjoint pairs by default
+  matrix_limit 1.3b_x2 220
+  ((LIMIT > 0)) || return 0
+  local llama gpt
+  bench_cmd llama1.3b_x2 0,1 --model llama:1.3b --variants tp2; llama=("${CMD[@]}")
+  if [[ "${MATRIX_PARALLEL2:-1}" == 1 ]]; then
+    bench_cmd gpt1.3b_x2 2,3 --model gpt:1.3b; gpt=("${CMD[@]}")
+    timed matrix_llama1.3b_x2 "$LIMIT" "${llama[@]}" &
+    timed matrix_gpt1.3b_x2 "$LIMIT" "${gpt[@]}" &
+    wait
+  else
+    bench_cmd gpt1.3b_x2 0,1 --model gpt:1.3b; gpt=("${CMD[@]}")
+    timed matrix_llama1.3b_x2 "$((LIMIT / 2))" "${llama[@]}"
+    timed matrix_gpt1.3b_x2 "$((LIMIT / 2))" "${gpt[@]}"
+  fi
+  pack
+}
+
+matrix() {
+  MATRIX_END=$((SECONDS + ${MATRIX_BUDGET_S:-480}))
+  local runs=",${MATRIX_RUNS:-llama350m_x4,gpt1.3b_x4,1.3b_x2,llama1.3b_x4,gpt350m_x4},"
+  local forced=free,replicate,zero3,tp4,tp4-sp,tp2,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,tp2-sp,zero3-rep2
+  mkdir -p "$OUT/matrix"
+  [[ $runs == *,llama350m_x4,* ]] && matrix_run llama350m_x4 330 0,1,2,3 --model llama:350m --plans forced \
+      --variants "$forced" --max-plans 12
+  [[ $runs == *,gpt1.3b_x4,* ]] && matrix_run gpt1.3b_x4 200 0,1,2,3 --model gpt:1.3b
+  [[ $runs == *,1.3b_x2,* ]] && matrix_pair
+  [[ $runs == *,llama1.3b_x4,* ]] && matrix_run llama1.3b_x4 200 0,1,2,3 --model llama:1.3b --variants tp4
+  [[ $runs == *,gpt350m_x4,* ]] && matrix_run gpt350m_x4 150 0,1,2,3 --model gpt:350m
+  "$PYTHON" benchmarks/matrix_summary.py "$OUT/matrix" > "$OUT/matrix/summary.md" 2>&1
+  cat "$OUT/matrix/summary.md"
+  pack
 }
 
 for s in "${STEPS[@]}"; do
@@ -42,11 +138,12 @@ for s in "${STEPS[@]}"; do
     env) step env 30 bash -c "nvidia-smi; nvidia-smi topo -m; $PYTHON -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'" ;;
     nccl) step nccl 60 "$PYTHON" -m pytest -q -p no:cacheprovider -m gpu tests/test_collectives_gpu.py ;;
     overlap) step overlap 170 "${TORCHRUN[@]}" benchmarks/overlap_bench.py --device cuda --out "$OUT/overlap.json" ;;
-    bench) step bench 330 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc 2 -- \
+    bench) step bench 330 env OUT_DIR="$OUT/bench" benchmarks/gpu_run.sh --calibrate --nproc "$NPROC" -- \
         --model llama:350m --batch 16 --seq 1024 --plans forced --max-plans "${BENCH_PLANS:-12}" --steps 6 --warmup 2 \
-        --configs "${BENCH_CONFIGS:-autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3}" ;;
+        --configs "${BENCH_CONFIGS:-$ALL_CONFIGS}" ;;
     ppo) step ppo 110 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps "${PPO_STEPS:-10}" --precision bf16 \
         --metrics "$OUT/ppo_gpu.jsonl" ;;
+    matrix) matrix ;;
     *) echo "unknown step $s" ;;
   esac
 done

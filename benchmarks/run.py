@@ -22,8 +22,21 @@ Steps, in one process group:
    (a crash keeps what was measured).
 
 ``--list-plans`` stops after step 2: rank 0 prints the autoshard plans with their
-predictions and writes ``OUT/plans.json`` (``{"meta", "plans": [{"config", "plan",
-"predicted", "predicted_calibrated"}]}``); nothing is trained, no baseline is built.
+predictions, then each requested baseline's nearest autoshard plan (below) with its
+predicted step and peak memory, and writes ``OUT/plans.json`` (``{"meta", "plans":
+[{"config", "plan", "predicted", "predicted_calibrated", "plan_json"}], "baselines":
+[...]}``); nothing is trained, no baseline is built. With ``--cluster h100-sxm:1x4`` a CPU
+plans and predicts for that cluster at its world size (a memory check before a GPU run)::
+
+    python benchmarks/run.py --device cpu --list-plans --cluster h100-sxm:1x4 --model gpt:1.3b \
+        --batch 16 --seq 1024 --configs autoshard,fsdp2,megatron-tp,deepspeed-z3 --out /tmp/plans
+
+``--variants tp4,tp4-sp`` measures the best plan plus only the named forced variants
+(``baselines/plans.py``), e.g. autoshard's TP plan next to the Megatron-Core rows.
+
+Every row keeps its per-step losses; ``report.loss_agreement`` pairs autoshard's TP plan
+with ``megatron-tp`` / ``megatron-tp-sp`` and ZeRO-3 with ZeRO-3 (``deepspeed-z3`` /
+``fsdp2``) and states the max relative loss difference against 1e-2 in both files.
 
 Predictions next to measurements: an autoshard plan's own predicted step time and
 peak memory (``search.cost_model.predict`` on the detected cluster, and on the
@@ -47,6 +60,7 @@ import json
 import logging
 import os
 import sys
+import time
 import traceback
 from datetime import timedelta
 from pathlib import Path
@@ -71,6 +85,7 @@ from benchmarks.baselines.common import (  # noqa: E402
     make_batches,
     measure,
     model_flops_per_step,
+    prepare_reference,
     rank_device,
     reset_memory,
 )
@@ -97,6 +112,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"comma-separated, from {','.join(CONFIGS)}")
     p.add_argument("--plans", choices=MODES, default="best", help="autoshard plans: the search's best, or best + forced")
     p.add_argument("--max-plans", type=int, default=12, help="cap on autoshard plans with --plans forced")
+    p.add_argument("--variants", help="comma-separated forced variants measured after the best plan, e.g. tp4,tp4-sp "
+                                      "(baselines/plans.py; implies --plans forced)")
+    p.add_argument("--cluster", help="with --list-plans: plan and predict for this cluster (e.g. h100-sxm:1x4) "
+                                     "instead of this machine, at its world size")
     p.add_argument("--steps", type=int, default=12, help="steps per config, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per config")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
@@ -114,6 +133,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error(f"--configs {unknown}: allowed {list(CONFIGS)}")
     if args.max_plans < 1:
         p.error(f"--max-plans {args.max_plans}: allowed >= 1")
+    if args.variants is not None:
+        args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+        args.plans = "forced"
+    if args.cluster and not args.list_plans:
+        p.error("--cluster needs --list-plans: a measured run plans for the machine it runs on")
     return args
 
 
@@ -164,12 +188,16 @@ def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, 
     """Build and measure one config; a row with ``status`` ok / skipped / failed."""
     reset_memory(device)
     trainer = None
+    start = time.perf_counter()
     try:
         trainer = build()
+        built = time.perf_counter()
         result = measure(trainer.step, batches, warmup, device)
+        # build_s / wall_s: this rank's set-up and whole-config times, to budget later runs
         return {"config": name, "status": "ok", "losses": list(result.losses),
                 "step_times_s": list(result.step_times_s), "median_step_s": result.median_step_s,
-                "peak_memory_bytes": result.peak_memory_bytes}
+                "peak_memory_bytes": result.peak_memory_bytes, "build_s": built - start,
+                "wall_s": time.perf_counter() - start}
     except BaselineUnavailable as err:
         return {"config": name, "status": f"skipped: {err}"}
     except Exception as err:  # noqa: BLE001 - one failing config must not lose the others' numbers
@@ -225,20 +253,23 @@ def _benchmark(args: argparse.Namespace) -> None:
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
     spec = RunSpec(model=args.model, global_batch=args.batch, seq_len=args.seq, num_micro_batches=args.micro_batches,
                    precision=args.precision, optimizer=OptimizerConfig(name="adamw", lr=args.lr), device=args.device)
-    detected = Cluster.detect()
+    detected = Cluster.load(args.cluster) if args.cluster else Cluster.detect()
     calibrated = detected.with_calibration(args.calibration) if args.calibration else None
     graph = _capture(spec)
     if args.list_plans:
+        world = detected.world_size if args.cluster else world
         _list_plans(graph, _plans(graph, calibrated or detected, spec, args, world, rank), detected, calibrated,
                     spec, args, world, rank)
         return
     plans = _plans(graph, calibrated or detected, spec, args, world, rank) if "autoshard" in args.configs else []
     batches = make_batches(graph.vocab, spec, args.steps)
+    prepare_reference(spec)  # the seeded weights every config copies; before the first peak-memory reset
     meta = report.run_meta(args, spec, detected, world, model_flops_per_step(graph, spec))
     rows: list[dict] = []
 
     def record(row: dict, plan: Plan) -> None:
         row["plan"] = plan_label(plan)
+        row["tp"], row["sp"] = plan.mesh.tp, any(s.sp for s in plan.layers)  # loss pairs (report.loss_agreement)
         row["predicted"] = _predict(graph, plan, detected, spec)
         row["predicted_calibrated"] = _predict(graph, plan, calibrated, spec)
         rows.append(report.finish_row(row, meta))
@@ -284,14 +315,25 @@ def _list_plans(graph, plans, detected: Cluster, calibrated: Cluster | None, spe
     rows = [{"config": p.name, "plan": plan_label(p.plan), "predicted": _predict(graph, p.plan, detected, spec),
              "predicted_calibrated": _predict(graph, p.plan, calibrated, spec), "plan_json": p.plan.to_json()}
             for p in plans]
+    baselines = []  # the baselines' nearest autoshard plans: a memory check before a GPU run
+    for name in (c for c in args.configs if c != "autoshard"):
+        try:
+            plan = _equivalent_plan(name, graph, spec, world)
+        except AutoshardError as err:
+            baselines.append({"config": name, "plan": "–", "predicted": {"error": str(err)}})
+            continue
+        baselines.append({"config": name, "plan": "≈ " + plan_label(plan),
+                          "predicted": _predict(graph, plan, detected, spec),
+                          "predicted_calibrated": _predict(graph, plan, calibrated, spec)})
     meta = {"model": spec.model, "global_batch": spec.global_batch, "seq_len": spec.seq_len, "world_size": world,
             "precision": spec.precision, "cluster": detected.name, "plans": args.plans, "max_plans": args.max_plans}
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "plans.json").write_text(json.dumps({"meta": meta, "plans": rows}, indent=1) + "\n")
-    print(f"{len(rows)} autoshard plans for {spec.model}, batch {spec.global_batch} x seq {spec.seq_len}, "
-          f"world {world} ({detected.name}):")
+    (args.out / "plans.json").write_text(json.dumps({"meta": meta, "plans": rows, "baselines": baselines}, indent=1)
+                                         + "\n")
+    print(f"{len(rows)} autoshard plans (then the baselines' nearest plans) for {spec.model}, "
+          f"batch {spec.global_batch} x seq {spec.seq_len}, world {world} ({detected.name}):")
     print("| config | plan | pred ms | pred GiB |\n|---|---|---|---|")
-    for row in rows:
+    for row in rows + baselines:
         pred = row["predicted"] or {}
         ms = f"{pred['step_time_s'] * 1e3:.1f}" if "step_time_s" in pred else pred.get("error", "–")
         gib = f"{pred['peak_memory_bytes'] / 2**30:.2f}" if "peak_memory_bytes" in pred else "–"
@@ -302,7 +344,8 @@ def _plans(graph, cluster: Cluster, spec: RunSpec, args: argparse.Namespace, wor
     found: Any = None
     if rank == 0:
         try:
-            found = search_plans(graph, cluster, spec, args.plans, max_plans=args.max_plans, world=world)
+            found = search_plans(graph, cluster, spec, args.plans, max_plans=args.max_plans, world=world,
+                                 only=args.variants)
         except AutoshardError as err:
             found = err
     return broadcast_plans(found)

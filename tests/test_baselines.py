@@ -208,3 +208,135 @@ def test_run_reports_calibrated_predictions(bench):
     assert row["predicted_calibrated"]["step_time_s"] > row["predicted"]["step_time_s"]
     assert data["meta"]["world_size"] == 2 and data["meta"]["calibration"].endswith("cal.json")
     assert "| autoshard |" in text and "mean |error| (calibrated)" in text
+
+
+# --------------------------------------------------------------------------- Megatron vocabulary, ties; loss pairs
+
+
+def test_megatron_padded_vocab_follows_megatron_lm():
+    from benchmarks.baselines.megatron import padded_vocab
+
+    assert padded_vocab(32000, 4) == 32000  # divisible: kept (llama)
+    assert padded_vocab(128, 2) == 128
+    assert padded_vocab(50257, 2) == 50432  # GPT: next multiple of 128·tp
+    assert padded_vocab(50257, 4) == 50688
+    assert padded_vocab(127, 2) == 256
+
+
+def test_megatron_vocab_shards_reassemble_the_padded_weight():
+    from benchmarks.baselines.megatron import vocab_shard
+
+    weight = torch.randn(127, 8)
+    shards = [vocab_shard(weight, 2, rank, 256) for rank in range(2)]
+    assert [tuple(s.shape) for s in shards] == [(128, 8), (128, 8)]
+    full = torch.cat(shards)
+    torch.testing.assert_close(full[:127], weight, rtol=0, atol=0)
+    assert not full[127:].any()
+    with pytest.raises(BaselineError, match="divisible by tp=4"):
+        vocab_shard(weight, 4, 0, 130)
+
+
+def _emulated_megatron_loss(shards, x_ids, tokens, vocab):
+    """The tied, padded vocab-parallel path in plain torch: per-rank shards, summed lookups, masked logits."""
+    from benchmarks.baselines.megatron import mask_padded_logits
+
+    per_rank = shards[0].shape[0]
+    hidden = 0
+    for rank, shard in enumerate(shards):  # VocabParallelEmbedding: masked local lookup + all-reduce (sum)
+        local = x_ids - rank * per_rank
+        inside = (local >= 0) & (local < per_rank)
+        hidden = hidden + torch.nn.functional.embedding(local.clamp(0, per_rank - 1), shard) * inside[..., None]
+    logits = torch.cat([mask_padded_logits(hidden @ shard.t(), vocab, rank) for rank, shard in enumerate(shards)], -1)
+    return torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens.reshape(-1))
+
+
+def test_megatron_tied_padded_head_matches_the_reference():
+    """One shard per rank serves the embedding and the head: same loss, and its gradient is the sum of both uses."""
+    from benchmarks.baselines.megatron import padded_vocab, vocab_shard
+
+    torch.manual_seed(0)
+    vocab, tp = 127, 2
+    weight = torch.randn(vocab, 16, requires_grad=True)
+    ids, tokens = torch.randint(0, vocab, (3, 5)), torch.randint(0, vocab, (3, 5))
+    hidden = torch.nn.functional.embedding(ids, weight)
+    reference = torch.nn.functional.cross_entropy((hidden @ weight.t()).reshape(-1, vocab), tokens.reshape(-1))
+    reference.backward()
+    padded = padded_vocab(vocab, tp)
+    shards = [vocab_shard(weight.detach(), tp, r, padded).clone().requires_grad_(True) for r in range(tp)]
+    loss = _emulated_megatron_loss(shards, ids, tokens, vocab)
+    loss.backward()
+    torch.testing.assert_close(loss, reference)
+    grads = torch.cat([s.grad for s in shards])
+    torch.testing.assert_close(grads[:vocab], weight.grad)
+    assert not grads[vocab:].any()  # padded rows: no gradient, so clipping and the update ignore them
+
+
+def test_reference_model_is_a_fresh_copy_of_one_seeded_build():
+    from benchmarks.baselines.common import reference_model
+
+    spec = _spec("gpt:tiny", SGD)
+    first, second = reference_model(spec, "cpu"), reference_model(spec, "cpu")
+    assert first.head.weight is first.embed.weight  # the tie survives the copy
+    assert first.embed.weight.data_ptr() != second.embed.weight.data_ptr()
+    expected = build("gpt:tiny").state_dict()
+    for name, value in first.state_dict().items():
+        torch.testing.assert_close(value, expected[name], rtol=0, atol=0)
+
+
+def test_loss_agreement_pairs_megatron_with_autoshard_tp():
+    from benchmarks.baselines import report
+
+    def row(config, losses, tp=1, sp=False, status="ok"):
+        return {"config": config, "status": status, "losses": losses, "tp": tp, "sp": sp}
+
+    rows = [row("autoshard", [10.0, 9.0]), row("autoshard-tp2", [10.0, 9.01], tp=2),
+            row("autoshard-tp4-sp", [10.0, 9.02], tp=4, sp=True), row("megatron-tp", [10.001, 9.0]),
+            row("megatron-tp-sp", [10.0, 9.5]), row("fsdp2", [10.0, 9.0]), row("deepspeed-z3", [10.0, 9.0]),
+            row("deepspeed-z2", [], status="failed: boom")]
+    pairs = {c["config"]: c for c in report.loss_agreement(rows)}
+    assert pairs["megatron-tp"]["reference"] == "autoshard-tp2" and pairs["megatron-tp"]["within_tolerance"]
+    assert pairs["megatron-tp"]["max_rel_diff"] == pytest.approx(0.01 / 9.01)
+    assert pairs["megatron-tp-sp"]["reference"] == "autoshard-tp4-sp"
+    assert not pairs["megatron-tp-sp"]["within_tolerance"]  # 9.5 vs 9.02: 5%
+    assert pairs["deepspeed-z3"]["reference"] == "fsdp2" and pairs["deepspeed-z3"]["max_rel_diff"] == 0
+    assert "deepspeed-z2" not in pairs
+    # No autoshard TP plan (GPT): the searched plan stands in, and the report says so.
+    no_tp = report.loss_agreement([row("autoshard", [10.0, 9.0]), row("megatron-tp", [10.0, 9.0])])
+    assert no_tp[0]["reference"] == "autoshard" and "no autoshard TP plan" in no_tp[0]["basis"]
+    text = report.markdown({"model": "m", "global_batch": 1, "seq_len": 2, "precision": "bf16", "world_size": 2,
+                            "device_name": "d", "cluster": "c", "torch": "t", "date": "now"}, rows)
+    assert "Loss agreement" in text and "| megatron-tp-sp | autoshard-tp4-sp |" in text and "| NO |" in text
+
+
+def _megatron_gloo_case(rank, world_size):
+    """Megatron-Core on gloo (no SP: its SP path needs CUDA): gpt:tiny with an odd vocabulary, tied, padded."""
+    from megatron.core import ModelParallelConfig, parallel_state, tensor_parallel
+
+    from benchmarks.baselines.common import SEED
+    from benchmarks.baselines.megatron import MegatronPolicy
+
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=world_size)
+    config = ModelParallelConfig(tensor_model_parallel_size=world_size, params_dtype=torch.float32,
+                                 use_cpu_initialization=True, perform_initialization=False,
+                                 gradient_accumulation_fusion=False)
+    ref = build("gpt:tiny", vocab_size=127, seed=SEED)
+    policy = MegatronPolicy(build("gpt:tiny", vocab_size=127, seed=SEED), config, tensor_parallel, world_size, rank)
+    tokens = torch.randint(0, 127, (2, 8), generator=torch.Generator().manual_seed(1))
+    loss = policy.loss(policy(tokens), tokens)
+    loss.backward()
+    expected = policy_loss(ref(tokens), tokens)
+    expected.backward()
+    parallel_state.destroy_model_parallel()
+    return {"loss": float(loss), "expected": float(expected), "tied": policy.head_weight() is policy.embed.weight,
+            "vocab": policy.vocab, "grad": policy.embed.weight.grad, "ref_grad": ref.embed.weight.grad}
+
+
+def test_megatron_gpt_tied_padded_matches_reference_on_gloo():
+    pytest.importorskip("megatron.core", reason="megatron-core is installed on GPU machines only")
+    results = run_gloo(_megatron_gloo_case, 2, timeout_s=240)
+    assert all(r["tied"] and r["vocab"] == 256 for r in results)
+    for r in results:
+        assert r["loss"] == pytest.approx(r["expected"], rel=1e-5)
+    grads = torch.cat([r["grad"] for r in results])
+    torch.testing.assert_close(grads[:127], results[0]["ref_grad"], rtol=1e-4, atol=1e-6)
+    assert not grads[127:].any()

@@ -1,14 +1,26 @@
 """Megatron-Core tensor-parallel baseline (GPU only): Column/RowParallelLinear in the reference blocks.
 
-``MegatronPolicy`` rebuilds the reference Llama policy (GPT too when its vocabulary divides tp and
-its embeddings are untied) from the seeded reference weights, tensor-parallel over the whole
-world (tp = world size, dp = 1), in Megatron's ``[s, b, h]`` layout:
+``MegatronPolicy`` rebuilds the reference policy (Llama, and GPT with its tied embedding and
+head) from the seeded reference weights, tensor-parallel over the whole world (tp = world
+size, dp = 1), in Megatron's ``[s, b, h]`` layout:
 
     tokens [b, s] → VocabParallelEmbedding (+ all-reduce) → transpose → [s, b, h]
       (+ pos_embed, GPT) → scatter_to_sequence_parallel_region          (SP only)
     block:  x + o(attention(q(n1(x)), k(·), v(·)))      q/k/v ColumnParallel, o RowParallel
             x + down(act(up(n2(x))) [· gate])            up/gate ColumnParallel, down RowParallel
     norm → head ColumnParallel (logits stay vocab-parallel [s, b, V/tp]);  value_head replicated
+
+Vocabulary (``padded_vocab``): a vocabulary tp divides is kept; otherwise (GPT's 50257) it is
+padded as Megatron-LM pads it (``--make-vocab-size-divisible-by 128``: to a multiple of
+128·tp). The padded rows start at zero and their logits are masked to −∞ before the
+cross-entropy (``mask_padded_logits``), so the softmax, the loss and every real gradient are
+the reference model's; the padded rows get zero gradients and stay out of the loss.
+
+Tied embedding and head (GPT, ``tie_embeddings``): the vocab-parallel embedding and the
+column-parallel head shard the same dimension (vocabulary rows), so the head is built with
+``skip_weight_param_allocation=True`` and called with the embedding's local shard, as
+Megatron-Core's ``GPTModel`` does with ``share_embeddings_and_output_weights`` inside one
+pipeline stage: one parameter per rank, whose gradient autograd accumulates from both uses.
 
 Sequence parallel (``MegatronOptions.sequence_parallel``): the norm/residual regions hold
 ``s/tp`` positions; column layers all-gather their input, row layers reduce-scatter their
@@ -26,8 +38,9 @@ Megatron's ``Float16OptimizerWithFloat16Params`` does); clipping on the fp32 gra
 the global norm ``‖g‖² = Σ_tp Σ_sharded ‖g‖² + Σ_replicated ‖g‖²``.
 
 Partial: no data parallelism next to tp, no pipeline parallelism; attention through
-``F.scaled_dot_product_attention`` (flash on GPUs); untested here (no Megatron-Core and no
-GPU in the CPU venv): the first GPU run may need fixes.
+``F.scaled_dot_product_attention`` (flash on GPUs). The trainer refuses the CPU (Megatron's
+SP and RNG paths need CUDA); the vocabulary padding, slicing and tying are checked on the CPU
+(``tests/test_baselines.py``).
 """
 
 from __future__ import annotations
@@ -50,11 +63,42 @@ from benchmarks.baselines.common import (
 )
 
 
+VOCAB_MULTIPLE = 128  # Megatron-LM's --make-vocab-size-divisible-by default
+
+
 @dataclass(frozen=True, kw_only=True)
 class MegatronOptions:
     """sequence_parallel: Megatron SP in the norm/residual regions (Korthikanti et al.)."""
 
     sequence_parallel: bool = False
+
+
+def padded_vocab(vocab: int, tp: int, multiple: int = VOCAB_MULTIPLE) -> int:
+    """``vocab`` when tp divides it, else the next multiple of ``multiple·tp`` (module docstring)."""
+    if vocab % tp == 0:
+        return vocab
+    step = multiple * tp
+    return -(-vocab // step) * step
+
+
+def vocab_shard(weight: torch.Tensor, tp: int, rank: int, padded: int) -> torch.Tensor:
+    """Rank ``rank``'s rows of a ``[V, h]`` weight first padded with zero rows to ``[padded, h]``."""
+    extra = padded - weight.shape[0]
+    if extra < 0 or padded % tp:
+        raise BaselineError(f"padded vocabulary {padded} must be >= {weight.shape[0]} and divisible by tp={tp}")
+    if extra:
+        weight = torch.cat([weight, weight.new_zeros(extra, weight.shape[1])])
+    return weight.chunk(tp, 0)[rank]
+
+
+def mask_padded_logits(logits: torch.Tensor, vocab: int, rank: int) -> torch.Tensor:
+    """Vocab-parallel logits ``[..., V_pad/tp]`` with the columns of padded ids (>= ``vocab``) set to −∞."""
+    per_rank = logits.shape[-1]
+    start = rank * per_rank
+    if start + per_rank <= vocab:
+        return logits
+    ids = torch.arange(start, start + per_rank, device=logits.device)
+    return logits.masked_fill(ids >= vocab, float("-inf"))
 
 
 def _import_megatron():
@@ -75,14 +119,24 @@ class _Linears:
     def __init__(self, config, tensor_parallel, tp: int, rank: int):
         self.config, self.tp, self.rank, self.mp = config, tp, rank, tensor_parallel
 
-    def column(self, ref: nn.Linear, *, gather_output: bool = False) -> nn.Module:
+    def column(self, ref: nn.Linear) -> nn.Module:
         layer = self.mp.ColumnParallelLinear(ref.in_features, ref.out_features, config=self.config,
                                              init_method=_no_init, bias=ref.bias is not None,
-                                             gather_output=gather_output, skip_bias_add=False)
+                                             gather_output=False, skip_bias_add=False)
         with torch.no_grad():
             layer.weight.copy_(ref.weight.chunk(self.tp, 0)[self.rank])
             if ref.bias is not None:
                 layer.bias.copy_(ref.bias.chunk(self.tp, 0)[self.rank])
+        return layer
+
+    def head(self, ref: nn.Linear, vocab: int, *, tied: bool) -> nn.Module:
+        """The vocab-parallel head over ``vocab`` (padded) rows; ``tied``: no weight of its own (module docstring)."""
+        layer = self.mp.ColumnParallelLinear(ref.in_features, vocab, config=self.config, init_method=_no_init,
+                                             bias=False, gather_output=False, skip_bias_add=False,
+                                             skip_weight_param_allocation=tied)
+        if not tied:
+            with torch.no_grad():
+                layer.weight.copy_(vocab_shard(ref.weight.detach(), self.tp, self.rank, vocab))
         return layer
 
     def row(self, ref: nn.Linear) -> nn.Module:
@@ -140,21 +194,24 @@ class MegatronPolicy(nn.Module):
     def __init__(self, ref: nn.Module, config, tensor_parallel, tp: int, rank: int):
         super().__init__()
         cfg = ref.config
-        if cfg.vocab_size % tp or getattr(cfg, "tie_embeddings", False):
-            raise BaselineError(
-                f"Megatron baseline needs an untied vocabulary divisible by tp={tp}; {type(ref).__name__} has "
-                f"vocab {cfg.vocab_size}, tie_embeddings={getattr(cfg, 'tie_embeddings', False)}: use a llama model"
-            )
-        self.mp, self.sp, self.cfg = tensor_parallel, config.sequence_parallel, cfg
+        if ref.head.bias is not None:
+            raise BaselineError(f"{type(ref).__name__}.head has a bias; the Megatron baseline's head has none")
+        self.mp, self.sp, self.cfg, self.rank = tensor_parallel, config.sequence_parallel, cfg, rank
+        self.tied = bool(getattr(cfg, "tie_embeddings", False))
+        self.vocab = padded_vocab(cfg.vocab_size, tp)
         linears = _Linears(config, tensor_parallel, tp, rank)
-        self.embed = tensor_parallel.VocabParallelEmbedding(cfg.vocab_size, cfg.hidden, init_method=_no_init,
+        self.embed = tensor_parallel.VocabParallelEmbedding(self.vocab, cfg.hidden, init_method=_no_init,
                                                              config=config)
         with torch.no_grad():
-            self.embed.weight.copy_(ref.embed.weight.chunk(tp, 0)[rank])
+            self.embed.weight.copy_(vocab_shard(ref.embed.weight.detach(), tp, rank, self.vocab))
         self.pos_embed = getattr(ref, "pos_embed", None)
         self.blocks = nn.ModuleList(_Block(block, linears, cfg.head_dim) for block in ref.blocks)
         self.norm, self.value_head = ref.norm, ref.value_head
-        self.head = linears.column(ref.head)
+        self.head = linears.head(ref.head, self.vocab, tied=self.tied)
+
+    def head_weight(self) -> torch.Tensor:
+        """This rank's ``[V_pad/tp, h]`` head weight: the embedding's shard when tied."""
+        return self.embed.weight if self.tied else self.head.weight
 
     def sequence_sharded_params(self) -> list[nn.Parameter]:
         """Replicated parameters that see a sequence shard under SP (gradients all-reduced over tp)."""
@@ -176,13 +233,16 @@ class MegatronPolicy(nn.Module):
         for block in self.blocks:
             x = block(x, rope)
         x = self.norm(x)
-        return self.head(x)[0], self.value_head(x).squeeze(-1)
+        # Megatron-Core passes the shared weight the same way (GPTModel.output_layer(..., weight=)).
+        logits = self.head(x, weight=self.embed.weight)[0] if self.tied else self.head(x)[0]
+        return logits, self.value_head(x).squeeze(-1)
 
     def loss(self, outputs: tuple[torch.Tensor, torch.Tensor], tokens: torch.Tensor) -> torch.Tensor:
         """``common.policy_loss`` on parallel outputs (module docstring)."""
         logits, values = outputs
         target = tokens.t()[1:].contiguous()  # [s-1, b]
-        ce = self.mp.vocab_parallel_cross_entropy(logits[:-1].float().contiguous(), target).mean()
+        logits = mask_padded_logits(logits[:-1].float().contiguous(), self.cfg.vocab_size, self.rank)
+        ce = self.mp.vocab_parallel_cross_entropy(logits, target).mean()
         squares = values.float().pow(2).sum()
         if self.sp:
             squares = self.mp.reduce_from_tensor_model_parallel_region(squares.reshape(1))[0]
@@ -217,11 +277,12 @@ class MegatronTPTrainer:
         self.optimizer = torch_optimizer(self.masters, spec.optimizer, fused=True)
 
     def _sharded_ids(self) -> set[int]:
-        """Parameters split over tp: the embedding, column weights and biases, row weights."""
+        """Parameters split over tp: the embedding (= the tied head), column weights and biases, row weights."""
         layers = [m for m in self.model.modules() if type(m).__name__ in ("ColumnParallelLinear", "RowParallelLinear")]
         ids = {id(self.model.embed.weight)}
         for m in layers:
-            ids.add(id(m.weight))
+            if m.weight is not None:  # None: the tied head, whose weight is the embedding's
+                ids.add(id(m.weight))
             if type(m).__name__ == "ColumnParallelLinear" and m.bias is not None:
                 ids.add(id(m.bias))
         return ids
@@ -274,4 +335,5 @@ class MegatronTPTrainer:
         self.parallel_state.destroy_model_parallel()
 
 
-__all__ = ["MegatronOptions", "MegatronPolicy", "MegatronTPTrainer"]
+__all__ = ["MegatronOptions", "MegatronPolicy", "MegatronTPTrainer", "mask_padded_logits", "padded_vocab",
+           "vocab_shard"]

@@ -28,7 +28,8 @@ should keep first, the most informative contrasts first:
     11    pp2-interleaved            pp = 2, schedule interleaved_1f1b
     12    zero1, zero2               state pinned, tp = pp = 1
     13    replicate-mbH, zero3-mbH   half the per-rank batch per micro-batch (two micro-batches)
-    14    rep2 (HSDP), tp4, tp2-zero3  world ≥ 4 only
+    14    rep2 (HSDP), tp4, tp2-zero3, world ≥ 4 only
+          tp4-sp
     15    pp2-gpipe, zero3-int4g, zero3-fp8w, offload
     ====  =========================  ==========================================================
 
@@ -39,6 +40,11 @@ frees or fixes them. Variants the solver refuses (infeasible, indivisible:
 4 blocks) and plans the runtime refuses before running (``runtime_refusal``:
 a parameter used on two pp ranks, SP inside a pipeline) are skipped; plans are
 de-duplicated by every decision (``decision_key``) and capped at ``max_plans``.
+
+``--variants NAMES`` (``search_plans(..., only=NAMES)``): the best plan plus only the named
+variants, in the order given (``free`` and the table's names; ``replicate-mbH`` and
+``zero3-mbH`` as written here): e.g. ``tp4,tp4-sp`` adds autoshard's TP plans over the whole
+world next to the Megatron-Core rows without the cost of a full forced sweep.
 Rank 0 searches and broadcasts the plans as JSON, so every rank runs the same
 plans even when a search hits its time limit.
 """
@@ -47,7 +53,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch.distributed as dist
 
@@ -113,6 +119,7 @@ def variants(world: int) -> list[Variant]:
         Variant("zero3-rep2", zero3, {**DP_ONLY, "dp_replicate": 2}, min_world=4),
         Variant("tp4", {}, {"tp": 4, "pp": 1}, min_world=4),
         Variant("tp2-zero3", zero3, tp2, min_world=4),
+        Variant("tp4-sp", {"sp": True}, {"tp": 4, "pp": 1}, min_world=4),
         Variant("pp2-gpipe", {}, pp2, schedule="gpipe"),
         Variant("zero3-int4g", {**zero3, "grad_comm": "int4"}, DP_ONLY),
         Variant("zero3-fp8w", {**zero3, "weight_comm": "fp8"}, DP_ONLY),
@@ -195,10 +202,24 @@ def _half_micro(spec: RunSpec, world: int) -> int | None:
     return per_rank // 2 if per_rank >= 2 and per_rank % 2 == 0 else None
 
 
-def _forced(graph: ModelGraph, cluster: Cluster, spec: RunSpec, world: int):
-    """``(name, plan or None)`` per forced variant, lazily (each is one search)."""
-    yield "autoshard-free", _solve(graph, cluster, spec, _free_constraints(graph), label="free")
-    for variant in variants(world):
+def _selected(world: int, only: Sequence[str] | None) -> tuple[bool, list[Variant]]:
+    """(whether ``free`` is wanted, the variants to solve in order): all, or ``only``'s names."""
+    table = variants(world)
+    if only is None:
+        return True, table
+    by_name = {v.name: v for v in table}
+    unknown = [n for n in only if n != "free" and n not in by_name]
+    if unknown:
+        raise AutoshardError(f"--variants {unknown}: allowed at world {world}: {['free', *by_name]}")
+    return "free" in only, [by_name[n] for n in only if n != "free"]
+
+
+def _forced(graph: ModelGraph, cluster: Cluster, spec: RunSpec, world: int, only: Sequence[str] | None = None):
+    """``(name, plan or None)`` per forced variant (all, or ``only``), lazily (each is one search)."""
+    free, selected = _selected(world, only)
+    if free:
+        yield "autoshard-free", _solve(graph, cluster, spec, _free_constraints(graph), label="free")
+    for variant in selected:
         micro = _half_micro(spec, world) if variant.half_micro else None
         if variant.half_micro and micro is None:
             continue
@@ -207,8 +228,11 @@ def _forced(graph: ModelGraph, cluster: Cluster, spec: RunSpec, world: int):
 
 
 def search_plans(graph: ModelGraph, cluster: Cluster, spec: RunSpec, mode: str, *, max_plans: int = 12,
-                 world: int = 1) -> list[NamedPlan]:
-    """The plans of ``mode`` (module docstring), best first; raises when even the best cannot be found."""
+                 world: int = 1, only: Sequence[str] | None = None) -> list[NamedPlan]:
+    """The plans of ``mode`` (module docstring), best first; raises when even the best cannot be found.
+
+    ``only``: with ``mode="forced"``, the named variants instead of the whole table.
+    """
     if mode not in MODES:
         raise AutoshardError(f"--plans {mode!r}: allowed {MODES}")
     if max_plans < 1:
@@ -222,7 +246,7 @@ def search_plans(graph: ModelGraph, cluster: Cluster, spec: RunSpec, mode: str, 
     plans, seen = [NamedPlan("autoshard", best)], {decision_key(best)}
     if mode == "best":
         return plans
-    for name, plan in _forced(graph, cluster, spec, world):
+    for name, plan in _forced(graph, cluster, spec, world, only):
         if len(plans) >= max_plans:
             break
         if plan is not None and decision_key(plan) not in seen:

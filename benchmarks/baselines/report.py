@@ -7,10 +7,22 @@ Per measured row (``finish_row``):
     step_error    = (predicted step − measured step) / measured step
     memory_error  = (predicted peak − measured peak) / measured peak   (GPU only)
 
-``results.json``: ``{"meta": {...}, "rows": [...]}``; ``results.md``: one table
-(config, plan, tokens/s, MFU, peak memory, median step, predictions and their
-errors, status) and the mean absolute prediction error over the autoshard rows,
-before and after calibration.
+Loss agreement (``loss_agreement``): every config trains the same model from the
+same weights on the same batches, so their per-step losses must agree up to
+precision. For each pair, ``max_rel_diff = max over steps of |a − b| / |b|``,
+judged against ``LOSS_RTOL`` (1e-2, the bf16 tolerance):
+
+    megatron-tp     vs  autoshard's TP plan without SP (largest tp), else with SP
+    megatron-tp-sp  vs  autoshard's TP plan with SP, else without
+                        (no autoshard TP plan in the run, e.g. GPT: the searched plan, said so)
+    deepspeed-z3    vs  fsdp2            (ZeRO-3 against ZeRO-3)
+    deepspeed-z2    vs  fsdp2-noreshard  (ZeRO-2 against ZeRO-2)
+    every config    vs  autoshard        (one summary line: the worst)
+
+``results.json``: ``{"meta": {...}, "rows": [...], "loss_agreement": [...]}``;
+``results.md``: one table (config, plan, tokens/s, MFU, peak memory, median
+step, predictions and their errors, status), the mean absolute prediction error
+over the autoshard rows, before and after calibration, and the loss agreement.
 """
 
 from __future__ import annotations
@@ -27,6 +39,10 @@ import torch
 from autoshard.plan import Plan
 
 GIB = 2**30
+LOSS_RTOL = 1e-2  # bf16: the loss pairs agree when max_rel_diff <= this
+# (baseline, autoshard row wanted): "tp" / "tp-sp" = autoshard's TP plan (without / with SP)
+LOSS_PAIRS = (("megatron-tp", "tp"), ("megatron-tp-sp", "tp-sp"), ("deepspeed-z3", "fsdp2"),
+              ("deepspeed-z2", "fsdp2-noreshard"))
 
 
 def run_meta(args: Any, spec: Any, cluster: Any, world: int, model_flops: float) -> dict[str, Any]:
@@ -113,14 +129,75 @@ def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
         if step is not None or mem is not None:
             summary.append(f"- autoshard rows, mean |error| ({label}): step {_fmt(step, 'mfu')}, "
                            f"memory {_fmt(mem, 'mfu')}")
-    return "\n".join(lines + ([""] + summary if summary else [])) + "\n"
+    return "\n".join(lines + ([""] + summary if summary else []) + _loss_lines(loss_agreement(rows))) + "\n"
+
+
+def _ok(row: dict[str, Any] | None) -> bool:
+    return row is not None and row.get("status") == "ok" and bool(row.get("losses"))
+
+
+def _tp_row(rows: list[dict[str, Any]], sp: bool) -> dict[str, Any] | None:
+    """The measured autoshard row with tp > 1, same SP setting first, then the largest tp."""
+    found = [r for r in rows if r["config"].startswith("autoshard") and _ok(r) and (r.get("tp") or 1) > 1]
+    found.sort(key=lambda r: (bool(r.get("sp")) != sp, -r["tp"]))
+    return found[0] if found else None
+
+
+def compare_losses(row: dict[str, Any], reference: dict[str, Any], basis: str) -> dict[str, Any]:
+    """Step-1 and max relative loss difference of ``row`` against ``reference`` (module docstring)."""
+    pairs = list(zip(row["losses"], reference["losses"]))
+    diffs = [abs(a - b) / abs(b) if b else abs(a - b) for a, b in pairs]
+    worst = max(diffs) if diffs else float("nan")
+    return {"config": row["config"], "reference": reference["config"], "basis": basis, "steps": len(pairs),
+            "step1_rel_diff": diffs[0] if diffs else None, "max_rel_diff": worst, "tolerance": LOSS_RTOL,
+            "within_tolerance": bool(diffs) and math.isfinite(worst) and worst <= LOSS_RTOL}
+
+
+def loss_agreement(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The loss pairs of the module docstring that this run measured (both rows ok)."""
+    by_name = {r["config"]: r for r in rows}
+    out = []
+    for name, wanted in LOSS_PAIRS:
+        row = by_name.get(name)
+        if not _ok(row):
+            continue
+        if wanted.startswith("tp"):
+            reference, basis = _tp_row(rows, sp=wanted == "tp-sp"), "autoshard TP plan"
+            if reference is None:
+                reference, basis = by_name.get("autoshard"), "no autoshard TP plan in this run: the searched plan"
+        else:
+            reference, basis = by_name.get(wanted), "same ZeRO stage"
+        if _ok(reference):
+            out.append(compare_losses(row, reference, basis))
+    anchor = by_name.get("autoshard")
+    if _ok(anchor):
+        others = [compare_losses(r, anchor, "every config vs the searched plan") for r in rows
+                  if r is not anchor and _ok(r)]
+        if others:
+            worst = max(others, key=lambda c: c["max_rel_diff"])
+            out.append({**worst, "config": f"all {len(others)} others (worst: {worst['config']})"})
+    return out
+
+
+def _loss_lines(agreement: list[dict[str, Any]]) -> list[str]:
+    if not agreement:
+        return []
+    lines = ["", f"Loss agreement (|a − b| / |b| over every step; tolerance {LOSS_RTOL:g}, bf16):", "",
+             "| config | vs | basis | steps | step-1 diff | max diff | within |", "|---|---|---|---|---|---|---|"]
+    for c in agreement:
+        step1 = "–" if c["step1_rel_diff"] is None else f"{c['step1_rel_diff']:.2e}"
+        lines.append(f"| {c['config']} | {c['reference']} | {c['basis']} | {c['steps']} | {step1} | "
+                     f"{c['max_rel_diff']:.2e} | {'yes' if c['within_tolerance'] else 'NO'} |")
+    return lines
 
 
 def write(out: Path, meta: dict[str, Any], rows: list[dict[str, Any]]) -> None:
     """Write ``out/results.json`` and ``out/results.md`` (replacing earlier versions of this run)."""
     out.mkdir(parents=True, exist_ok=True)
-    (out / "results.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    data = {"meta": meta, "rows": rows, "loss_agreement": loss_agreement(rows)}
+    (out / "results.json").write_text(json.dumps(data, indent=1, default=str) + "\n")
     (out / "results.md").write_text(markdown(meta, rows))
 
 
-__all__ = ["finish_row", "markdown", "mean_abs_error", "plan_summary", "run_meta", "write"]
+__all__ = ["LOSS_RTOL", "compare_losses", "finish_row", "loss_agreement", "markdown", "mean_abs_error", "plan_summary",
+           "run_meta", "write"]
