@@ -29,12 +29,12 @@ logits before the loss, standing in for the all-gather the runtime inserts
 (the loss runs on all ``V`` on every rank). Collectives are not timed here:
 they keep their α-β model.
 
-Optimizer (``probe_adamw``): the per-parameter work of ``runtime/optimizer.py``'s
-AdamW step on one slot — bf16 gradient cast to fp32, its squared norm in fp64
-(clipping), the clip scale, the AdamW update (``lerp_``, ``mul_``,
-``addcmul_``, ``sqrt``, ``div``, ``add_``, ``addcdiv_``) and the write-back to
-the bf16 parameter — over one large flat fp32 buffer (``s_per_param`` =
-slope) and over many tiny tensors (``s_per_tensor`` = the per-tensor floor).
+Optimizer (``probe_adamw``): ``runtime/optimizer.py``'s AdamW step itself —
+bf16 gradients cast to fp32, multi-tensor clipping norms, the clip scale,
+``foreach_update`` and the multi-tensor write-back to the bf16 parameters —
+over one large flat fp32 buffer (``s_per_param`` = slope) and over many tiny
+tensors (``s_per_tensor`` = the per-tensor floor, which the multi-tensor
+kernels make small).
 """
 
 from __future__ import annotations
@@ -219,24 +219,29 @@ def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> l
 # --------------------------------------------------------------------------- optimizer
 
 
-def _adamw_slot(master: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad16: torch.Tensor,
-                param16: torch.Tensor, step: int) -> torch.Tensor:
-    """One slot of ``ShardedOptimizer.step`` (runtime/optimizer.py), collectives left out; returns ‖g‖²."""
-    beta1, beta2, lr, eps = 0.9, 0.999, 1e-3, 1e-8
-    grad = grad16.to(torch.float32)  # set_grad
-    norm_sq = grad.double().pow(2).sum() / 1.0  # clip_scale: ‖g‖² ÷ replication, per slot
-    grad = grad * 0.5  # the clip scale
-    exp_avg.lerp_(grad, 1 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1 - beta2**step)).add_(eps)
-    master.addcdiv_(exp_avg, denom, value=-lr / (1 - beta1**step))
-    param16.copy_(master.to(param16.dtype))  # write_back
-    return norm_sq
+def _adamw_step(group: list[tuple[torch.Tensor, ...]], step: int) -> float:
+    """``ShardedOptimizer.step`` (runtime/optimizer.py) over one device's slots, collectives left out.
+
+    Per slot the fp32 cast of the bf16 gradient (``set_grad``); then, as the
+    optimizer does for all slots of a device at once: the clipping norms
+    (``_foreach_norm``, summed on the device, one host read), the clip scale,
+    the AdamW update (``foreach_update``) and the write-back to the bf16
+    parameters (``_foreach_copy_``).
+    """
+    from autoshard.runtime.optimizer import OptimizerConfig, foreach_update
+
+    masters, exp_avg, exp_avg_sq, grads16, params16 = (list(t) for t in zip(*group))
+    grads = [g.to(torch.float32) for g in grads16]
+    total = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
+    torch._foreach_mul_(grads, 0.5)
+    foreach_update(OptimizerConfig(), step, masters, grads, exp_avg, exp_avg_sq)
+    torch._foreach_copy_(params16, masters)
+    return float(total.sqrt())  # the clip scale reaches the host once per step
 
 
 def probe_adamw(device: torch.device, dtype: torch.dtype, *, big_params: int, small_tensors: int,
                 iters: int) -> tuple[float, float]:
-    """(seconds per parameter, seconds per tensor) of the AdamW slot step (module docstring)."""
+    """(seconds per parameter, seconds per tensor) of the AdamW step (module docstring)."""
 
     def slots(n: int, count: int) -> list[tuple[torch.Tensor, ...]]:
         return [(torch.randn(n, device=device), torch.zeros(n, device=device), torch.zeros(n, device=device),
@@ -244,13 +249,7 @@ def probe_adamw(device: torch.device, dtype: torch.dtype, *, big_params: int, sm
                 for _ in range(count)]
 
     def run(group: list[tuple[torch.Tensor, ...]]) -> Callable[[], None]:
-        def step() -> None:
-            total = torch.zeros((), dtype=torch.float64, device=device)
-            for s in group:
-                total = total + _adamw_slot(*s, step=1)
-            float(total.sqrt())  # the clip scale reaches the host once per step
-
-        return step
+        return lambda: _adamw_step(group, step=1)
 
     small = slots(1024, small_tensors)
     per_tensor = time_call(run(small), device, 1, iters) / small_tensors

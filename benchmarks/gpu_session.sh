@@ -12,6 +12,12 @@
 #   bench     autoshard's searched + forced plans vs FSDP2 / Megatron-Core / DeepSpeed, calibrated
 #   ppo       PPO on a >= 350m reference policy under its searched plan
 #   matrix    (4 GPUs) one benchmarks/run.py per (model, world), below; not in the default list
+#   kernels   quantize/dequantize kernels vs copy bandwidth on one GPU (KERNEL_GPU, default 0)
+#   qcomm     qwZ all-gather of 1 GiB bf16 over 2 GPUs: bf16 vs int8/fp8 (PAIR_GPUS, default 0,1)
+#   side      kernels on GPU 0 while qcomm then overlap run on GPUs 2,3 (a 4-GPU machine)
+#   calibrate `autoshard cluster calibrate` over NPROC GPUs with the llama:350m model probe, then the
+#             probes of the other matrix models one per GPU in parallel; writes $OUT/cal/<model>.json
+#             (the NPROC-GPU measurements + that model's probe), which matrix runs pass as --calibration
 # Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
@@ -79,9 +85,12 @@ bench_cmd() {  # bench_cmd NAME GPUS ARGS...: sets CMD to one matrix run's torch
     shape=(--seq 16 --batch 8 --precision fp32 --device cpu)
     args=("${args[@]/%:350m/:tiny}"); args=("${args[@]/%:1.3b/:tiny}")
   fi
+  local cal=() model i
+  for ((i = 0; i < ${#args[@]} - 1; i++)); do [[ ${args[i]} == --model ]] && model=${args[i + 1]}; done
+  [[ -n ${model:-} && -f "$OUT/cal/${model/:/_}.json" ]] && cal=(--calibration "$OUT/cal/${model/:/_}.json")
   CMD=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n"
     benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-6}"
-    --warmup "${MATRIX_WARMUP:-2}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" "${args[@]}")
+    --warmup "${MATRIX_WARMUP:-2}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" ${cal[@]+"${cal[@]}"} "${args[@]}")
 }
 
 matrix_limit() {  # matrix_limit NAME CAP: sets LIMIT, the seconds the next run may take (0: do not start it)
@@ -133,6 +142,44 @@ matrix() {
   pack
 }
 
+calibrate_all() {  # calibration files per matrix model (header); each probe at seq 1024, micro-batches 1..16
+  mkdir -p "$OUT/cal"
+  local probe=(--seq 1024 --micro-batch 1,2,4,8,16 --probe-tp 1,2,4)
+  timed calibrate "${CAL_LIMIT:-150}" "${TORCHRUN[@]}" -m autoshard.calibrate --out "$OUT/cal/llama_350m.json" \
+    --raw "$OUT/cal/raw.json" --model llama:350m "${probe[@]}"
+  local gpu=0 m
+  for m in gpt:350m llama:1.3b gpt:1.3b; do  # one GPU each, at the same time: only the model probe is new
+    timed "probe_${m/:/_}" 120 env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
+      --out "$OUT/cal/single_${m/:/_}.json" --model "$m" "${probe[@]}" &
+    gpu=$((gpu + 1))
+  done
+  wait
+  "$PYTHON" - "$OUT/cal" <<'PY'
+import json, pathlib, sys
+cal = pathlib.Path(sys.argv[1])
+base = json.loads((cal / "llama_350m.json").read_text())
+for single in sorted(cal.glob("single_*.json")):
+    merged = dict(base, layer_times=json.loads(single.read_text())["layer_times"])
+    (cal / single.name.removeprefix("single_")).write_text(json.dumps(merged, indent=2) + "\n")
+    print("calibration", single.name.removeprefix("single_"), "= collectives/matmul of llama_350m.json + its probe")
+PY
+  pack
+}
+
+side() {  # kernels on one GPU while the 2-GPU qcomm and overlap runs share another pair
+  timed kernels 170 env CUDA_VISIBLE_DEVICES="${KERNEL_GPU:-0}" "$PYTHON" benchmarks/kernels_bench.py \
+    --blocks 512 2048 --world 0 --deadline 120 --out "$OUT/kernels_h100.json" &
+  ( PAIR_GPUS=2,3 run_pair ) &
+  wait
+  pack
+}
+
+run_pair() {  # qcomm then overlap on PAIR_GPUS
+  local pair=(env CUDA_VISIBLE_DEVICES="${PAIR_GPUS:-0,1}" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2)
+  timed qcomm 90 "${pair[@]}" benchmarks/qcomm_bench.py --out "$OUT/qcomm_h100x2.json"
+  timed overlap 200 "${pair[@]}" benchmarks/overlap_bench.py --device cuda --out "$OUT/overlap.json" ${OVERLAP_ARGS:-}
+}
+
 for s in "${STEPS[@]}"; do
   case "$s" in
     env) step env 30 bash -c "nvidia-smi; nvidia-smi topo -m; $PYTHON -c 'import torch, triton; print(torch.__version__, triton.__version__, torch.cuda.get_device_name(0))'" ;;
@@ -144,6 +191,12 @@ for s in "${STEPS[@]}"; do
     ppo) step ppo 110 "$PYTHON" -m autoshard.cli ppo llama:350m --cluster h100-sxm:1x2 --task arithmetic --steps "${PPO_STEPS:-10}" --precision bf16 \
         --metrics "$OUT/ppo_gpu.jsonl" ;;
     matrix) matrix ;;
+    kernels) step kernels 170 env CUDA_VISIBLE_DEVICES="${KERNEL_GPU:-0}" "$PYTHON" benchmarks/kernels_bench.py \
+        --blocks 512 2048 --world 0 --deadline 120 --out "$OUT/kernels_h100.json" ;;
+    qcomm) step qcomm 90 env CUDA_VISIBLE_DEVICES="${PAIR_GPUS:-0,1}" "$PYTHON" -m torch.distributed.run --standalone \
+        --nproc-per-node 2 benchmarks/qcomm_bench.py --out "$OUT/qcomm_h100x2.json" ;;
+    side) side ;;
+    calibrate) calibrate_all ;;
     *) echo "unknown step $s" ;;
   esac
 done

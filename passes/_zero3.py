@@ -8,6 +8,7 @@ ceil(d_i / n)``. Forward, per layer:
     copy-in:   flat_local = cat_i( pad(shard_i to (c_i, *rest_i)).flatten() )   # (L,)  L = Σ c_i·|rest_i|
     gather:    flat = autoshard::all_gather(flat_local, 0, dp_shard, "avg")     # (n·L,)  rank-major
     copy-out:  full_i = flat.view(n, L).split(c_i·|rest_i|, 1)[i].reshape(n·c_i, *rest_i)[:d_i]
+               (all pieces in one split_with_sizes_copy; no narrow when d_i = n·c_i)
 
 Every step is differentiable: the all-gather's backward is ONE reduce-scatter
 (``avg``: the mean over dp_shard of the per-rank losses) per layer, and the
@@ -69,6 +70,30 @@ class GatherSpec:
         return [self.padded_dim0(i) * math.prod(self.rest_shapes[i]) for i in range(len(self.fqns))]
 
 
+class _CopyOut(torch.autograd.Function):
+    """(n·L,) rank-major → per-parameter ``(n, s_i)`` copies with ONE ``split_with_sizes_copy`` (FSDP2's copy-out).
+
+    The ``out=`` form is a single kernel on CUDA for all of a layer's
+    parameters (the per-parameter ``contiguous()`` it replaces launched one copy
+    each); ``out=`` has no autograd formula, hence this Function. Backward:
+    the pieces' gradients concatenated back along dim 1 (absent ones as zeros).
+    """
+
+    @staticmethod
+    def forward(ctx, flat: torch.Tensor, num_ranks: int, sizes: list[int]):
+        ctx.shape = flat.shape
+        ctx.num_ranks, ctx.sizes = num_ranks, sizes
+        outs = [flat.new_empty((num_ranks, size)) for size in sizes]
+        torch.split_with_sizes_copy(flat.view(num_ranks, -1), sizes, dim=1, out=outs)
+        return tuple(outs)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        like = next(g for g in grads if g is not None)
+        rows = [g if g is not None else like.new_zeros((ctx.num_ranks, s)) for g, s in zip(grads, ctx.sizes)]
+        return torch.cat(rows, dim=1).reshape(ctx.shape), None, None
+
+
 class Zero3Gather(nn.Module):
     """Graph module: local shards of one layer's parameters → full parameters (one all-gather)."""
 
@@ -87,11 +112,8 @@ class Zero3Gather(nn.Module):
             pieces.append(F.pad(flat, (0, pad_rows * math.prod(spec.rest_shapes[i]))) if pad_rows else flat)
         flat_local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (L,)
         flat = self._all_gather(flat_local)  # (n·L,)
-        per_param = flat.view(spec.num_ranks, -1).split(spec.flat_sizes(), dim=1)
-        return [
-            p.reshape(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]).contiguous()
-            for i, p in enumerate(per_param)
-        ]
+        per_param = _CopyOut.apply(flat, spec.num_ranks, spec.flat_sizes())  # (n, c_i·|rest_i|) each, fresh
+        return [p.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, p in enumerate(per_param)]
 
     def _all_gather(self, flat_local: torch.Tensor) -> torch.Tensor:
         """(L,) → (n·L,) rank-major; plain or quantized per the spec (module note)."""
@@ -106,4 +128,5 @@ class Zero3Gather(nn.Module):
         roots = self.gather_roots(shards)
         if self.on_gather is not None:
             self.on_gather(self, shards, roots)
-        return tuple(root.narrow(0, 0, d) for root, d in zip(roots, self.spec.global_dim0))
+        # no narrow without padding: its backward (slice_backward) would allocate and copy a zero-padded grad
+        return tuple(root if root.shape[0] == d else root.narrow(0, 0, d) for root, d in zip(roots, self.spec.global_dim0))

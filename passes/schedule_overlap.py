@@ -105,7 +105,8 @@ class GatherWait(nn.Module):
         roots = [r.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, r in enumerate(rows)]
         if self.gather.on_gather is not None:  # Regather: backward re-gathers through the blocking module
             self.gather.on_gather(self.gather, shards, roots)
-        return tuple(root.narrow(0, 0, d) for root, d in zip(roots, spec.global_dim0))
+        # no narrow without padding: its backward (slice_backward) would allocate and copy a zero-padded grad
+        return tuple(root if root.shape[0] == d else root.narrow(0, 0, d) for root, d in zip(roots, spec.global_dim0))
 
 
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:

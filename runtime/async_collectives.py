@@ -210,9 +210,11 @@ def _wait_kernel(pending: Tensor, num_ranks: int, split_sizes: list[int]) -> lis
     _check_splits(pending, num_ranks, split_sizes)
     work, event = _PENDING.pop(pending)
     _complete(work, event, pending.device)  # CUDA: the current stream waits for the side stream's event; gloo: blocks
-    rows = pending.view(num_ranks, -1)  # (n, L)
-    # clone, not contiguous(): a full-width piece is already contiguous and would alias ``pending``
-    return [piece.clone(memory_format=torch.contiguous_format) for piece in rows.split(list(split_sizes), dim=1)]
+    # fresh tensors (a custom op may not alias its input), all written by ONE split_with_sizes_copy (FSDP2's
+    # copy-out kernel on CUDA) instead of one clone per piece
+    outs = [pending.new_empty((num_ranks, s)) for s in split_sizes]
+    torch.split_with_sizes_copy(pending.view(num_ranks, -1), list(split_sizes), dim=1, out=outs)
+    return outs
 
 
 _wait_op = torch.library.custom_op("autoshard::all_gather_wait", _wait_kernel, mutates_args=())
