@@ -18,6 +18,7 @@
 #   calibrate `autoshard cluster calibrate` over NPROC GPUs with the llama:350m model probe, then the
 #             probes of the other matrix models one per GPU in parallel; writes $OUT/cal/<model>.json
 #             (the NPROC-GPU measurements + that model's probe), which matrix runs pass as --calibration
+#             (CAL_DIR overrides $OUT/cal, so a later call on the same or a fresh machine can reuse the files)
 # Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
@@ -54,6 +55,7 @@ NPROC="${NPROC:-2}"
 RESULTS="$OUT"
 OUT="$(mktemp -d /tmp/gpu_session.XXXX)"
 mkdir -p "$RESULTS"
+CAL_DIR="${CAL_DIR:-$OUT/cal}"  # calibration files (calibrate step); point it outside $OUT to reuse them in a later call
 cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
 export TORCH_NCCL_ASYNC_ERROR_HANDLING=1 PYTHONUNBUFFERED=1
@@ -87,7 +89,7 @@ bench_cmd() {  # bench_cmd NAME GPUS ARGS...: sets CMD to one matrix run's torch
   fi
   local cal=() model i
   for ((i = 0; i < ${#args[@]} - 1; i++)); do [[ ${args[i]} == --model ]] && model=${args[i + 1]}; done
-  [[ -n ${model:-} && -f "$OUT/cal/${model/:/_}.json" ]] && cal=(--calibration "$OUT/cal/${model/:/_}.json")
+  [[ -n ${model:-} && -f "$CAL_DIR/${model/:/_}.json" ]] && cal=(--calibration "$CAL_DIR/${model/:/_}.json")
   CMD=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n"
     benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-6}"
     --warmup "${MATRIX_WARMUP:-2}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" ${cal[@]+"${cal[@]}"} "${args[@]}")
@@ -143,18 +145,18 @@ matrix() {
 }
 
 calibrate_all() {  # calibration files per matrix model (header); each probe at seq 1024, micro-batches 1..16
-  mkdir -p "$OUT/cal"
+  mkdir -p "$CAL_DIR"
   local probe=(--seq 1024 --micro-batch 1,2,4,8,16 --probe-tp 1,2,4)
-  timed calibrate "${CAL_LIMIT:-150}" "${TORCHRUN[@]}" -m autoshard.calibrate --out "$OUT/cal/llama_350m.json" \
-    --raw "$OUT/cal/raw.json" --model llama:350m "${probe[@]}"
+  timed calibrate "${CAL_LIMIT:-150}" "${TORCHRUN[@]}" -m autoshard.calibrate --out "$CAL_DIR/llama_350m.json" \
+    --raw "$CAL_DIR/raw.json" --model llama:350m "${probe[@]}"
   local gpu=0 m
   for m in gpt:350m llama:1.3b gpt:1.3b; do  # one GPU each, at the same time: only the model probe is new
     timed "probe_${m/:/_}" 120 env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
-      --out "$OUT/cal/single_${m/:/_}.json" --model "$m" "${probe[@]}" &
+      --out "$CAL_DIR/single_${m/:/_}.json" --model "$m" "${probe[@]}" &
     gpu=$((gpu + 1))
   done
   wait
-  "$PYTHON" - "$OUT/cal" <<'PY'
+  "$PYTHON" - "$CAL_DIR" <<'PY'
 import json, pathlib, sys
 cal = pathlib.Path(sys.argv[1])
 base = json.loads((cal / "llama_350m.json").read_text())
@@ -163,6 +165,7 @@ for single in sorted(cal.glob("single_*.json")):
     (cal / single.name.removeprefix("single_")).write_text(json.dumps(merged, indent=2) + "\n")
     print("calibration", single.name.removeprefix("single_"), "= collectives/matmul of llama_350m.json + its probe")
 PY
+  [[ "$CAL_DIR" == "$OUT/cal" ]] || cp -r "$CAL_DIR" "$OUT/cal"
   pack
 }
 

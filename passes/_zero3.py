@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.runtime import collectives, quantized_collectives
+from autoshard.runtime import async_collectives, collectives, quantized_collectives
 
 
 @dataclass(frozen=True)
@@ -105,15 +105,33 @@ class Zero3Gather(nn.Module):
     def gather_roots(self, shards: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Padded full tensors (n·c_i, *rest_i), fresh storage each: one all-gather."""
         spec = self.spec
+        flat = self._all_gather(self.copy_in(shards))  # (L,) → (n·L,)
+        per_param = _CopyOut.apply(flat, spec.num_ranks, spec.flat_sizes())  # (n, c_i·|rest_i|) each, fresh
+        return [p.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, p in enumerate(per_param)]
+
+    def copy_in(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """The padded, flattened local shards of the layer, ``(L,)`` (module note)."""
+        spec = self.spec
         pieces = []
-        for i, shard in enumerate(shards):
+        for i, shard in enumerate(shards):  # pad shard_i (c_i', *rest_i) to (c_i, *rest_i), flatten
             pad_rows = spec.padded_dim0(i) - shard.shape[0]
             flat = shard.reshape(-1)
             pieces.append(F.pad(flat, (0, pad_rows * math.prod(spec.rest_shapes[i]))) if pad_rows else flat)
-        flat_local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (L,)
-        flat = self._all_gather(flat_local)  # (n·L,)
-        per_param = _CopyOut.apply(flat, spec.num_ranks, spec.flat_sizes())  # (n, c_i·|rest_i|) each, fresh
-        return [p.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, p in enumerate(per_param)]
+        return torch.cat(pieces) if len(pieces) > 1 else pieces[0]
+
+    def start(self, shards: tuple[torch.Tensor, ...]) -> torch.Tensor:
+        """Copy-in + asynchronous all-gather (``autoshard::all_gather_start``); returns the (n·L,) pending buffer.
+
+        Unquantized layers only (the quantized gather has no asynchronous form).
+        """
+        assert not self.spec.quantized, "a quantized ZeRO-3 gather has no asynchronous form"
+        return async_collectives.all_gather_start(self.copy_in(shards), self.spec.group_name, self.spec.grad_op)
+
+    def finish(self, pending: torch.Tensor) -> list[torch.Tensor]:
+        """Wait for ``start``'s buffer; the padded full tensors ``(n·c_i, *rest_i)`` as ``gather_roots`` returns."""
+        spec = self.spec
+        rows = async_collectives.all_gather_wait(pending, spec.num_ranks, spec.flat_sizes())  # (n, c_i·|rest_i|) each
+        return [r.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, r in enumerate(rows)]
 
     def _all_gather(self, flat_local: torch.Tensor) -> torch.Tensor:
         """(L,) → (n·L,) rank-major; plain or quantized per the spec (module note)."""

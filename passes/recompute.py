@@ -56,6 +56,19 @@ layer re-gathered is cached, so backward costs one extra all-gather per layer
 end of backward. Every rank runs the same graph, so the re-gathers happen in
 the same order everywhere.
 
+[Note: backward prefetch]
+With ``Regather.prefetch`` on, the unpack that re-gathers layer k also starts
+(``Zero3Gather.start``: copy-in + ``autoshard::all_gather_start``, CUDA side
+stream) the gather of the layer recorded just before k in forward, and the
+next unpack of that layer takes it (``Zero3Gather.finish``) instead of a
+blocking gather. At most one prefetch is in flight. Every rank runs the same
+graph and the same hooks, so the collectives are issued in the same order on
+all ranks. A prefetch whose layer backward never re-gathers (its weights were
+saved by no op, or a misprediction) is waited in ``reset()``, so no collective
+is left pending. Quantized layers are not prefetched (blocking quantized
+re-gather, as before); pipelines (pp > 1) keep it off: their interleaved
+micro-batch forwards make "the layer before" a poor guess.
+
 Partial: a region holds whole layers of one pipeline stage; pipeline stage
 splitting (when it lands) must keep regions inside stages. RNG state is
 restored by ``checkpoint`` (``preserve_rng_state=True``), so dropout masks
@@ -86,19 +99,32 @@ def _storage_root(t: torch.Tensor) -> torch.Tensor:
 
 
 class Regather(nn.Module):
-    """Saved-tensor hooks that drop gathered ZeRO-3 weights at pack time and re-gather at unpack."""
+    """Saved-tensor hooks that drop gathered ZeRO-3 weights at pack time and re-gather at unpack.
+
+    With ``prefetch`` on (set by ``schedule_overlap`` when ``plan.schedule.prefetch > 0``
+    and pp = 1; note "backward prefetch"), re-gathering layer k also starts the
+    asynchronous all-gather of the layer gathered before k in forward, the one
+    backward reaches next, so its transfer runs during layer k's backward.
+    """
 
     def __init__(self) -> None:
         super().__init__()
         self._live: dict[int, tuple] = {}  # id(root) → (weakref(root), gather module, index, shards)
         self._cache: tuple | None = None  # (gather module, roots) of the last re-gather
+        self._order: list[tuple] = []  # (gather module, shards) in forward order
+        self._prefetched: tuple | None = None  # (gather module, pending buffer) started ahead
+        self.prefetch = False
         self.regathers = 0
+        self.prefetches = 0  # prefetched gathers started
+        self.prefetch_hits = 0  # of which taken by the re-gather they were started for
 
     def record(self, module: Zero3Gather, shards: tuple, roots: list[torch.Tensor]) -> None:
         """Called by a ``Zero3Gather`` in forward with its copy-out tensors."""
+        shards = tuple(s.detach() for s in shards)
         for i, root in enumerate(roots):
             base = _storage_root(root)
-            self._live[id(base)] = (weakref.ref(base), module, i, tuple(s.detach() for s in shards))
+            self._live[id(base)] = (weakref.ref(base), module, i, shards)
+        self._order.append((module, shards))
 
     def pack(self, t: torch.Tensor):
         entry = self._live.get(id(_storage_root(t)))
@@ -113,13 +139,43 @@ class Regather(nn.Module):
         module, i, shards, size, stride, offset = packed
         if self._cache is None or self._cache[0] is not module:
             with torch.no_grad():
-                self._cache = (module, module.gather_roots(shards))
+                self._cache = (module, self._regather(module, shards))
+                if self.prefetch:
+                    self._start_next(module)
             self.regathers += 1
         return _storage_root(self._cache[1][i]).as_strided(size, stride, offset)
 
+    def _regather(self, module: Zero3Gather, shards: tuple) -> list[torch.Tensor]:
+        """The layer's padded full tensors: from the prefetched gather when it is this layer's, else blocking."""
+        if self._prefetched is not None and self._prefetched[0] is module:
+            _module, pending = self._prefetched
+            self._prefetched = None
+            self.prefetch_hits += 1
+            return module.finish(pending)
+        return module.gather_roots(shards)
+
+    def _start_next(self, module: Zero3Gather) -> None:
+        """Start the gather of the layer recorded just before ``module``'s last forward gather (note)."""
+        if self._prefetched is not None:
+            return  # one in flight at most; it is waited when its layer is reached, or at reset()
+        index = max((k for k, (m, _s) in enumerate(self._order) if m is module), default=None)
+        if index is None or index == 0:
+            return
+        previous, shards = self._order[index - 1]
+        if previous is module or previous.spec.quantized:
+            return
+        self._prefetched = (previous, previous.start(shards))
+        self.prefetches += 1
+
     def reset(self) -> None:
-        """Forget forward records and the re-gather cache (end of a backward)."""
+        """Forget forward records and the re-gather cache (end of a backward); wait a prefetch never used."""
+        if self._prefetched is not None:
+            module, pending = self._prefetched
+            self._prefetched = None
+            with torch.no_grad():
+                module.finish(pending)  # every started collective is waited exactly once
         self._live.clear()
+        self._order.clear()
         self._cache = None
 
     def hooks(self):

@@ -41,8 +41,10 @@ layer k+1 runs during layer k's kernels (p = 1).
 
 Decisions and limits (partial, stated):
 
-* Forward only. The backward reduce-scatter (the start's autograd) and the
-  ``Regather`` re-gather in backward (``passes/recompute.py``) stay blocking.
+* Backward: the ``Regather`` re-gathers are prefetched one layer ahead
+  (``Regather.prefetch``, set here when pp = 1; ``passes/recompute.py`` note
+  "backward prefetch"). The backward reduce-scatter (the start's autograd)
+  stays blocking on the compute stream.
 * Layers with ``weight_comm``/``grad_comm`` other than ``bf16`` keep their
   blocking ``Zero3Gather`` at first use: ``quantize_comm`` (a later pass)
   rewrites those modules, and the quantized gather has no async form yet.
@@ -59,17 +61,13 @@ Decisions and limits (partial, stated):
 
 from __future__ import annotations
 
-import math
-
 import torch
-import torch.nn.functional as F
 from torch import fx, nn
 
 from autoshard.passes._graph_utils import META_KEY, copy_module, tag
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
-from autoshard.runtime import async_collectives
 
 NAME = "schedule_overlap"
 
@@ -82,14 +80,7 @@ class GatherStart(nn.Module):
         self.gather = gather  # holds the GatherSpec; the Regather re-gathers through it in backward
 
     def forward(self, *shards: torch.Tensor) -> torch.Tensor:
-        spec = self.gather.spec
-        pieces = []
-        for i, shard in enumerate(shards):  # pad shard_i (c_i', *rest_i) to (c_i, *rest_i), flatten
-            pad_rows = spec.padded_dim0(i) - shard.shape[0]
-            flat = shard.reshape(-1)
-            pieces.append(F.pad(flat, (0, pad_rows * math.prod(spec.rest_shapes[i]))) if pad_rows else flat)
-        flat_local = torch.cat(pieces) if len(pieces) > 1 else pieces[0]  # (L,)
-        return async_collectives.all_gather_start(flat_local, spec.group_name, spec.grad_op)  # (n·L,), in flight
+        return self.gather.start(shards)  # (n·L,), in flight
 
 
 class GatherWait(nn.Module):
@@ -101,8 +92,7 @@ class GatherWait(nn.Module):
 
     def forward(self, pending: torch.Tensor, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
         spec = self.gather.spec
-        rows = async_collectives.all_gather_wait(pending, spec.num_ranks, spec.flat_sizes())  # (n, c_i·|rest_i|) each
-        roots = [r.view(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i]) for i, r in enumerate(rows)]
+        roots = self.gather.finish(pending)
         if self.gather.on_gather is not None:  # Regather: backward re-gathers through the blocking module
             self.gather.on_gather(self.gather, shards, roots)
         # no narrow without padding: its backward (slice_backward) would allocate and copy a zero-padded grad
@@ -126,6 +116,9 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         by_stage.setdefault(stage_of[out.get_submodule(node.target).spec.layer], []).append(node)
     for stage_nodes in by_stage.values():
         _split_stage(out, stage_nodes, prefetch)
+    regather = out.meta[META_KEY].get("regather")
+    if regather is not None and plan.mesh.pp == 1:  # backward prefetch of re-gathers (passes/recompute.py note)
+        out.get_submodule(regather).prefetch = True
     out.graph.eliminate_dead_code()
     out.graph.lint()
     check_waits(out.graph, out)

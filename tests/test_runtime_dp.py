@@ -109,9 +109,12 @@ def test_zero3_collective_counts(results2):
     counts = results2["zero3"][0]["counts"]
     assert counts["reduce_scatter"] == 2 * layers_with_params
     # forward gathers are issued asynchronously (schedule_overlap, prefetch=1): one start per layer per
-    # micro-batch; backward re-gathers stay blocking: at most one per layer per micro-batch
-    assert counts["all_gather_start"] == 2 * layers_with_params
-    assert 0 < counts["all_gather"] <= 2 * layers_with_params
+    # micro-batch; backward re-gathers are started one layer ahead (async starts) or, where backward's order
+    # differs from the reverse forward order, blocking: about one per layer per micro-batch, plus at most one
+    # started-but-unused prefetch per backward (passes/recompute.py note "backward prefetch")
+    backward_starts = counts["all_gather_start"] - 2 * layers_with_params
+    assert 0 < backward_starts < 2 * layers_with_params
+    assert 0 < counts["all_gather"] + backward_starts <= 2 * layers_with_params + 2
     assert counts["all_reduce"] == 2
 
 
