@@ -14,7 +14,8 @@
 #   matrix    (4 GPUs) one benchmarks/run.py per (model, world), below; not in the default list
 #   kernels   quantize/dequantize kernels vs copy bandwidth on one GPU (KERNEL_GPU, default 0)
 #   qcomm     qwZ all-gather of 1 GiB bf16 over 2 GPUs: bf16 vs int8/fp8 (PAIR_GPUS, default 0,1)
-#   side      kernels on GPU 0 while qcomm then overlap run on GPUs 2,3 (a 4-GPU machine)
+#   side      kernels on GPU 0 while qcomm then overlap run on GPUs 2,3 (a 4-GPU machine); QCOMM=0 skips
+#             qcomm, OVERLAP_RUNS="MODEL:BATCH ..." picks the overlap runs (default gpt:1.3b:8)
 #   calibrate `autoshard cluster calibrate` over NPROC GPUs with the llama:350m model probe, then the
 #             probes of the other matrix models one per GPU in parallel; writes $OUT/cal/<model>.json
 #             (the NPROC-GPU measurements + that model's probe), which matrix runs pass as --calibration
@@ -179,8 +180,13 @@ side() {  # kernels on one GPU while the 2-GPU qcomm and overlap runs share anot
 
 run_pair() {  # qcomm then overlap on PAIR_GPUS
   local pair=(env CUDA_VISIBLE_DEVICES="${PAIR_GPUS:-0,1}" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2)
-  timed qcomm 90 "${pair[@]}" benchmarks/qcomm_bench.py --out "$OUT/qcomm_h100x2.json"
-  timed overlap 200 "${pair[@]}" benchmarks/overlap_bench.py --device cuda --out "$OUT/overlap.json" ${OVERLAP_ARGS:-}
+  [[ "${QCOMM:-1}" == 1 ]] && timed qcomm 90 "${pair[@]}" benchmarks/qcomm_bench.py --out "$OUT/qcomm_h100x2.json"
+  local run model batch
+  for run in ${OVERLAP_RUNS:-gpt:1.3b:8}; do  # MODEL:GLOBAL_BATCH, one overlap_bench run each
+    model=${run%:*}; batch=${run##*:}
+    timed "overlap_${model/:/_}_b$batch" 200 "${pair[@]}" benchmarks/overlap_bench.py --device cuda --model "$model" \
+      --global-batch "$batch" --out "$OUT/overlap_${model/:/_}_b$batch.json" ${OVERLAP_ARGS:-}
+  done
 }
 
 for s in "${STEPS[@]}"; do

@@ -89,6 +89,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--nproc", type=int, default=2, help="ranks when not launched by torchrun")
     p.add_argument("--layers", type=int, default=6, help="forward gathers to report in (c)")
     p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (module docstring)")
+    p.add_argument("--forward-only-mode", action="store_true",
+                   help="also run --prefetch with the backward re-gather prefetch off (forward gathers only)")
     p.add_argument("--out", default="overlap_bench.json")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, gpt:tiny, seq 16, fp32, 3 steps")
     args = p.parse_args(argv)
@@ -222,7 +224,7 @@ def _layer_overlap(events, kernels, num_gathers: int, num_layers: int) -> list[d
 # --------------------------------------------------------------------------- measurement (per rank)
 
 
-def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str) -> dict:
+def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str, backward: bool = True) -> dict:
     import torch
     import torch.distributed as dist
 
@@ -237,6 +239,8 @@ def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str) -> 
     plan = dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, prefetch=prefetch))
     reset_memory(device)
     trainer = AutoshardTrainer(spec, device, graph, plan, name=f"prefetch={prefetch}")
+    if trainer.program.regather is not None and not backward:
+        trainer.program.regather.prefetch = False  # forward prefetch only: backward re-gathers stay blocking
     gm = trainer.program.gm
     num_gathers = sum(type(m).__name__ in ("GatherStart", "Zero3Gather") for _n, m in gm.named_children())
     result = measure(trainer.step, batches[:-1], args.warmup, device)
@@ -247,13 +251,15 @@ def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str) -> 
         trainer.step(batches[-1])
         if device.type == "cuda":
             torch.cuda.synchronize()
-    path = os.path.join(trace_dir, f"trace_prefetch{prefetch}_rank{dist.get_rank()}.json")
+    path = os.path.join(trace_dir, f"trace_prefetch{prefetch}{'' if backward else 'f'}_rank{dist.get_rank()}.json")
     prof.export_chrome_trace(path)
     with open(path) as f:
         summary = summarise_trace(json.load(f), num_gathers, args.layers)
     trainer.close()
     assert async_collectives.pending_count() == 0, "a started all-gather was never waited"
-    return {"prefetch": prefetch, "median_step_s": result.median_step_s, "step_times_s": list(result.step_times_s),
+    backward_prefetch = \
+        (prefetch > 0 and backward)
+    return {"prefetch": prefetch, "backward_prefetch": backward_prefetch, "median_step_s": result.median_step_s, "step_times_s": list(result.step_times_s),
             "losses": list(result.losses), "peak_memory_bytes": result.peak_memory_bytes,
             "forward_gathers": num_gathers, **summary}
 
@@ -277,7 +283,10 @@ def run(args: argparse.Namespace) -> dict | None:
         vocab = max(layer.vocab or 0 for layer in graph.layers) or 128
         batches = make_batches(vocab, spec, args.steps + 1)
         with tempfile.TemporaryDirectory(prefix="overlap_bench_") as trace_dir:
-            modes = [_mode(args, graph, spec, device, p, batches, trace_dir) for p in (0, args.prefetch)]
+            modes = [_mode(args, graph, spec, device, 0, batches, trace_dir),
+                     _mode(args, graph, spec, device, args.prefetch, batches, trace_dir)]
+            if args.forward_only_mode:
+                modes.append(_mode(args, graph, spec, device, args.prefetch, batches, trace_dir, backward=False))
         if dist.get_rank() != 0:
             return None
         return _report(args, modes, device, dist.get_world_size())
@@ -289,10 +298,11 @@ def _report(args, modes: list[dict], device, world: int) -> dict:
     import torch
 
     card = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-    off, on = modes
+    off, on = modes[:2]
     return {"date": datetime.date.today().isoformat(), "torch": torch.__version__, "card": card, "world": world,
             "model": args.model, "seq": args.seq, "global_batch": args.global_batch, "precision": args.precision,
             "speedup": off["median_step_s"] / on["median_step_s"] if on["median_step_s"] else None,
+            "speedup_forward_only": (off["median_step_s"] / modes[2]["median_step_s"]) if len(modes) > 2 else None,
             "modes": modes}
 
 
@@ -308,10 +318,11 @@ def markdown(report: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
     for m in report["modes"]:
         layers = m["layers"]
+        label = f"{m['prefetch']}" + ("" if m["prefetch"] == 0 else (" (fwd+bwd)" if m.get("backward_prefetch") else " (fwd)"))
         hits = "n/a" if layers is None else f"{sum(r['overlaps'] for r in layers)}/{len(layers)}"
         by_stream = "n/a" if m["streams"] is None else ", ".join(
             f"{s}: {row['nccl_ms']:.1f}" for s, row in m["streams"].items() if row["nccl_ms"])
-        lines.append(f"| {m['prefetch']} | {fmt(m['median_step_s'], 1e3)} | {fmt(m['nccl_kernel_s'], 1e3)} | "
+        lines.append(f"| {label} | {fmt(m['median_step_s'], 1e3)} | {fmt(m['nccl_kernel_s'], 1e3)} | "
                      f"{fmt(m['overlap_s'], 1e3)} | {hits} | {m['compute_stream'] or 'n/a'} | {by_stream} | "
                      f"{fmt(m['gpu_idle_s'], 1e3)} | {m['host_wait_ms']:.1f} |")
     lines.append(f"\nspeedup (prefetch 0 → {report['modes'][1]['prefetch']}): {fmt(report['speedup'], 1, '.3f')}×")
@@ -320,7 +331,7 @@ def markdown(report: dict) -> str:
 
 def verdict(report: dict) -> str:
     """One line: did the prefetch overlap, how much faster, and whether the losses were sane."""
-    off, on = report["modes"]
+    off, on = report["modes"][:2]
     losses = on["losses"]
     sane = all(math.isfinite(v) for v in losses) and losses[-1] <= losses[0] + 0.5
     tail = f"losses {losses[0]:.3f} → {losses[-1]:.3f} ({'stable' if sane else 'UNSTABLE'})"

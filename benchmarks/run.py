@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per config")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
+                   help="every config's optimizer; sgd (no momentum) keeps bf16 rounding differences from being "
+                        "amplified into lr-sized steps, as Adam's first sign-like steps do (loss-agreement runs)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--calibration", type=Path, help="calibration JSON (`autoshard cluster calibrate`)")
     p.add_argument("--out", type=Path, required=True, help="output folder for results.json and results.md")
@@ -252,7 +255,7 @@ def _benchmark(args: argparse.Namespace) -> None:
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
     spec = RunSpec(model=args.model, global_batch=args.batch, seq_len=args.seq, num_micro_batches=args.micro_batches,
-                   precision=args.precision, optimizer=OptimizerConfig(name="adamw", lr=args.lr), device=args.device)
+                   precision=args.precision, optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr), device=args.device)
     detected = Cluster.load(args.cluster) if args.cluster else Cluster.detect()
     calibrated = detected.with_calibration(args.calibration) if args.calibration else None
     graph = _capture(spec)

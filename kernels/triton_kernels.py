@@ -462,9 +462,9 @@ CUDA_CONFIGS = {
 # (kernel, qdtype, min_block, max_numel or None, config, why). ``numel`` is the element count
 # of the whole quantized tensor (all rows), the kernel's work.
 CUDA_CONFIG_RULES: tuple[tuple[str, str, int, int | None, KernelConfig, str], ...] = (
-    ("quantize", "int4", 2048, None, KernelConfig("pairs", 4096, 4, stream=True),
-     "block >= 2048: a 1024-word block spans every warp of an 8-warp program (cross-warp absmax); "
-     "H100 64M/256M/1G: 0.90/0.93/0.93 vs 0.87/0.91/0.90 with pairs/8192/w8/cs"),
+    ("quantize", "int4", 2048, None, KernelConfig("pairs", 2048, 1, stream=True),
+     "block >= 2048: one block per single-warp program, so its absmax needs no cross-warp reduction; "
+     "H100 (2026-11-26) 64M candidates: pairs/2048/w1/cs 0.922, pairs/4096/w4/cs 0.892, pairs/8192/w8/cs 0.87"),
 )
 INTERPRETER_ELEMS = 1 << 16
 

@@ -112,6 +112,7 @@ class Regather(nn.Module):
         self._live: dict[int, tuple] = {}  # id(root) → (weakref(root), gather module, index, shards)
         self._cache: tuple | None = None  # (gather module, roots) of the last re-gather
         self._order: list[tuple] = []  # (gather module, shards) in forward order
+        self._last: dict[int, int] = {}  # id(gather module) → index of its latest entry in _order
         self._prefetched: tuple | None = None  # (gather module, pending buffer) started ahead
         self.prefetch = False
         self.regathers = 0
@@ -124,6 +125,7 @@ class Regather(nn.Module):
         for i, root in enumerate(roots):
             base = _storage_root(root)
             self._live[id(base)] = (weakref.ref(base), module, i, shards)
+        self._last[id(module)] = len(self._order)  # its latest forward gather
         self._order.append((module, shards))
 
     def pack(self, t: torch.Tensor):
@@ -158,7 +160,7 @@ class Regather(nn.Module):
         """Start the gather of the layer recorded just before ``module``'s last forward gather (note)."""
         if self._prefetched is not None:
             return  # one in flight at most; it is waited when its layer is reached, or at reset()
-        index = max((k for k, (m, _s) in enumerate(self._order) if m is module), default=None)
+        index = self._last.get(id(module))
         if index is None or index == 0:
             return
         previous, shards = self._order[index - 1]
@@ -176,6 +178,7 @@ class Regather(nn.Module):
                 module.finish(pending)  # every started collective is waited exactly once
         self._live.clear()
         self._order.clear()
+        self._last.clear()
         self._cache = None
 
     def hooks(self):

@@ -235,7 +235,7 @@ def _start_setup(ctx, inputs, output):
 
 def _start_bwd(ctx, grad):
     # The same convention as autoshard::all_gather: d(Σ_r L_r)/dx_j = Σ_r (dL_r/dy)[chunk j] ("avg": ÷ n).
-    return torch.ops.autoshard.reduce_scatter(grad, 0, ctx.group_name, ctx.grad_op), None, None
+    return _collectives.call("reduce_scatter", grad, 0, ctx.group_name, ctx.grad_op), None, None
 
 
 def _wait_setup(ctx, inputs, output):
@@ -252,6 +252,8 @@ def _wait_bwd(ctx, grads):
 
 torch.library.register_autograd("autoshard::all_gather_start", _start_bwd, setup_context=_start_setup)
 torch.library.register_autograd("autoshard::all_gather_wait", _wait_bwd, setup_context=_wait_setup)
+_collectives.register_direct("all_gather_start", _start_kernel, _start_setup, _start_bwd)
+_collectives.register_direct("all_gather_wait", _wait_kernel, _wait_setup, _wait_bwd, list_output=True)
 
 
 # --------------------------------------------------------------------------- one-process simulation
@@ -291,12 +293,12 @@ def all_gather_start(x: Tensor, group: str | dist.ProcessGroup | None = None, gr
     The buffer must not be read before ``all_gather_wait`` on it (module
     docstring). Backward: blocking reduce-scatter of the gradient with ``grad_op``.
     """
-    return torch.ops.autoshard.all_gather_start(x, group_name_of(group), grad_op)
+    return _collectives.call("all_gather_start", x, group_name_of(group), grad_op)  # note "eager fast path"
 
 
 def all_gather_wait(pending: Tensor, num_ranks: int, split_sizes: Sequence[int]) -> list[Tensor]:
     """Wait for ``pending``'s all-gather; return its rank-major rows split into ``(num_ranks, s_i)`` copies."""
-    return torch.ops.autoshard.all_gather_wait(pending, num_ranks, list(split_sizes))
+    return _collectives.call("all_gather_wait", pending, num_ranks, list(split_sizes))
 
 
 __all__ = ["all_gather_start", "all_gather_wait", "pending_count", "wait_all"]

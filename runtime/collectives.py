@@ -357,12 +357,12 @@ def _save_args(names: Sequence[str]):
 
 def _all_gather_bwd(ctx, grad):
     # d(sum_r L_r)/dx_j = sum_r (dL_r/dy)[chunk j]; "avg" divides by n.
-    return _ops.reduce_scatter(grad, ctx.dim, ctx.group_name, ctx.grad_op), None, None, None
+    return call("reduce_scatter", grad, ctx.dim, ctx.group_name, ctx.grad_op), None, None, None
 
 
 def _reduce_scatter_bwd(ctx, grad):
     _check_differentiable(ctx.op, "reduce_scatter backward")
-    full = _ops.all_gather(grad, ctx.dim, ctx.group_name)
+    full = call("all_gather", grad, ctx.dim, ctx.group_name, "sum")
     if ctx.op == "avg":
         full = full / _group(ctx.group_name).size()
     return full, None, None, None
@@ -409,6 +409,65 @@ _AUTOGRAD = {
 }
 for _name, (_backward, _saved) in _AUTOGRAD.items():
     torch.library.register_autograd(f"autoshard::{_name}", _backward, setup_context=_save_args(_saved))
+
+
+# --------------------------------------------------------------------------- eager fast path
+
+# [Note: eager fast path]
+# A ``torch.library.custom_op`` call costs tens of microseconds of Python on the host
+# (schema defaults, pytree, the autograd wrapper, dynamo's disable frame): with
+# ~500 collective calls per ZeRO-3 step that host time was as large as a 1.3B
+# model's GPU compute on H100s, so the step became host-bound and prefetching
+# (more calls) made it slower (docs/runtime.md, "Overlap"). When nothing traces or
+# intercepts the call — a plain ``torch.Tensor`` input, no dispatch mode on the
+# stack (fake tensors, ``torch.export``, ``LocalTensorMode``, counting modes),
+# not compiling — the public wrappers run the SAME kernel and the SAME
+# registered backward through one ``torch.autograd.Function``. Values, gradients
+# and the order of collectives are identical; graphs captured for export or
+# ``torch.compile`` still hold the ``autoshard::`` ops.
+
+_DIRECT: dict[str, tuple] = {}  # op name → (kernel, setup_context, backward, list output)
+
+
+def register_direct(name: str, kernel, setup_context, backward, list_output: bool = False) -> None:
+    """Make ``autoshard::name`` callable through ``call`` (note "eager fast path")."""
+    _DIRECT[name] = (kernel, setup_context, backward, list_output)
+
+
+class _Direct(torch.autograd.Function):
+    """One ``autoshard::`` op without the torch.library dispatch (note "eager fast path")."""
+
+    @staticmethod
+    def forward(ctx, name: str, x: Tensor, *rest):
+        kernel, setup, _backward, list_output = _DIRECT[name]
+        out = kernel(x, *rest)
+        setup(ctx, (x, *rest), out)
+        ctx.op_name = name
+        ctx.set_materialize_grads(False)
+        return tuple(out) if list_output else out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        _kernel, _setup, backward, list_output = _DIRECT[ctx.op_name]
+        if not list_output and grads[0] is None:
+            return (None,) * len(ctx.needs_input_grad)
+        return (None, *backward(ctx, list(grads) if list_output else grads[0]))
+
+
+def _eager(x: Tensor) -> bool:
+    return type(x) is Tensor and torch._C._len_torch_dispatch_stack() == 0 and not torch.compiler.is_compiling()
+
+
+def call(name: str, x: Tensor, *rest):
+    """``torch.ops.autoshard.<name>(x, *rest)``, directly when nothing traces or intercepts (note)."""
+    if name in _DIRECT and _eager(x):
+        out = _Direct.apply(name, x, *rest)
+        return list(out) if _DIRECT[name][3] else out
+    return getattr(_ops, name)(x, *rest)
+
+
+for _name, (_backward, _saved) in _AUTOGRAD.items():
+    register_direct(_name, globals()[f"_{_name}_kernel"], _save_args(_saved), _backward)
 
 
 # --------------------------------------------------------------------------- one-process simulation
@@ -475,7 +534,7 @@ def all_gather(x: Tensor, dim: int, group: str | dist.ProcessGroup | None = None
     Backward: reduce-scatter of the gradient with ``grad_op`` ("sum": the sum of
     the per-rank losses is differentiated; "avg": their mean, as FSDP averages).
     """
-    return _ops.all_gather(x, dim, group_name_of(group), grad_op)
+    return call("all_gather", x, dim, group_name_of(group), grad_op)
 
 
 def reduce_scatter(x: Tensor, dim: int, group: str | dist.ProcessGroup | None = None, op: str = "sum") -> Tensor:
@@ -483,7 +542,7 @@ def reduce_scatter(x: Tensor, dim: int, group: str | dist.ProcessGroup | None = 
 
     Backward: all-gather of the gradient (divided by n for ``op="avg"``).
     """
-    return _ops.reduce_scatter(x, dim, group_name_of(group), op)
+    return call("reduce_scatter", x, dim, group_name_of(group), op)
 
 
 def all_reduce(x: Tensor, group: str | dist.ProcessGroup | None = None, op: str = "sum") -> Tensor:
@@ -492,7 +551,7 @@ def all_reduce(x: Tensor, group: str | dist.ProcessGroup | None = None, op: str 
     Backward (per-rank losses): all-reduce of the gradient with the same ``op``.
     For Megatron TP with a replicated loss use ``reduce_from_tp`` instead.
     """
-    return _ops.all_reduce(x, group_name_of(group), op)
+    return call("all_reduce", x, group_name_of(group), op)
 
 
 def copy_to_tp(x: Tensor, group: str | dist.ProcessGroup | None = None) -> Tensor:
