@@ -138,6 +138,9 @@ def intersection_length(a, b) -> float:
 
 GATHER_OPS = ("autoshard::all_gather_start", "autoshard::all_gather")
 WAIT_OPS = ("autoshard::all_gather_wait",)
+# dispatcher ops are "cpu_op"; the eager fast path (runtime/collectives.py) names its calls with
+# record_function, which traces as "user_annotation"
+HOST_CATS = ("cpu_op", "user_annotation")
 
 
 def _kernels(events: list[dict]) -> list[dict]:
@@ -180,7 +183,7 @@ def summarise_trace(trace: dict, num_gathers: int, num_layers: int) -> dict:
 
 def _cpu_ms(events: list[dict], names: tuple[str, ...]) -> float:
     """Host time spent inside the ``names`` ops (a wait that blocks the host shows up here, in ms)."""
-    return sum(e["dur"] for e in events if e.get("cat") == "cpu_op" and e["name"] in names) * 1e-3
+    return sum(e["dur"] for e in events if e.get("cat") in HOST_CATS and e["name"] in names) * 1e-3
 
 
 def _streams(kernels: list[dict]) -> dict:
@@ -198,7 +201,7 @@ def _streams(kernels: list[dict]) -> dict:
 
 
 def _cpu_ops(events: list[dict], names: tuple[str, ...]) -> list[dict]:
-    return sorted((e for e in events if e.get("cat") == "cpu_op" and e["name"] in names), key=lambda e: e["ts"])
+    return sorted((e for e in events if e.get("cat") in HOST_CATS and e["name"] in names), key=lambda e: e["ts"])
 
 
 def _layer_overlap(events, kernels, num_gathers: int, num_layers: int) -> list[dict]:
