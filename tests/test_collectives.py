@@ -277,6 +277,47 @@ def case_opcheck(rank, world_size):
     return results
 
 
+def case_eager_fast_path(rank, world_size):
+    """The public wrappers' eager fast path vs the torch.library dispatch: same values and gradients, and which ran.
+
+    runtime/collectives.py note "eager fast path": plain tensors with nothing tracing take
+    ``_Direct``; under a dispatch mode the same wrapper goes through ``torch.ops.autoshard``.
+    """
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.runtime import async_collectives as A
+
+    class Passthrough(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    def run(fn):
+        x = _randn(100 + rank, world_size * 4, 3).requires_grad_()
+        out = fn(x)
+        outs = out if isinstance(out, list) else [out]
+        weights = [_randn(7 + i, *o.shape) for i, o in enumerate(outs)]
+        sum((o * w).sum() for o, w in zip(outs, weights)).backward()
+        return [o.detach() for o in outs], x.grad, type(outs[0].grad_fn).__name__
+
+    def start_wait(x):
+        return A.all_gather_wait(A.all_gather_start(x, None, "avg"), world_size, [5, world_size * 12 - 5])
+
+    fns = {"all_gather": lambda x: C.all_gather(x, 0, None, "avg"),
+           "reduce_scatter": lambda x: C.reduce_scatter(x, 0, None, "avg"),
+           "all_reduce": lambda x: C.all_reduce(x, None, "sum"),
+           "start_wait": start_wait}
+    checks, paths = {}, {}
+    for name, fn in fns.items():
+        fast, fast_grad, fast_node = run(fn)
+        with Passthrough():
+            slow, slow_grad, slow_node = run(fn)
+        for i, (a, b) in enumerate(zip(fast, slow)):
+            checks[f"{name}[{i}]"] = (a, b)
+        checks[f"{name}.grad"] = (fast_grad, slow_grad)
+        paths[name] = (fast_node, slow_node)
+    return {"checks": checks, "paths": paths, "pending": A.pending_count()}
+
+
 # --------------------------------------------------------------------------- the two jobs
 
 NUMERIC_CASES = {
@@ -294,7 +335,8 @@ CHECKED_CASES = sorted(set(NUMERIC_CASES) - {"tp_mlp_with_per_rank_loss_ops"})
 
 @pytest.fixture(scope="module")
 def gloo_world2():
-    return run_gloo_cases({**NUMERIC_CASES, "opcheck": case_opcheck}, 2, timeout_s=180)
+    return run_gloo_cases({**NUMERIC_CASES, "opcheck": case_opcheck, "eager_fast_path": case_eager_fast_path}, 2,
+                          timeout_s=180)
 
 
 @pytest.fixture(scope="module")
@@ -336,6 +378,17 @@ def check_per_rank_loss_ops_are_wrong_for_tp(world_size: int, results) -> None:
         actual_b, expected_b = checks["grad_b"]
         torch.testing.assert_close(actual_b, world_size * expected_b, **TOLERANCE[torch.float32])
         assert not torch.allclose(*checks["grad_x"], rtol=1e-3)
+
+
+def test_eager_fast_path_equals_dispatch(gloo_world2):
+    """Fast path and torch.library dispatch give bit-identical values and gradients; each path ran where meant."""
+    for result in gloo_world2["eager_fast_path"]:
+        for key, (fast, slow) in result["checks"].items():
+            assert torch.equal(fast, slow), key
+        for name, (fast_node, slow_node) in result["paths"].items():
+            assert fast_node == "_DirectBackward", (name, fast_node)
+            assert slow_node != "_DirectBackward", (name, slow_node)
+        assert result["pending"] == 0
 
 
 def test_opcheck_passes(gloo_world2):
