@@ -37,6 +37,7 @@
 #                  one after the other on GPUs 0,1)
 #   llama1.3b_x4   4 GPUs, best + tp4 (TP plan for the loss agreement)
 #   gpt350m_x4     4 GPUs, best
+#   gpt1.3b_x4_sdpa  (only when named in MATRIX_RUNS) gpt1.3b_x4 with --attn sdpa
 # Time budget (estimate from the code, H100 host; see docs/benchmarks.md "Matrix"): per torchrun
 # ~25 s (start, imports, NCCL, capture, search), per autoshard plan ~10-13 s (build_program exports
 # the model) + steps, per baseline 5-15 s + steps (DeepSpeed import ~8 s once), steps 0.2-1 s each:
@@ -140,6 +141,9 @@ matrix() {
   [[ $runs == *,1.3b_x2,* ]] && matrix_pair
   [[ $runs == *,llama1.3b_x4,* ]] && matrix_run llama1.3b_x4 200 0,1,2,3 --model llama:1.3b --variants tp4
   [[ $runs == *,gpt350m_x4,* ]] && matrix_run gpt350m_x4 150 0,1,2,3 --model gpt:350m
+  # opt-in (not in the default list): GPT with fused SDPA attention for every config built from the
+  # reference model, the fair setting against Megatron-Core's fused attention
+  [[ $runs == *,gpt1.3b_x4_sdpa,* ]] && matrix_run gpt1.3b_x4_sdpa 200 0,1,2,3 --model gpt:1.3b --attn sdpa
   "$PYTHON" benchmarks/matrix_summary.py "$OUT/matrix" > "$OUT/matrix/summary.md" 2>&1
   cat "$OUT/matrix/summary.md"
   pack

@@ -120,6 +120,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per config")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
     p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--attn", choices=("sdpa", "math"), default=None,
+                   help="attention path of the reference model for every config (default: the family's; GPT's is "
+                        "the explicit math path, sdpa uses fused kernels as Megatron-Core does)")
     p.add_argument("--optimizer", choices=("adamw", "sgd"), default="adamw",
                    help="every config's optimizer; sgd (no momentum) keeps bf16 rounding differences from being "
                         "amplified into lr-sized steps, as Adam's first sign-like steps do (loss-agreement runs)")
@@ -160,14 +163,15 @@ def _init_distributed(device: str) -> bool:
 
 def _capture(spec: RunSpec):
     """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls."""
-    return _capture_cached(spec.model, spec.seq_len, spec.compute_dtype)
+    return _capture_cached(spec.model, spec.seq_len, spec.compute_dtype, spec.attn_impl)
 
 
 @functools.lru_cache(maxsize=4)
-def _capture_cached(model: str, seq_len: int, dtype: torch.dtype):
+def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, attn_impl: str | None = None):
     from autoshard.passes.capture import capture_reference
 
-    return capture_reference(model, seq_lens=(max(2, seq_len // 2), seq_len), dtype=dtype)
+    overrides = {} if attn_impl is None else {"attn_impl": attn_impl}
+    return capture_reference(model, seq_lens=(max(2, seq_len // 2), seq_len), dtype=dtype, **overrides)
 
 
 def _baseline_factory(name: str) -> Callable[..., Any]:
@@ -255,6 +259,7 @@ def _benchmark(args: argparse.Namespace) -> None:
     os.environ.setdefault("WORLD_SIZE", str(world))
     os.environ.setdefault("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])
     spec = RunSpec(model=args.model, global_batch=args.batch, seq_len=args.seq, num_micro_batches=args.micro_batches,
+                   attn_impl=args.attn,
                    precision=args.precision, optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr), device=args.device)
     detected = Cluster.load(args.cluster) if args.cluster else Cluster.detect()
     calibrated = detected.with_calibration(args.calibration) if args.calibration else None

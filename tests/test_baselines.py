@@ -117,6 +117,25 @@ def test_policy_loss_is_ce_plus_value_mse():
     torch.testing.assert_close(policy_loss((logits, values), tokens), expected + values.pow(2).mean())
 
 
+def test_attn_override_reaches_reference_model_and_capture():
+    """``--attn sdpa`` (RunSpec.attn_impl): every config's reference model and the searched graph use it."""
+    from benchmarks import run
+    from benchmarks.baselines.common import reference_model
+
+    default = RunSpec(model="gpt:tiny", global_batch=2, seq_len=8, precision="fp32", device="cpu")
+    fused = RunSpec(model="gpt:tiny", global_batch=2, seq_len=8, precision="fp32", device="cpu", attn_impl="sdpa")
+    impls = lambda m: {a.attn_impl for a in m.modules() if hasattr(a, "attn_impl")}  # noqa: E731
+    plain, sdpa = reference_model(default, "cpu"), reference_model(fused, "cpu")
+    assert impls(plain) == {"math"} and impls(sdpa) == {"sdpa"}
+    for (name, a), b in zip(plain.state_dict().items(), sdpa.state_dict().values()):
+        assert torch.equal(a, b), name  # the same seeded weights whatever the attention path
+    tokens = torch.randint(0, 64, (2, 8))
+    torch.testing.assert_close(sdpa(tokens)[0], plain(tokens)[0], rtol=1e-5, atol=1e-5)
+    # the math path keeps the S²-sized scores/probabilities for backward, fused SDPA does not
+    quadratic = [sum(layer.saved_interior_per_token_seq for layer in run._capture(spec).layers) for spec in (default, fused)]
+    assert quadratic[0] > 0 and quadratic[1] < quadratic[0], quadratic
+
+
 def test_run_spec_rejects_bad_values():
     with pytest.raises(BaselineError, match="precision='fp16'"):
         RunSpec(model="gpt:tiny", global_batch=2, seq_len=8, precision="fp16")

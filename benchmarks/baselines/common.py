@@ -76,6 +76,10 @@ class RunSpec:
     precision: ``"bf16"`` (bf16 compute, fp32 master weights and reductions) or ``"fp32"``.
     optimizer: hyper-parameters, the runtime's ``OptimizerConfig``.
     device: ``"cuda"`` or ``"cpu"`` (each rank uses ``cuda:LOCAL_RANK``).
+    attn_impl: the reference model's attention path for every config built from it
+    (``"sdpa"`` or ``"math"``); ``None`` keeps the family default (GPT: ``"math"``, the
+    explicit path whose captured activations match Korthikanti et al.; Llama: ``"sdpa"``).
+    Megatron-Core runs its own attention whatever this says.
     """
 
     model: str
@@ -85,6 +89,7 @@ class RunSpec:
     precision: str = "bf16"
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: str = "cuda"
+    attn_impl: str | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPES:
@@ -94,6 +99,11 @@ class RunSpec:
         for name in ("global_batch", "seq_len", "num_micro_batches"):
             if getattr(self, name) < 1:
                 raise BaselineError(f"RunSpec.{name}={getattr(self, name)!r}: must be a positive integer")
+
+    @property
+    def model_overrides(self) -> dict[str, str]:
+        """Config fields passed to ``autoshard.models.build`` / ``capture_reference`` for this run."""
+        return {} if self.attn_impl is None else {"attn_impl": self.attn_impl}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -146,7 +156,7 @@ def reference_model(spec: RunSpec, device: torch.device | str) -> nn.Module:
     """
     from autoshard.models import build
 
-    model = build(spec.model, device="meta", dtype=torch.float32).to_empty(device=device)
+    model = build(spec.model, device="meta", dtype=torch.float32, **spec.model_overrides).to_empty(device=device)
     model.tie_weights()
     model.load_state_dict(_reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu"))
     return model

@@ -50,7 +50,8 @@ def run_meta(args: Any, spec: Any, cluster: Any, world: int, model_flops: float)
     device_name = torch.cuda.get_device_name() if spec.device == "cuda" else platform.processor() or "cpu"
     return {
         "model": spec.model, "global_batch": spec.global_batch, "seq_len": spec.seq_len,
-        "num_micro_batches": spec.num_micro_batches, "precision": spec.precision, "world_size": world,
+        "num_micro_batches": spec.num_micro_batches, "precision": spec.precision, "attn_impl": spec.attn_impl,
+        "world_size": world,
         "device": spec.device, "device_name": device_name, "cluster": cluster.name,
         "peak_flops": cluster.peak_flops(spec.precision), "model_flops_per_step": model_flops,
         "steps": args.steps, "warmup": args.warmup, "plans": args.plans,
@@ -119,7 +120,8 @@ def _cells(row: dict[str, Any]) -> list[str]:
 
 def markdown(meta: dict[str, Any], rows: list[dict[str, Any]]) -> str:
     """The results table and the prediction-error summary, as markdown."""
-    head = (f"{meta['model']}, batch {meta['global_batch']} × seq {meta['seq_len']}, {meta['precision']}, "
+    attn = f" (attention {meta['attn_impl']})" if meta.get("attn_impl") else ""
+    head = (f"{meta['model']}{attn}, batch {meta['global_batch']} × seq {meta['seq_len']}, {meta['precision']}, "
             f"{meta['world_size']} × {meta['device_name']} ({meta['cluster']}), torch {meta['torch']}, {meta['date']}")
     lines = [head, "", "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
