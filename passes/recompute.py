@@ -86,7 +86,7 @@ from torch.utils.checkpoint import checkpoint
 
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, copy_module, layer_of_path, tag
-from autoshard.passes._zero3 import Zero3Gather
+from autoshard.passes._zero3 import GradSink, Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
 
@@ -115,6 +115,7 @@ class Regather(nn.Module):
         self._last: dict[int, int] = {}  # id(gather module) → index of its latest entry in _order
         self._prefetched: tuple | None = None  # (gather module, pending buffer) started ahead
         self.prefetch = False
+        self.grad_sink = GradSink()  # backward reduce-scatters of the gathers that use it (passes/_zero3.py note)
         self.regathers = 0
         self.prefetches = 0  # prefetched gathers started
         self.prefetch_hits = 0  # of which taken by the re-gather they were started for
@@ -170,7 +171,8 @@ class Regather(nn.Module):
         self.prefetches += 1
 
     def reset(self) -> None:
-        """Forget forward records and the re-gather cache (end of a backward); wait a prefetch never used."""
+        """End of a backward: complete its reduce-scatters, wait a prefetch never used, forget the records."""
+        self.grad_sink.drain()
         if self._prefetched is not None:
             module, pending = self._prefetched
             self._prefetched = None

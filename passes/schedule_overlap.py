@@ -41,10 +41,11 @@ layer k+1 runs during layer k's kernels (p = 1).
 
 Decisions and limits (partial, stated):
 
-* Backward: the ``Regather`` re-gathers are prefetched one layer ahead
-  (``Regather.prefetch``, set here when pp = 1; ``passes/recompute.py`` note
-  "backward prefetch"). The backward reduce-scatter (the start's autograd)
-  stays blocking on the compute stream.
+* Backward (pp = 1): the ``Regather`` re-gathers are prefetched one layer ahead
+  (``Regather.prefetch``; ``passes/recompute.py`` note "backward prefetch"), and
+  the unquantized gathers' reduce-scatters leave the compute stream
+  (``Zero3Gather.grad_sink``; ``passes/_zero3.py`` note "async reduce-scatter in
+  backward"; eager execution only, a traced graph keeps the blocking op).
 * Layers with ``weight_comm``/``grad_comm`` other than ``bf16`` keep their
   blocking ``Zero3Gather`` at first use: ``quantize_comm`` (a later pass)
   rewrites those modules, and the quantized gather has no async form yet.
@@ -117,8 +118,12 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     for stage_nodes in by_stage.values():
         _split_stage(out, stage_nodes, prefetch)
     regather = out.meta[META_KEY].get("regather")
-    if regather is not None and plan.mesh.pp == 1:  # backward prefetch of re-gathers (passes/recompute.py note)
-        out.get_submodule(regather).prefetch = True
+    if regather is not None and plan.mesh.pp == 1:
+        regather_module = out.get_submodule(regather)
+        regather_module.prefetch = True  # backward prefetch of re-gathers (passes/recompute.py note)
+        for module in out.modules():  # backward reduce-scatters off the compute stream (passes/_zero3.py note)
+            if isinstance(module, Zero3Gather) and not module.spec.quantized:
+                module.grad_sink = regather_module.grad_sink
     out.graph.eliminate_dead_code()
     out.graph.lint()
     check_waits(out.graph, out)

@@ -99,6 +99,14 @@ class _PendingTable:
                 self._streams[device.index] = torch.cuda.Stream(device=device)
             return self._streams[device.index]
 
+    def rs_stream(self, device: torch.device):
+        """The side stream of ``device`` that runs reduce-scatters issued from backward (``reduce_scatter_start``)."""
+        with self._lock:
+            key = ("rs", device.index)
+            if key not in self._streams:
+                self._streams[key] = torch.cuda.Stream(device=device)
+            return self._streams[key]
+
     def add(self, out: Tensor, work, event=None, keep: Tensor | None = None) -> None:
         with self._lock:
             assert self.key(out) not in self._entries, "a buffer was registered twice"
@@ -284,6 +292,56 @@ def _register_local_tensor_rules() -> None:
 _register_local_tensor_rules()
 
 
+# --------------------------------------------------------------------------- reduce-scatter from backward
+
+# [Note: async reduce-scatter]
+# ``reduce_scatter_start(x, group_name, op)`` launches the reduce-scatter of a
+# ``(n·c,)`` gradient and returns a handle at once; ``reduce_scatter_finish``
+# orders the caller after it and returns this rank's ``(c,)`` chunk. CUDA: on a
+# second side stream owned by this module (after the compute stream's pending
+# work, so ``x`` is complete), the chunk allocated there and handed to the
+# compute stream with ``record_stream`` at the finish; ``x`` is held until the
+# finish. gloo: ``async_op=True`` and the finish waits. Not an op: it runs
+# inside backward formulas of eager autograd Functions
+# (``passes/_zero3.py``, note "async reduce-scatter in backward"), where no
+# graph is traced.
+
+
+def reduce_scatter_start(x: Tensor, group_name: str, op: str = "avg") -> tuple:
+    """Launch the reduce-scatter of a 1-D ``(n·c,)`` tensor (note "async reduce-scatter"); a handle."""
+    _collectives._check_reduce_op(op, "reduce_scatter_start")
+    pg = _collectives._group(group_name)
+    n = pg.size()
+    if x.is_cuda:
+        compute = torch.cuda.current_stream(x.device)
+        side = _PENDING.rs_stream(x.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            out = _collectives._scatter_reduce(x, 0, op, pg)  # the blocking kernel, on the side stream (÷ n included)
+            event = torch.cuda.Event()
+            event.record(side)
+        return out, None, event, x, n, op
+    c = _collectives._chunk_len(x.shape[0], n, 0, "reduce_scatter_start")
+    out = x.new_empty((c,))
+    work = _collectives._reduce_scatter_single(out, x.contiguous(), op=_collectives._DIST_OPS.get(op, dist.ReduceOp.SUM),
+                                               group=pg, async_op=True)
+    return out, work, None, x, n, op
+
+
+def reduce_scatter_finish(handle: tuple) -> Tensor:
+    """This rank's chunk of a ``reduce_scatter_start``, ready for the caller's (current) stream."""
+    out, work, event, _keep, n, op = handle
+    if event is not None:
+        current = torch.cuda.current_stream(out.device)
+        current.wait_event(event)
+        out.record_stream(current)  # allocated on the side stream, used and freed on this one
+        return out
+    work.wait()
+    if op == "avg":
+        out.div_(n)
+    return out
+
+
 # --------------------------------------------------------------------------- public wrappers
 
 
@@ -301,4 +359,5 @@ def all_gather_wait(pending: Tensor, num_ranks: int, split_sizes: Sequence[int])
     return _collectives.call("all_gather_wait", pending, num_ranks, list(split_sizes))
 
 
-__all__ = ["all_gather_start", "all_gather_wait", "pending_count", "wait_all"]
+__all__ = ["all_gather_start", "all_gather_wait", "pending_count", "reduce_scatter_finish", "reduce_scatter_start",
+           "wait_all"]

@@ -454,8 +454,13 @@ class _Direct(torch.autograd.Function):
         return (None, *backward(ctx, list(grads) if list_output else grads[0]))
 
 
+def eager_context() -> bool:
+    """No dispatch mode on the stack and not compiling (note "eager fast path")."""
+    return torch._C._len_torch_dispatch_stack() == 0 and not torch.compiler.is_compiling()
+
+
 def _eager(x: Tensor) -> bool:
-    return type(x) is Tensor and torch._C._len_torch_dispatch_stack() == 0 and not torch.compiler.is_compiling()
+    return type(x) is Tensor and eager_context()
 
 
 def call(name: str, x: Tensor, *rest):

@@ -13,12 +13,14 @@ process group.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 
 import pytest
 import torch
 from torch.export import Dim
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from _harness import fake_world, local_ranks, run_gloo_cases
 from _runtime_cases import BATCH, MICRO, SEQ, batches, graph_of, loss_fn, make_plan, reassemble
@@ -73,17 +75,26 @@ def _double_wait_case(rank, world_size):
     return None
 
 
-def _train_case(rank, world_size, spec, plan):
+class _Passthrough(TorchDispatchMode):
+    """Any dispatch mode turns the eager fast paths off (op-by-op ``autoshard::`` dispatch instead)."""
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return func(*args, **(kwargs or {}))
+
+
+def _train_case(rank, world_size, spec, plan, dispatch=False):
     program = build_program(build(spec), graph_of(spec), plan, None, TRAIN, optimizer=OPT)
     losses, pending = [], []
     for toks in batches():
-        losses.append(program.step(program.local_batch(toks), loss_fn).loss)
+        with _Passthrough() if dispatch else contextlib.nullcontext():
+            losses.append(program.step(program.local_batch(toks), loss_fn).loss)
         pending.append(A.pending_count())
     starts = sum(isinstance(m, GatherStart) for m in program.gm.modules())
     regather = program.regather
     return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
             "coords": program.ctx.coords, "pending": pending, "starts": starts,
-            "regathers": regather.regathers, "prefetches": regather.prefetches, "hits": regather.prefetch_hits}
+            "regathers": regather.regathers, "prefetches": regather.prefetches, "hits": regather.prefetch_hits,
+            "async_reduce_scatters": regather.grad_sink.launched, "sink_left": len(regather.grad_sink)}
 
 
 def _mixed(layer):
@@ -92,6 +103,7 @@ def _mixed(layer):
 
 TRAIN_CASES = {
     "gpt_p0": (GPT, 0), "gpt_p1": (GPT, 1), "gpt_p2": (GPT, 2),
+    "gpt_p0_dispatch": (GPT, 0), "gpt_p1_dispatch": (GPT, 1),
     "llama_p0": (LLAMA, 0), "llama_p1": (LLAMA, 1),
     "mixed_p0": (LLAMA, 0, _mixed), "mixed_p1": (LLAMA, 1, _mixed),
 }
@@ -101,7 +113,8 @@ TRAIN_CASES = {
 def results():
     cases = {"op": _op_case, "double_wait": _double_wait_case}
     for name, (spec, prefetch, *choose) in TRAIN_CASES.items():
-        cases[name] = functools.partial(_train_case, spec=spec, plan=_plan(spec, prefetch, *choose))
+        cases[name] = functools.partial(_train_case, spec=spec, plan=_plan(spec, prefetch, *choose),
+                                        dispatch=name.endswith("_dispatch"))
     return run_gloo_cases(cases, 2, timeout_s=400)
 
 
@@ -128,11 +141,32 @@ def test_overlap_numerics_equal_blocking(results, base, other):
         torch.testing.assert_close(full_new[fqn], value, rtol=1e-6, atol=0, msg=lambda m: f"{fqn}: {m}")
 
 
+@pytest.mark.parametrize("name", ["gpt_p0", "gpt_p1"])
+def test_fused_eager_gathers_equal_op_by_op_dispatch(results, name):
+    """passes/_zero3.py note "fused eager gather": one autograd node per layer gives bit-identical training."""
+    for fused, ops in zip(results[name], results[name + "_dispatch"]):
+        assert fused["losses"] == ops["losses"]
+        for fqn, value in fused["shards"].items():
+            assert torch.equal(value, ops["shards"][fqn]), fqn
+
+
+def test_backward_reduce_scatters_leave_the_compute_path(results):
+    """prefetch > 0, eager: every gather's reduce-scatter goes through the GradSink (passes/_zero3.py note);
+    prefetch 0 and traced/intercepted execution keep the blocking op; nothing is left undrained."""
+    for name, (_spec, prefetch, *_rest) in TRAIN_CASES.items():
+        for r in results[name]:
+            assert r["sink_left"] == 0, name
+            if prefetch > 0 and not name.endswith("_dispatch"):
+                assert r["async_reduce_scatters"] > 0, name
+            else:
+                assert r["async_reduce_scatters"] == 0, name
+
+
 def test_every_start_waited_and_used(results):
     for name in TRAIN_CASES:
         for r in results[name]:
             assert r["pending"] == [0, 0, 0], name
-            assert (r["starts"] > 0) == (not name.endswith("p0")), name
+            assert (r["starts"] > 0) == (TRAIN_CASES[name][1] > 0), name
 
 
 def test_backward_regathers_prefetched_one_layer_ahead(results):
@@ -144,7 +178,7 @@ def test_backward_regathers_prefetched_one_layer_ahead(results):
     """
     for name in TRAIN_CASES:
         for r in results[name]:
-            if name.endswith("p0"):
+            if TRAIN_CASES[name][1] == 0:
                 assert r["prefetches"] == 0, name
             else:  # 3 steps × (re-gathers − 1) when every layer's saved weights are unpacked in reverse order
                 backwards = len(r["losses"]) * MICRO  # one per micro-batch; its first re-gather is never prefetched
