@@ -86,7 +86,7 @@ class _PendingTable:
     def __init__(self) -> None:
         self._lock = threading.Lock()  # gloo completion runs on other threads; the table is touched only here
         self._entries: dict[int, tuple] = {}
-        self._streams: dict[object, object] = {}  # device index → all_gather_start's stream; ("rs", index) → reduce-scatters'
+        self._streams: dict[object, object] = {}  # device index → all_gather_start's stream; ("rs", index) → reduce-scatters
 
     @staticmethod
     def key(t: Tensor) -> int:
