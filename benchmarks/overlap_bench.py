@@ -90,7 +90,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--layers", type=int, default=6, help="forward gathers to report in (c)")
     p.add_argument("--lr", type=float, default=3e-5, help="AdamW learning rate (module docstring)")
     p.add_argument("--forward-only-mode", action="store_true",
-                   help="also run --prefetch with the backward re-gather prefetch off (forward gathers only)")
+                   help="also run --prefetch with the backward overlap off (re-gather prefetch and asynchronous "
+                        "reduce-scatters): forward gathers only")
     p.add_argument("--out", default="overlap_bench.json")
     p.add_argument("--smoke", action="store_true", help="CPU/gloo, gpt:tiny, seq 16, fp32, 3 steps")
     args = p.parse_args(argv)
@@ -243,7 +244,13 @@ def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str, bac
     reset_memory(device)
     trainer = AutoshardTrainer(spec, device, graph, plan, name=f"prefetch={prefetch}")
     if trainer.program.regather is not None and not backward:
-        trainer.program.regather.prefetch = False  # forward prefetch only: backward re-gathers stay blocking
+        # forward prefetch only: backward re-gathers and reduce-scatters stay blocking
+        from autoshard.passes._zero3 import Zero3Gather
+
+        trainer.program.regather.prefetch = False
+        for module in trainer.program.gm.modules():
+            if isinstance(module, Zero3Gather):
+                module.grad_sink = None
     gm = trainer.program.gm
     num_gathers = sum(type(m).__name__ in ("GatherStart", "Zero3Gather") for _n, m in gm.named_children())
     result = measure(trainer.step, batches[:-1], args.warmup, device)
