@@ -315,6 +315,11 @@ def case_eager_fast_path(rank, world_size):
             checks[f"{name}[{i}]"] = (a, b)
         checks[f"{name}.grad"] = (fast_grad, slow_grad)
         paths[name] = (fast_node, slow_node)
+    # the asynchronous reduce-scatter of backward (runtime/async_collectives.py note "async reduce-scatter")
+    flat = _randn(200 + rank, world_size * 6)
+    for op in ("avg", "sum"):
+        handle = A.reduce_scatter_start(flat, C.group_name_of(None), op)
+        checks[f"reduce_scatter_start/{op}"] = (A.reduce_scatter_finish(handle), C.reduce_scatter(flat, 0, None, op))
     return {"checks": checks, "paths": paths, "pending": A.pending_count()}
 
 
