@@ -267,9 +267,7 @@ def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str, bac
         summary = summarise_trace(json.load(f), num_gathers, args.layers)
     trainer.close()
     assert async_collectives.pending_count() == 0, "a started all-gather was never waited"
-    backward_prefetch = \
-        (prefetch > 0 and backward)
-    return {"prefetch": prefetch, "backward_prefetch": backward_prefetch, "median_step_s": result.median_step_s, "step_times_s": list(result.step_times_s),
+    return {"prefetch": prefetch, "backward_prefetch": prefetch > 0 and backward, "median_step_s": result.median_step_s, "step_times_s": list(result.step_times_s),
             "losses": list(result.losses), "peak_memory_bytes": result.peak_memory_bytes,
             "forward_gathers": num_gathers, **summary}
 

@@ -119,15 +119,11 @@ class _CopyOut(torch.autograd.Function):
     def forward(ctx, flat: torch.Tensor, num_ranks: int, sizes: list[int]):
         ctx.shape = flat.shape
         ctx.num_ranks, ctx.sizes = num_ranks, sizes
-        outs = [flat.new_empty((num_ranks, size)) for size in sizes]
-        torch.split_with_sizes_copy(flat.view(num_ranks, -1), sizes, dim=1, out=outs)
-        return tuple(outs)
+        return tuple(async_collectives.split_rows(flat, num_ranks, sizes))
 
     @staticmethod
     def backward(ctx, *grads):
-        like = next(g for g in grads if g is not None)
-        rows = [g if g is not None else like.new_zeros((ctx.num_ranks, s)) for g, s in zip(grads, ctx.sizes)]
-        return torch.cat(rows, dim=1).reshape(ctx.shape), None, None
+        return async_collectives.join_rows(grads, ctx.num_ranks, ctx.sizes).reshape(ctx.shape), None, None
 
 
 def _eager(shards: tuple[torch.Tensor, ...]) -> bool:
@@ -217,19 +213,15 @@ class _FusedGather(torch.autograd.Function):
         spec = module.spec
         _save(ctx, module, shards)
         flat = collectives._all_gather_kernel(module.copy_in(shards), 0, spec.group_name, spec.grad_op)
-        outs = [flat.new_empty((spec.num_ranks, size)) for size in spec.flat_sizes()]
-        torch.split_with_sizes_copy(flat.view(spec.num_ranks, -1), spec.flat_sizes(), dim=1, out=outs)
         ctx.set_materialize_grads(False)
-        return tuple(outs)
+        return tuple(async_collectives.split_rows(flat, spec.num_ranks, spec.flat_sizes()))
 
     @staticmethod
     def backward(ctx, *grads):
-        spec = ctx.spec
-        like = next((g for g in grads if g is not None), None)
-        if like is None:
+        rows = async_collectives.join_rows(grads, ctx.spec.num_ranks, ctx.spec.flat_sizes())
+        if rows is None:
             return (None,) * (1 + len(ctx.shapes))
-        rows = [g if g is not None else like.new_zeros((spec.num_ranks, s)) for g, s in zip(grads, spec.flat_sizes())]
-        return (None, *_backward_reduce_scatter(ctx, torch.cat(rows, dim=1).reshape(-1)))
+        return (None, *_backward_reduce_scatter(ctx, rows.reshape(-1)))
 
 
 class _FusedStart(torch.autograd.Function):

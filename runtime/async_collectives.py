@@ -189,17 +189,25 @@ def _start_kernel(x: Tensor, group_name: str, grad_op: str = "sum") -> Tensor:
     return out
 
 
-def _start_on_side_stream(out: Tensor, x: Tensor, pg) -> None:
-    """CUDA: the all-gather on this module's side stream, after the compute stream's pending work (note "streams")."""
-    compute = torch.cuda.current_stream(x.device)
-    side = _PENDING.comm_stream(x.device)
-    side.wait_stream(compute)  # x (the copy-in) is complete before the collective reads it
+def _on_side_stream(side, device: torch.device, launch):
+    """CUDA: ``launch()`` on ``side`` after the compute stream's pending work; ``(its result, an event after it)``.
+
+    ``async_op=False`` collectives inside: torch >= 2.7 launches them on the current (= side) stream;
+    older versions launch on the group's stream and their implicit Work.wait() joins it into the side
+    stream. No host wait.
+    """
+    side.wait_stream(torch.cuda.current_stream(device))  # the inputs are complete before the collective reads them
     with torch.cuda.stream(side):
-        # async_op=False: torch >= 2.7 launches on the current (= side) stream; older versions launch on
-        # the group's stream and their implicit Work.wait() joins it into the side stream. No host wait.
-        _all_gather_single(out, x, group=pg, async_op=False)
+        result = launch()
         event = torch.cuda.Event()
         event.record(side)
+    return result, event
+
+
+def _start_on_side_stream(out: Tensor, x: Tensor, pg) -> None:
+    """CUDA: the all-gather on this module's side stream, after the compute stream's pending work (note "streams")."""
+    _, event = _on_side_stream(_PENDING.comm_stream(x.device), x.device,
+                               lambda: _all_gather_single(out, x, group=pg, async_op=False))
     _PENDING.add(out, None, event, keep=x)
 
 
@@ -214,15 +222,30 @@ def _(x, group_name, grad_op="sum"):
     return x.new_empty((n * x.shape[0], *x.shape[1:]))
 
 
+def split_rows(flat: Tensor, num_ranks: int, split_sizes: Sequence[int]) -> list[Tensor]:
+    """Rank-major ``(n·L,)`` → fresh ``(n, s_i)`` pieces, all written by ONE ``split_with_sizes_copy``.
+
+    FSDP2's copy-out kernel on CUDA (one launch for a whole layer instead of a
+    clone per piece); fresh storage, since a custom op may not alias its input.
+    """
+    outs = [flat.new_empty((num_ranks, s)) for s in split_sizes]
+    torch.split_with_sizes_copy(flat.view(num_ranks, -1), list(split_sizes), dim=1, out=outs)
+    return outs
+
+
+def join_rows(grads: Sequence[Tensor | None], num_ranks: int, split_sizes: Sequence[int]) -> Tensor | None:
+    """Inverse of ``split_rows`` for gradients: ``(n, s_i)`` pieces (None = zeros) → ``(n, L)``; None if all are None."""
+    like = next((g for g in grads if g is not None), None)
+    if like is None:
+        return None
+    return torch.cat([g if g is not None else like.new_zeros((num_ranks, s)) for g, s in zip(grads, split_sizes)], dim=1)
+
+
 def _wait_kernel(pending: Tensor, num_ranks: int, split_sizes: list[int]) -> list[Tensor]:
     _check_splits(pending, num_ranks, split_sizes)
     work, event = _PENDING.pop(pending)
     _complete(work, event, pending.device)  # CUDA: the current stream waits for the side stream's event; gloo: blocks
-    # fresh tensors (a custom op may not alias its input), all written by ONE split_with_sizes_copy (FSDP2's
-    # copy-out kernel on CUDA) instead of one clone per piece
-    outs = [pending.new_empty((num_ranks, s)) for s in split_sizes]
-    torch.split_with_sizes_copy(pending.view(num_ranks, -1), list(split_sizes), dim=1, out=outs)
-    return outs
+    return split_rows(pending, num_ranks, split_sizes)
 
 
 _wait_op = torch.library.custom_op("autoshard::all_gather_wait", _wait_kernel, mutates_args=())
@@ -253,9 +276,7 @@ def _wait_setup(ctx, inputs, output):
 
 def _wait_bwd(ctx, grads):
     # grads: one (n, s_i) gradient per piece, None where a piece was unused.
-    like = next(g for g in grads if g is not None)
-    rows = [g if g is not None else like.new_zeros((ctx.num_ranks, s)) for g, s in zip(grads, ctx.split_sizes)]
-    return torch.cat(rows, dim=1).reshape(ctx.shape), None, None  # (n, L) -> pending's shape
+    return join_rows(grads, ctx.num_ranks, ctx.split_sizes).reshape(ctx.shape), None, None  # (n, L) -> pending's shape
 
 
 torch.library.register_autograd("autoshard::all_gather_start", _start_bwd, setup_context=_start_setup)
@@ -312,14 +333,9 @@ def reduce_scatter_start(x: Tensor, group_name: str, op: str = "avg") -> tuple:
     _collectives._check_reduce_op(op, "reduce_scatter_start")
     pg = _collectives._group(group_name)
     n = pg.size()
-    if x.is_cuda:
-        compute = torch.cuda.current_stream(x.device)
-        side = _PENDING.rs_stream(x.device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            out = _collectives._scatter_reduce(x, 0, op, pg)  # the blocking kernel, on the side stream (÷ n included)
-            event = torch.cuda.Event()
-            event.record(side)
+    if x.is_cuda:  # the blocking kernel (÷ n included) on the reduce-scatter side stream
+        out, event = _on_side_stream(_PENDING.rs_stream(x.device), x.device,
+                                     lambda: _collectives._scatter_reduce(x, 0, op, pg))
         return out, None, event, x, n, op
     c = _collectives._chunk_len(x.shape[0], n, 0, "reduce_scatter_start")
     out = x.new_empty((c,))
@@ -359,5 +375,5 @@ def all_gather_wait(pending: Tensor, num_ranks: int, split_sizes: Sequence[int])
     return _collectives.call("all_gather_wait", pending, num_ranks, list(split_sizes))
 
 
-__all__ = ["all_gather_start", "all_gather_wait", "pending_count", "reduce_scatter_finish", "reduce_scatter_start",
-           "wait_all"]
+__all__ = ["all_gather_start", "all_gather_wait", "join_rows", "pending_count", "reduce_scatter_finish",
+           "reduce_scatter_start", "split_rows", "wait_all"]

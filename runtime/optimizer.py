@@ -238,19 +238,20 @@ class ShardedOptimizer:
         bucketed = {id(s) for b in self._grad_buckets for s in b}
         self._unbucketed = [s for s in slots if id(s) not in bucketed]  # quantized wires, or nothing to reduce
         # multi-tensor groups: slots whose masters live on one device (offload: the host) share the _foreach launches
-        self._groups: dict[str, list[_Slot]] = {}
+        by_device: dict[str, list[_Slot]] = {}
         for s in slots:
-            self._groups.setdefault(str(s.master.device), []).append(s)
-        self._replication = {id(g): torch.tensor([float(s.replication) for s in g], dtype=torch.float64,
-                                                 device=ctx.device) for g in self._groups.values()}
+            by_device.setdefault(str(s.master.device), []).append(s)
+        # (slots, their replication counts for the clipping formula) per device
+        self._groups = [(group, torch.tensor([float(s.replication) for s in group], dtype=torch.float64,
+                                             device=ctx.device)) for group in by_device.values()]
 
     def clip_scale(self) -> tuple[float, float]:
         """(global gradient norm, scale factor) from the synced gradients (one ``_foreach_norm`` per device)."""
         local = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
-        for slots in self._groups.values():
+        for slots, replication in self._groups:
             norms = torch._foreach_norm([s.grad for s in slots])
             squares = torch.stack(norms).to(self.ctx.device, torch.float64).pow(2)
-            local = local + (squares / self._replication[id(slots)]).sum()
+            local = local + (squares / replication).sum()
         total = local.to(torch.float32)
         if self.ctx.world_size > 1:
             total = collectives.all_reduce(total.reshape(1), self.ctx.group("world"), "sum")[0]
@@ -264,7 +265,7 @@ class ShardedOptimizer:
         self.sync_grads()
         norm, scale = self.clip_scale()
         self.steps += 1
-        for slots in self._groups.values():
+        for slots, _replication in self._groups:
             grads = [s.grad for s in slots]
             if scale != 1.0:
                 torch._foreach_mul_(grads, scale)
