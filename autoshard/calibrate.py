@@ -318,6 +318,8 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seq", type=int, metavar="N", help="sequence length of the model probe (required with --model)")
     parser.add_argument("--micro-batch", type=parse_int_list, default=(1, 2, 4, 8), metavar="B,B,…",
                         help="micro-batch sizes the model probe times (default 1,2,4,8)")
+    parser.add_argument("--attn", choices=("sdpa", "math"),
+                        help="the model probe's attention path (default: the model family's; GPT math, Llama sdpa)")
     parser.add_argument("--probe-tp", type=parse_int_list, default=(1, 2), metavar="T,T,…",
                         help="Megatron TP shards the model probe times (default 1,2; 1 = unsharded)")
 
@@ -359,7 +361,7 @@ def _probe_spec(args: argparse.Namespace) -> ProbeSpec | None:
         raise AutoshardError(f"--model {model} needs --seq N (the training sequence length to probe)")
     iters = {"iters": args.iters} if args.iters else ({"iters": 3, "reps": 1} if args.quick else {})
     return ProbeSpec(model=model, seq_len=args.seq, micro_batches=tuple(args.micro_batch), tp=tuple(args.probe_tp),
-                     **iters)
+                     attn_impl=getattr(args, "attn", None), **iters)
 
 
 def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:

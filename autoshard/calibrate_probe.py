@@ -68,6 +68,7 @@ class ProbeSpec:
     tp: tuple[int, ...] = (1, 2)
     reps: int = 2
     iters: int = 5
+    attn_impl: str | None = None  # the model's attention path ("sdpa", "math"); None: the family default
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or not self.micro_batches or min(self.micro_batches) < 1 or min(self.tp, default=0) < 1:
@@ -188,6 +189,8 @@ def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> l
     from autoshard.search.measured import layer_signature
 
     overrides: dict[str, Any] = {"num_layers": 1}
+    if spec.attn_impl is not None:
+        overrides["attn_impl"] = spec.attn_impl
     meta_graph = capture_reference(spec.model, seq_lens=(max(2, spec.seq_len // 2), spec.seq_len), dtype=dtype,
                                    **overrides)
     model = build(spec.model, device=device, dtype=dtype, **overrides)

@@ -20,6 +20,10 @@
 #             probes of the other matrix models one per GPU in parallel; writes $OUT/cal/<model>.json
 #             (the NPROC-GPU measurements + that model's probe), which matrix runs pass as --calibration
 #             (CAL_DIR overrides $OUT/cal, so a later call on the same or a fresh machine can reuse the files)
+#   probe     (after calibrate) benchmarks/plan_probe.py over NPROC GPUs per model of PROBE_MODELS
+#             (default the four matrix models): forced plans on 2- and 4-block copies, the fitted plan
+#             residuals added to $CAL_DIR/<model>.json; PROBE_VARIANTS_<family>_<size> overrides a
+#             model's variants (the matrix's forced list for llama:350m, DDP/ZeRO-1/2/3 + tp4 otherwise)
 # Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
@@ -57,6 +61,7 @@ NPROC="${NPROC:-2}"
 RESULTS="$OUT"
 OUT="$(mktemp -d /tmp/gpu_session.XXXX)"
 mkdir -p "$RESULTS"
+GPT_ATTN="${GPT_ATTN:-sdpa}"  # GPT's attention in the matrix, calibrate and probe steps (math: the explicit path)
 CAL_DIR="${CAL_DIR:-$OUT/cal}"  # calibration files (calibrate step); point it outside $OUT to reuse them in a later call
 cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
@@ -95,6 +100,7 @@ bench_cmd() {  # bench_cmd NAME GPUS ARGS...: sets CMD to one matrix run's torch
   CMD=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n"
     benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-6}"
     --warmup "${MATRIX_WARMUP:-2}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" ${cal[@]+"${cal[@]}"} "${args[@]}")
+  [[ ",${MATRIX_PROFILE:-}," == *",$name,"* ]] && CMD+=(--profile)  # MATRIX_PROFILE: runs that profile a step per config
 }
 
 matrix_limit() {  # matrix_limit NAME CAP: sets LIMIT, the seconds the next run may take (0: do not start it)
@@ -118,12 +124,12 @@ matrix_pair() {  # llama:1.3b and gpt:1.3b on 2 GPUs each; at the same time on d
   local llama gpt
   bench_cmd llama1.3b_x2 0,1 --model llama:1.3b --variants tp2; llama=("${CMD[@]}")
   if [[ "${MATRIX_PARALLEL2:-1}" == 1 ]]; then
-    bench_cmd gpt1.3b_x2 2,3 --model gpt:1.3b; gpt=("${CMD[@]}")
+    bench_cmd gpt1.3b_x2 2,3 --model gpt:1.3b --attn "$GPT_ATTN"; gpt=("${CMD[@]}")
     timed matrix_llama1.3b_x2 "$LIMIT" "${llama[@]}" &
     timed matrix_gpt1.3b_x2 "$LIMIT" "${gpt[@]}" &
     wait
   else
-    bench_cmd gpt1.3b_x2 0,1 --model gpt:1.3b; gpt=("${CMD[@]}")
+    bench_cmd gpt1.3b_x2 0,1 --model gpt:1.3b --attn "$GPT_ATTN"; gpt=("${CMD[@]}")
     timed matrix_llama1.3b_x2 "$((LIMIT / 2))" "${llama[@]}"
     timed matrix_gpt1.3b_x2 "$((LIMIT / 2))" "${gpt[@]}"
   fi
@@ -137,13 +143,19 @@ matrix() {
   mkdir -p "$OUT/matrix"
   [[ $runs == *,llama350m_x4,* ]] && matrix_run llama350m_x4 330 0,1,2,3 --model llama:350m --plans forced \
       --variants "$forced" --max-plans 12
-  [[ $runs == *,gpt1.3b_x4,* ]] && matrix_run gpt1.3b_x4 200 0,1,2,3 --model gpt:1.3b
+  [[ $runs == *,gpt1.3b_x4,* ]] && matrix_run gpt1.3b_x4 200 0,1,2,3 --model gpt:1.3b --attn "$GPT_ATTN"
   [[ $runs == *,1.3b_x2,* ]] && matrix_pair
   [[ $runs == *,llama1.3b_x4,* ]] && matrix_run llama1.3b_x4 200 0,1,2,3 --model llama:1.3b --variants tp4
-  [[ $runs == *,gpt350m_x4,* ]] && matrix_run gpt350m_x4 150 0,1,2,3 --model gpt:350m
-  # opt-in (not in the default list): GPT with fused SDPA attention for every config built from the
-  # reference model, the fair setting against Megatron-Core's fused attention
-  [[ $runs == *,gpt1.3b_x4_sdpa,* ]] && matrix_run gpt1.3b_x4_sdpa 200 0,1,2,3 --model gpt:1.3b --attn sdpa
+  [[ $runs == *,gpt350m_x4,* ]] && matrix_run gpt350m_x4 150 0,1,2,3 --model gpt:350m --attn "$GPT_ATTN"
+  # opt-in (not in the default list): the searched plans of llama1.3b_x4 and gpt1.3b_x4 again with the
+  # gradient sync after backward (the runtime before overlapped syncs), next to the same baseline rows
+  [[ $runs == *,llama1.3b_x4_blocking,* ]] && AUTOSHARD_OVERLAP_GRAD_SYNC=0 \
+      matrix_run llama1.3b_x4_blocking 120 0,1,2,3 --model llama:1.3b --configs autoshard,fsdp2-noreshard
+  [[ $runs == *,gpt1.3b_x4_blocking,* ]] && AUTOSHARD_OVERLAP_GRAD_SYNC=0 \
+      matrix_run gpt1.3b_x4_blocking 120 0,1,2,3 --model gpt:1.3b --attn "$GPT_ATTN" --configs autoshard,fsdp2-noreshard
+  # opt-in (not in the default list): GPT-1.3B with the explicit math attention, as recorded before
+  # GPT_ATTN defaulted to sdpa
+  [[ $runs == *,gpt1.3b_x4_math,* ]] && matrix_run gpt1.3b_x4_math 200 0,1,2,3 --model gpt:1.3b --attn math
   "$PYTHON" benchmarks/matrix_summary.py "$OUT/matrix" > "$OUT/matrix/summary.md" 2>&1
   cat "$OUT/matrix/summary.md"
   pack
@@ -156,8 +168,9 @@ calibrate_all() {  # calibration files per matrix model (header); each probe at 
     --raw "$CAL_DIR/raw.json" --model llama:350m "${probe[@]}"
   local gpu=0 m
   for m in gpt:350m llama:1.3b gpt:1.3b; do  # one GPU each, at the same time: only the model probe is new
+    local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
     timed "probe_${m/:/_}" 120 env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
-      --out "$CAL_DIR/single_${m/:/_}.json" --model "$m" "${probe[@]}" &
+      --out "$CAL_DIR/single_${m/:/_}.json" --model "$m" "${probe[@]}" "${attn[@]}" &
     gpu=$((gpu + 1))
   done
   wait
@@ -172,6 +185,27 @@ for single in sorted(cal.glob("single_*.json")):
 PY
   [[ "$CAL_DIR" == "$OUT/cal" ]] || cp -r "$CAL_DIR" "$OUT/cal"
   pack
+}
+
+plan_probe_all() {  # plan residuals per model (header); needs the calibrate step's files in $CAL_DIR
+  local m key variants cal shape=(--seq 1024 --batch 16 --precision bf16) runner=("${TORCHRUN[@]}")
+  local forced=free,replicate,zero1,zero2,zero3,tp4,tp4-sp,tp2,tp2-sp,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,zero3-rep2
+  for m in ${PROBE_MODELS:-llama:350m gpt:1.3b llama:1.3b gpt:350m}; do
+    key="PROBE_VARIANTS_${m/:/_}"; key=${key//./_}
+    variants=${!key:-replicate,zero1,zero2,zero3,tp4}
+    [[ $m == llama:350m ]] && variants=${!key:-$forced}
+    local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
+    cal="$CAL_DIR/${m/:/_}.json"
+    if [[ "${MATRIX_DRY:-0}" == 1 ]]; then  # CPU rehearsal: tiny model, gloo, two ranks
+      shape=(--seq 16 --batch 8 --precision fp32 --device cpu); m=${m/%:350m/:tiny}; m=${m/%:1.3b/:tiny}
+      runner=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2)
+    fi
+    [[ -f $cal ]] || { echo "=== plan probe $m skipped: no $cal (run the calibrate step first)"; continue; }
+    timed "plan_probe_${m/:/_}" "${PROBE_LIMIT:-200}" "${runner[@]}" benchmarks/plan_probe.py --model "$m" \
+      "${shape[@]}" "${attn[@]}" --steps 5 --warmup 2 --variants "$variants" --calibration "$cal" --out "$cal"
+    [[ "$CAL_DIR" == "$OUT/cal" ]] || cp -r "$CAL_DIR/." "$OUT/cal"
+    pack  # after every model: a call cut short keeps the fits made so far
+  done
 }
 
 side() {  # kernels on one GPU while the 2-GPU qcomm and overlap runs share another pair
@@ -210,6 +244,7 @@ for s in "${STEPS[@]}"; do
         --nproc-per-node 2 benchmarks/qcomm_bench.py --out "$OUT/qcomm_h100x2.json" ;;
     side) side ;;
     calibrate) calibrate_all ;;
+    probe) plan_probe_all ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -88,6 +88,7 @@ from benchmarks.baselines.common import (  # noqa: E402
     prepare_reference,
     rank_device,
     reset_memory,
+    synchronize,
 )
 from benchmarks.baselines.plans import MODES, broadcast_plans, search_plans  # noqa: E402
 
@@ -130,6 +131,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--calibration", type=Path, help="calibration JSON (`autoshard cluster calibrate`)")
     p.add_argument("--out", type=Path, required=True, help="output folder for results.json and results.md")
     p.add_argument("--stop-on-error", action="store_true", help="re-raise a failing config instead of going on")
+    p.add_argument("--profile", action="store_true",
+                   help="after each config's timed steps, one more step under torch.profiler; the row gets a "
+                        "summary (GPU busy/idle, per-stream NCCL and compute time, top kernels; rank 0's view)")
     p.add_argument("--list-plans", action="store_true",
                    help="search only: print the autoshard plans and predictions, write OUT/plans.json, train nothing")
     args = p.parse_args(argv)
@@ -163,15 +167,14 @@ def _init_distributed(device: str) -> bool:
 
 def _capture(spec: RunSpec):
     """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls."""
-    return _capture_cached(spec.model, spec.seq_len, spec.compute_dtype, spec.attn_impl)
+    return _capture_cached(spec.model, spec.seq_len, spec.compute_dtype, tuple(sorted(spec.model_overrides.items())))
 
 
 @functools.lru_cache(maxsize=4)
-def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, attn_impl: str | None = None):
+def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, overrides: tuple = ()):
     from autoshard.passes.capture import capture_reference
 
-    overrides = {} if attn_impl is None else {"attn_impl": attn_impl}
-    return capture_reference(model, seq_lens=(max(2, seq_len // 2), seq_len), dtype=dtype, **overrides)
+    return capture_reference(model, seq_lens=(max(2, seq_len // 2), seq_len), dtype=dtype, **dict(overrides))
 
 
 def _baseline_factory(name: str) -> Callable[..., Any]:
@@ -191,7 +194,8 @@ def _baseline_factory(name: str) -> Callable[..., Any]:
     return lambda spec, device: DeepSpeedTrainer(spec, device, stage=int(name[-1]), name=name)
 
 
-def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, stop_on_error: bool) -> dict:
+def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, stop_on_error: bool,
+             profile: bool = False) -> dict:
     """Build and measure one config; a row with ``status`` ok / skipped / failed."""
     reset_memory(device)
     trainer = None
@@ -201,10 +205,13 @@ def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, 
         built = time.perf_counter()
         result = measure(trainer.step, batches, warmup, device)
         # build_s / wall_s: this rank's set-up and whole-config times, to budget later runs
-        return {"config": name, "status": "ok", "losses": list(result.losses),
-                "step_times_s": list(result.step_times_s), "median_step_s": result.median_step_s,
-                "peak_memory_bytes": result.peak_memory_bytes, "build_s": built - start,
-                "wall_s": time.perf_counter() - start}
+        row = {"config": name, "status": "ok", "losses": list(result.losses),
+               "step_times_s": list(result.step_times_s), "median_step_s": result.median_step_s,
+               "peak_memory_bytes": result.peak_memory_bytes, "build_s": built - start}
+        if profile:
+            row["profile"] = profile_step(trainer.step, batches[-1], device)
+        row["wall_s"] = time.perf_counter() - start
+        return row
     except BaselineUnavailable as err:
         return {"config": name, "status": f"skipped: {err}"}
     except Exception as err:  # noqa: BLE001 - one failing config must not lose the others' numbers
@@ -217,6 +224,49 @@ def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, 
             trainer.close()
         del trainer
         reset_memory(device)
+
+
+def profile_step(step: Callable[[torch.Tensor], Any], tokens: torch.Tensor, device, top: int = 12) -> dict:
+    """One more ``step(tokens)`` under ``torch.profiler``; this rank's summary (``--profile``).
+
+    ``span_ms`` first to last kernel, ``gpu_busy_ms``/``gpu_idle_ms`` (union of kernel intervals
+    and the rest of the span), per-stream NCCL and compute kernel ms (``overlap_bench._streams``),
+    ``host_ms`` the wall time of the step on the host, ``top_kernels`` by total ms.
+    """
+    import tempfile
+
+    from benchmarks.overlap_bench import _kernels, _streams, interval_union
+
+    activities = [torch.profiler.ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(torch.profiler.ProfilerActivity.CUDA)
+    with torch.profiler.profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        step(tokens)
+        host = time.perf_counter() - t0
+        synchronize(device)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f).get("traceEvents", []) if e.get("ph") == "X"]
+    kernels = _kernels(events)
+    out: dict[str, Any] = {"host_ms": host * 1e3, "kernels": len(kernels)}
+    if not kernels:
+        return out
+    busy = interval_union([(k["start"], k["end"]) for k in kernels])
+    span = busy[-1][1] - busy[0][0]
+    by_name: dict[str, list[float]] = {}
+    for k in kernels:
+        entry = by_name.setdefault(k["name"][:120], [0.0, 0])
+        entry[0] += (k["end"] - k["start"]) * 1e-3
+        entry[1] += 1
+    ranked = sorted(by_name.items(), key=lambda kv: -kv[1][0])[:top]
+    streams = _streams(kernels)
+    out.update(span_ms=span * 1e-3, gpu_busy_ms=sum(b - a for a, b in busy) * 1e-3,
+               gpu_idle_ms=streams["gpu_idle_s"] * 1e3, streams=streams["streams"],
+               top_kernels=[{"name": n, "ms": ms, "count": c} for n, (ms, c) in ranked])
+    return out
 
 
 def _predict(graph, plan: Plan, cluster: Cluster | None, spec: RunSpec) -> dict | None:
@@ -286,10 +336,10 @@ def _benchmark(args: argparse.Namespace) -> None:
 
     for named in plans:
         build = lambda plan=named.plan, name=named.name: AutoshardTrainer(spec, device, graph, plan, detected, name=name)  # noqa: E731
-        record(_run_one(named.name, build, batches, args.warmup, device, args.stop_on_error), named.plan)
+        record(_run_one(named.name, build, batches, args.warmup, device, args.stop_on_error, args.profile), named.plan)
     for name in (c for c in args.configs if c != "autoshard"):
         build = lambda name=name: _baseline_factory(name)(spec, device)  # noqa: E731
-        row = _run_one(name, build, batches, args.warmup, device, args.stop_on_error)
+        row = _run_one(name, build, batches, args.warmup, device, args.stop_on_error, args.profile)
         record(row, _equivalent_plan(name, graph, spec, world))
     if rank == 0:
         print(report.markdown(meta, rows))

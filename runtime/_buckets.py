@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from autoshard.runtime import collectives
+from autoshard.runtime import async_collectives, collectives
 
 BUCKETED_WIRES = ("none", "fp32")
 
@@ -92,6 +92,34 @@ def reduce_scatter(grads: Sequence[Tensor], chunks: Sequence[int], n: int, group
     return list(mine.split(list(chunks)))
 
 
+def start(kind: str, grads: Sequence[Tensor], group: str, wire: str, op: str, chunks: Sequence[int] = (),
+          n: int = 1) -> tuple:
+    """``all_reduce`` / ``reduce_scatter`` (``kind``) of a bucket, launched and not waited: a handle for
+    ``finish``. The packing, wire cast and collective are those of the blocking functions above, so
+    the values are the same; the collective runs on ``async_collectives``' reduce-scatter side stream
+    (CUDA) or gloo's worker thread."""
+    if kind == "all_reduce":
+        packed, sizes = torch.cat([g.reshape(-1) for g in grads]), [g.numel() for g in grads]
+        launch = async_collectives.all_reduce_start
+    else:
+        rows = [F.pad(g.reshape(-1), (0, c * n - g.numel())).view(n, c) for g, c in zip(grads, chunks, strict=True)]
+        packed, sizes = torch.cat(rows, dim=1).reshape(-1), list(chunks)
+        launch = async_collectives.reduce_scatter_start
+    assert wire in BUCKETED_WIRES, wire
+    wired = packed if wire == "none" else packed.float()
+    return kind, launch(wired, group, op), sizes, [g.shape for g in grads], packed.dtype
+
+
+def finish(handle: tuple) -> list[Tensor]:
+    """Wait for a ``start``ed bucket; the reduced tensors shaped like the blocking function's result."""
+    kind, pending, sizes, shapes, dtype = handle
+    out = async_collectives.finish(pending).to(dtype)
+    pieces = out.split(sizes)
+    if kind == "all_reduce":
+        return [piece.view(shape) for piece, shape in zip(pieces, shapes, strict=True)]
+    return list(pieces)
+
+
 def all_gather(chunks: Sequence[Tensor], n: int, group: str) -> list[Tensor]:
     """All-gather many flat chunks (same dtype, device) with ONE collective.
 
@@ -103,4 +131,4 @@ def all_gather(chunks: Sequence[Tensor], n: int, group: str) -> list[Tensor]:
     return [block.reshape(-1) for block in full.split(sizes, dim=1)]
 
 
-__all__ = ["BUCKETED_WIRES", "all_gather", "all_reduce", "assign", "reduce_scatter"]
+__all__ = ["BUCKETED_WIRES", "all_gather", "all_reduce", "assign", "finish", "reduce_scatter", "start"]

@@ -344,8 +344,29 @@ def reduce_scatter_start(x: Tensor, group_name: str, op: str = "avg") -> tuple:
     return out, work, None, x, n, op
 
 
+def all_reduce_start(x: Tensor, group_name: str, op: str = "avg") -> tuple:
+    """Launch the all-reduce of ``x`` into a new tensor, as ``reduce_scatter_start`` does its
+    reduce-scatter (same side stream on CUDA, ``async_op=True`` on gloo); complete it with ``finish``.
+
+    The optimizer's gradient buckets use it to reduce during backward (``runtime/optimizer.py``,
+    "Overlapped gradient sync")."""
+    _collectives._check_reduce_op(op, "all_reduce_start")
+    pg = _collectives._group(group_name)
+    if x.is_cuda:  # the blocking kernel (÷ n included) on the reduce-scatter side stream
+        out, event = _on_side_stream(_PENDING.rs_stream(x.device), x.device, lambda: _collectives._reduce(x, op, pg))
+        return out, None, event, x, pg.size(), op
+    out = x.clone(memory_format=torch.contiguous_format)
+    work = dist.all_reduce(out, op=_collectives._DIST_OPS.get(op, dist.ReduceOp.SUM), group=pg, async_op=True)
+    return out, work, None, x, pg.size(), op
+
+
 def reduce_scatter_finish(handle: tuple) -> Tensor:
     """This rank's chunk of a ``reduce_scatter_start``, ready for the caller's (current) stream."""
+    return finish(handle)
+
+
+def finish(handle: tuple) -> Tensor:
+    """The result of a ``reduce_scatter_start`` or ``all_reduce_start``, ready for the caller's (current) stream."""
     out, work, event, _keep, n, op = handle
     if event is not None:
         current = torch.cuda.current_stream(out.device)
@@ -375,5 +396,5 @@ def all_gather_wait(pending: Tensor, num_ranks: int, split_sizes: Sequence[int])
     return _collectives.call("all_gather_wait", pending, num_ranks, list(split_sizes))
 
 
-__all__ = ["all_gather_start", "all_gather_wait", "join_rows", "pending_count", "reduce_scatter_finish",
-           "reduce_scatter_start", "split_rows", "wait_all"]
+__all__ = ["all_gather_start", "all_gather_wait", "all_reduce_start", "finish", "join_rows", "pending_count",
+           "reduce_scatter_finish", "reduce_scatter_start", "split_rows", "wait_all"]

@@ -27,6 +27,17 @@ syncs like ZeRO-2 (reduce-scatter, half the all-reduce's bytes): the gradient
 is still accumulated in full ``param.grad`` during backward, so in this runtime
 ZeRO-1 and ZeRO-2 differ only in the quantized path.
 
+Overlapped gradient sync (``enable_overlap``, what ``Program`` turns on when pp = 1; DDP's
+``Reducer`` does the same): a post-accumulate-grad hook on every bucketed parameter marks it
+ready during the backward of the step's last micro-batch (``arm``); buckets are launched
+(``_buckets.start``: packed, then the collective on a side stream) in one fixed order, the last
+bucket first (backward produces the last layers' gradients first), each as soon as it and every
+bucket before it in that order are ready, so every rank issues them in the same order. They run
+under the rest of the backward; ``sync_grads`` completes them and reduces whatever was not
+launched (a parameter without a gradient, and the HSDP all-reduce of ZeRO-3 shards, whose
+``.grad`` a ``GradSink`` may still add to after autograd's accumulation fired the hook) with the
+blocking path. Same packing, collective and values as the blocking path.
+
 "Flat chunk": the parameter flattened, zero-padded to a multiple of D,
 chunk ``coord("dp")``. (Checkpoint layouts use ``Program.local_state_dict``,
 which re-assembles params at their ``ParamPlacement``; the flat layout is
@@ -244,9 +255,55 @@ class ShardedOptimizer:
         # (slots, their replication counts for the clipping formula) per device
         self._groups = [(group, torch.tensor([float(s.replication) for s in group], dtype=torch.float64,
                                              device=ctx.device)) for group in by_device.values()]
+        # overlapped gradient sync (module docstring): off until enable_overlap, launched only while armed
+        self._hooks: list = []
+        self._armed = False
+        self._ready: set[int] = set()  # id() of the slots whose gradient is final this step
+        self._launched: dict[int, tuple] = {}  # bucket index → _buckets.start handle
+        # launch order: the buckets whose gradients only autograd accumulates, last first. ZeRO-3 shards
+        # are left out: a GradSink may add to their .grad after autograd's accumulation has fired the hook.
+        self._order = [i for i in reversed(range(len(self._grad_buckets)))
+                       if all(s.placement.dp_dim is None for s in self._grad_buckets[i])]
+        self._next = 0  # position in _order of the next bucket to launch
+        self.overlap_launches = 0  # buckets launched from backward, over the optimizer's life (tests)
+
+    def enable_overlap(self) -> None:
+        """Register the post-accumulate-grad hooks of the overlapped gradient sync (module docstring)."""
+        if self._hooks:
+            return
+        for index in self._order:
+            for slot in self._grad_buckets[index]:
+                self._hooks.append(slot.param.register_post_accumulate_grad_hook(
+                    lambda _param, slot=slot: self._on_grad(slot)))
+
+    def arm(self) -> None:
+        """The next backward is the step's last: launch each gradient bucket as soon as it is ready."""
+        self._armed = bool(self._hooks)
+
+    def _on_grad(self, slot: _Slot) -> None:
+        if not self._armed:
+            return
+        self._ready.add(id(slot))
+        while self._next < len(self._order) and all(id(s) in self._ready for s in self._grad_buckets[self._order[self._next]]):
+            index = self._order[self._next]
+            self._launched[index] = self._start_bucket(self._grad_buckets[index])
+            self._next += 1
+            self.overlap_launches += 1
+
+    def _start_bucket(self, bucket: list[_Slot]) -> tuple:
+        kind, group, op, wire, _dtype, _device = bucket[0].bucket_key()
+        grads = [s.local_grad() for s in bucket]
+        return _buckets.start(kind, grads, group, wire, op, [s.chunk for s in bucket] if kind != "all_reduce" else (),
+                              self.ctx.size("dp"))
 
     def clip_scale(self) -> tuple[float, float]:
-        """(global gradient norm, scale factor) from the synced gradients (one ``_foreach_norm`` per device)."""
+        """(global gradient norm, scale factor) from the synced gradients, as Python floats."""
+        norm, scale = self._clip_tensors()
+        return float(norm), float(scale)
+
+    def _clip_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(global gradient norm, scale factor) as fp32 device tensors (one ``_foreach_norm`` per device):
+        no host synchronisation, so the update is queued behind the gradient sync without a stall."""
         local = torch.zeros((), dtype=torch.float64, device=self.ctx.device)
         for slots, replication in self._groups:
             norms = torch._foreach_norm([s.grad for s in slots])
@@ -255,32 +312,46 @@ class ShardedOptimizer:
         total = local.to(torch.float32)
         if self.ctx.world_size > 1:
             total = collectives.all_reduce(total.reshape(1), self.ctx.group("world"), "sum")[0]
-        norm = float(total.sqrt())
+        norm = total.sqrt()
         limit = self.config.max_grad_norm
-        return norm, (min(1.0, limit / (norm + 1e-6)) if limit is not None else 1.0)
+        scale = (limit / (norm + 1e-6)).clamp(max=1.0) if limit is not None else torch.ones_like(norm)
+        return norm, scale
 
     @torch.no_grad()
     def step(self) -> float:
-        """Sync gradients, clip, update masters, write back compute params; returns the global grad norm."""
+        """Sync gradients, clip, update masters, write back compute params; returns the global grad norm.
+
+        The clip scale stays on the device (a multiply by 1.0 when not clipping leaves every value
+        as it is); the norm is read back once, after the write-back is queued.
+        """
         self.sync_grads()
-        norm, scale = self.clip_scale()
+        norm, scale = self._clip_tensors()
         self.steps += 1
         for slots, _replication in self._groups:
             grads = [s.grad for s in slots]
-            if scale != 1.0:
-                torch._foreach_mul_(grads, scale)
+            if self.config.max_grad_norm is not None:
+                torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
             self._update(slots, grads)
         self.write_back()
-        return norm
+        return float(norm)
 
     def sync_grads(self) -> None:
-        """Reduce every slot's gradient: one collective per bucket, per-parameter for quantized wires."""
-        for bucket in self._grad_buckets:
+        """Reduce every slot's gradient: one collective per bucket, per-parameter for quantized wires.
+
+        Buckets launched from backward (overlapped sync) are completed; the others run blocking here.
+        """
+        launched, self._launched = self._launched, {}
+        self._armed, self._next = False, 0
+        self._ready.clear()
+        for index, bucket in enumerate(self._grad_buckets):
             kind, group, op, wire, _dtype, _device = bucket[0].bucket_key()
-            grads = [s.local_grad() for s in bucket]
-            if kind == "all_reduce":
+            if index in launched:
+                reduced = _buckets.finish(launched[index])
+            elif kind == "all_reduce":
+                grads = [s.local_grad() for s in bucket]
                 reduced = _buckets.all_reduce(grads, group, wire, op)
             else:
+                grads = [s.local_grad() for s in bucket]
                 reduced = _buckets.reduce_scatter(grads, [s.chunk for s in bucket], self.ctx.size("dp"), group, wire, op)
             for slot, grad in zip(bucket, reduced, strict=True):
                 slot.set_grad(grad)
@@ -291,8 +362,13 @@ class ShardedOptimizer:
         """Copy updated masters into the compute params: one all-gather per bucket of flat slots."""
         for bucket in self._gather_buckets:
             chunks = [s.master.to(s.param.device, s.param.dtype) for s in bucket]
-            for slot, full in zip(bucket, _buckets.all_gather(chunks, self.ctx.size("dp"), self.ctx.group("dp")), strict=True):
-                slot.write_back(full)
+            fulls = _buckets.all_gather(chunks, self.ctx.size("dp"), self.ctx.group("dp"))
+            # one multi-tensor copy per bucket (Slot.write_back's copy, without a launch per parameter)
+            torch._foreach_copy_([s.param.data for s in bucket],
+                                 [full[: s.numel].view_as(s.param) for s, full in zip(bucket, fulls, strict=True)])
+            for slot in bucket:
+                slot.param.grad = None
+                slot.grad = None
         direct = [s for s in self.slots.values() if not s.flat and s.master.device == s.param.device]
         if direct:  # one multi-tensor copy (with the cast to the compute dtype) instead of one per parameter
             torch._foreach_copy_([s.param.data for s in direct], [s.master for s in direct])

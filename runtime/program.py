@@ -72,12 +72,15 @@ class StepResult:
 class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
-    def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer):
+    def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
+                 *, overlap_grad_sync: bool = True):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
         self.regather = gm.get_submodule(name) if name else None
         self.pipeline = PipelineEngine(gm, ctx, plan.schedule, self.regather) if isinstance(gm, PipelineSplit) else None
+        if self.pipeline is None and overlap_grad_sync:
+            optimizer.enable_overlap()  # DP gradient buckets reduce under the last micro-batch's backward
 
     def forward(self, tokens: torch.Tensor) -> Any:
         """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them).
@@ -122,8 +125,10 @@ class Program:
         """Forward/backward of every micro-batch on one stage; the mean micro-batch loss ([] fp32)."""
         m = self.plan.schedule.num_micro_batches
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for micro in tokens.chunk(m, 0):
+        for i, micro in enumerate(tokens.chunk(m, 0)):
             loss = loss_fn(self.forward(micro), micro.to(self.ctx.device)) / m
+            if i == m - 1:
+                self.optimizer.arm()  # overlapped gradient sync: this backward completes every gradient
             loss.backward()
             if self.regather is not None:
                 self.regather.reset()
@@ -154,8 +159,13 @@ def build_program(
     ctx: RankContext | None = None,
     optimizer: OptimizerConfig | None = None,
     device: str = "cpu",
+    overlap_grad_sync: bool = True,
 ) -> Program:
-    """This rank's ``Program`` for ``plan`` (module docstring: the five steps)."""
+    """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
+
+    ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
+    (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only); False syncs after it.
+    """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)
     check_world(plan.mesh)
@@ -169,7 +179,7 @@ def build_program(
     config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
     grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
     sharded = ShardedOptimizer(params, placements, masters, ctx, config, grad_comm, bucket_bytes=plan.schedule.bucket_bytes)
-    return Program(gm, plan, ctx, sharded)
+    return Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync)
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:

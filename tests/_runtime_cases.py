@@ -83,12 +83,16 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32"):
-    """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1)."""
+def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=True):
+    """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1).
+
+    ``counts`` counts the ``autoshard::`` ops of step 1; ``overlap_launches`` the gradient buckets
+    that step launched from backward (``runtime/optimizer.py``, overlapped sync), which are not ops.
+    """
     model = build(spec)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
-    program = build_program(model, graph, plan, None, train, optimizer=OPT)
-    losses, counts = [], None
+    program = build_program(model, graph, plan, None, train, optimizer=OPT, overlap_grad_sync=overlap_grad_sync)
+    losses, counts, launches = [], None, None
     for i, toks in enumerate(batches()):
         if count and i == 0:
             with CountCollectives() as counter:
@@ -96,8 +100,10 @@ def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32
             counts = counter.counts
         else:
             losses.append(program.step(program.local_batch(toks), loss_fn).loss)
+        if i == 0:
+            launches = program.optimizer.overlap_launches
     return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
-            "coords": program.ctx.coords, "counts": counts}
+            "coords": program.ctx.coords, "counts": counts, "overlap_launches": launches}
 
 
 def reassemble(results: list[dict], mesh: Mesh) -> dict[str, torch.Tensor]:

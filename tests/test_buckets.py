@@ -67,6 +67,7 @@ SMALL = sum(_param_bytes()) // 4  # forces several buckets
 CASES = {f"{state}_{tag}": (state, size) for state in ("replicate", "zero2") for tag, size in
          (("per_param", 0), ("small", SMALL), ("default", DEFAULT_BUCKET_BYTES))}
 CASES |= {"zero1_small": ("zero1", SMALL), "offload_small": ("offload", SMALL)}
+BLOCKING = ("replicate_small", "zero2_small")  # also run with the gradient sync after backward
 
 
 def _plan(state: str, bucket_bytes: int):
@@ -78,7 +79,15 @@ def _plan(state: str, bucket_bytes: int):
 def results():
     jobs = {name: functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=_plan(*case), count=True)
             for name, case in CASES.items()}
+    jobs |= {f"{name}_blocking": functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=_plan(*CASES[name]),
+                                                   count=True, overlap_grad_sync=False) for name in BLOCKING}
     return run_gloo_cases(jobs, 2, timeout_s=400)
+
+
+def _syncs(result: dict, op: str) -> int:
+    """Step 1's ``op`` collectives: the ``autoshard::`` calls plus the buckets launched from backward."""
+    launched = result["overlap_launches"] if op in ("all_reduce", "reduce_scatter") else 0
+    return result["counts"].get(op, 0) + launched
 
 
 @pytest.fixture(scope="module")
@@ -99,27 +108,43 @@ def test_bucketed_matches_single_device(results, reference, name):
 
 def test_ddp_all_reduces_per_bucket(results):
     num_params = len(_param_bytes())
-    base = results["replicate_per_param"][0]["counts"]["all_reduce"] - num_params  # loss / clip-norm all-reduces
+    base = _syncs(results["replicate_per_param"][0], "all_reduce") - num_params  # loss / clip-norm all-reduces
     assert base >= 1
     small = _expected_buckets(SMALL)
     assert 2 <= small < num_params // 2
-    assert results["replicate_small"][0]["counts"]["all_reduce"] == base + small
-    assert results["replicate_default"][0]["counts"]["all_reduce"] == base + 1
+    assert _syncs(results["replicate_small"][0], "all_reduce") == base + small
+    assert _syncs(results["replicate_default"][0], "all_reduce") == base + 1
+    assert results["replicate_small_blocking"][0]["counts"]["all_reduce"] == base + small
 
 
 @pytest.mark.parametrize("state", ["zero2", "zero1", "offload"])
 def test_flat_states_reduce_scatter_and_gather_per_bucket(results, state):
-    counts = results[f"{state}_small"][0]["counts"]
+    result = results[f"{state}_small"][0]
     small = _expected_buckets(SMALL, pad_to=MESH.dp)
     assert small >= 2
-    assert counts["reduce_scatter"] == small
-    assert counts["all_gather"] == small
-    assert "quantized_reduce_scatter" not in counts
+    assert _syncs(result, "reduce_scatter") == small
+    assert result["counts"]["all_gather"] == small
+    assert "quantized_reduce_scatter" not in result["counts"]
 
 
 def test_zero2_per_param_vs_default(results):
     num_params = len(_param_bytes())
-    per_param, default = results["zero2_per_param"][0]["counts"], results["zero2_default"][0]["counts"]
-    assert per_param["reduce_scatter"] == per_param["all_gather"] == num_params
-    assert default["reduce_scatter"] == default["all_gather"] == 1
-    assert default["all_reduce"] == per_param["all_reduce"]  # loss / clip-norm only: ZeRO syncs never all-reduce
+    per_param, default = results["zero2_per_param"][0], results["zero2_default"][0]
+    assert _syncs(per_param, "reduce_scatter") == per_param["counts"]["all_gather"] == num_params
+    assert _syncs(default, "reduce_scatter") == default["counts"]["all_gather"] == 1
+    # loss / clip-norm only: ZeRO syncs never all-reduce
+    assert default["counts"]["all_reduce"] == per_param["counts"]["all_reduce"]
+
+
+@pytest.mark.parametrize("name", BLOCKING)
+def test_overlapped_sync_launches_from_backward_and_equals_blocking(results, name):
+    """Every bucket of a DDP / ZeRO-2 step launches during the last backward (none is left to the
+    blocking path), and the trained values are bit-identical to the sync after backward."""
+    overlapped, blocking = results[name], results[f"{name}_blocking"]
+    small = _expected_buckets(SMALL, pad_to=MESH.dp if name.startswith("zero") else 1)
+    assert overlapped[0]["overlap_launches"] == small  # one step: each bucket once
+    assert blocking[0]["overlap_launches"] == 0
+    for a, b in zip(overlapped, blocking):
+        assert a["losses"] == b["losses"]
+        for fqn in a["shards"]:
+            torch.testing.assert_close(a["shards"][fqn], b["shards"][fqn], rtol=0, atol=0)

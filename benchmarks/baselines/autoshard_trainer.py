@@ -17,6 +17,7 @@ plan" predictions and the numerics test.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -75,8 +76,10 @@ class AutoshardTrainer:
         self.name, self.plan, self.device = name, plan, device
         model = reference_model(spec, device)
         train = train_spec(spec, micro_batch=plan.schedule.micro_batch)
+        # AUTOSHARD_OVERLAP_GRAD_SYNC=0: the blocking gradient sync after backward (A/B measurements)
+        overlap = os.environ.get("AUTOSHARD_OVERLAP_GRAD_SYNC", "1") != "0"
         self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
-                                     device=str(device))
+                                     device=str(device), overlap_grad_sync=overlap)
         self.last_grad_norm = float("nan")
 
     def step(self, global_tokens: torch.Tensor) -> float:

@@ -80,6 +80,8 @@ class RunSpec:
     (``"sdpa"`` or ``"math"``); ``None`` keeps the family default (GPT: ``"math"``, the
     explicit path whose captured activations match Korthikanti et al.; Llama: ``"sdpa"``).
     Megatron-Core runs its own attention whatever this says.
+    num_layers: ``None`` keeps the model's depth; a smaller count builds the same blocks fewer
+    times (``benchmarks/plan_probe.py`` times truncated copies of a model).
     """
 
     model: str
@@ -90,6 +92,7 @@ class RunSpec:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     device: str = "cuda"
     attn_impl: str | None = None
+    num_layers: int | None = None
 
     def __post_init__(self) -> None:
         if self.precision not in DTYPES:
@@ -103,7 +106,8 @@ class RunSpec:
     @property
     def model_overrides(self) -> dict[str, str]:
         """Config fields passed to ``autoshard.models.build`` / ``capture_reference`` for this run."""
-        return {} if self.attn_impl is None else {"attn_impl": self.attn_impl}
+        fields = {"attn_impl": self.attn_impl, "num_layers": self.num_layers}
+        return {name: value for name, value in fields.items() if value is not None}
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -158,21 +162,22 @@ def reference_model(spec: RunSpec, device: torch.device | str) -> nn.Module:
 
     model = build(spec.model, device="meta", dtype=torch.float32, **spec.model_overrides).to_empty(device=device)
     model.tie_weights()
-    model.load_state_dict(_reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu"))
+    model.load_state_dict(_reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu", spec.num_layers))
     return model
 
 
 def prepare_reference(spec: RunSpec) -> None:
     """Initialise ``reference_model``'s cached weights now, outside any config's memory peak."""
-    _reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu")
+    _reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu", spec.num_layers)
 
 
 @functools.lru_cache(maxsize=1)
-def _reference_state(model: str, init_device: str) -> dict[str, torch.Tensor]:
+def _reference_state(model: str, init_device: str, num_layers: int | None = None) -> dict[str, torch.Tensor]:
     from autoshard.models import build
 
     device = torch.device("cuda", torch.cuda.current_device()) if init_device == "cuda" else torch.device("cpu")
-    built = build(model, device=device, dtype=torch.float32, seed=SEED)
+    depth = {} if num_layers is None else {"num_layers": num_layers}
+    built = build(model, device=device, dtype=torch.float32, seed=SEED, **depth)
     return {name: value.detach().cpu() for name, value in built.state_dict().items()}
 
 
