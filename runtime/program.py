@@ -73,7 +73,7 @@ class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
-                 *, overlap_grad_sync: bool = True):
+                 *, overlap_grad_sync: bool = False):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
@@ -159,12 +159,13 @@ def build_program(
     ctx: RankContext | None = None,
     optimizer: OptimizerConfig | None = None,
     device: str = "cpu",
-    overlap_grad_sync: bool = True,
+    overlap_grad_sync: bool = False,
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
     ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
-    (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only); False syncs after it.
+    (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
+    it made the searched DP plans slower (docs/runtime.md, "Overlapped gradient sync").
     """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)

@@ -76,8 +76,8 @@ class AutoshardTrainer:
         self.name, self.plan, self.device = name, plan, device
         model = reference_model(spec, device)
         train = train_spec(spec, micro_batch=plan.schedule.micro_batch)
-        # AUTOSHARD_OVERLAP_GRAD_SYNC=0: the blocking gradient sync after backward (A/B measurements)
-        overlap = os.environ.get("AUTOSHARD_OVERLAP_GRAD_SYNC", "1") != "0"
+        # AUTOSHARD_OVERLAP_GRAD_SYNC=1: DP gradient buckets under backward (off by default; A/B measurements)
+        overlap = os.environ.get("AUTOSHARD_OVERLAP_GRAD_SYNC", "0") == "1"
         self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
                                      device=str(device), overlap_grad_sync=overlap)
         self.last_grad_norm = float("nan")
