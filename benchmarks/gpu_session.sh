@@ -23,7 +23,8 @@
 #   probe     (after calibrate) benchmarks/plan_probe.py over NPROC GPUs per model of PROBE_MODELS
 #             (default the four matrix models): forced plans on 2- and 4-block copies, the fitted plan
 #             residuals added to $CAL_DIR/<model>.json; PROBE_VARIANTS_<family>_<size> overrides a
-#             model's variants (the matrix's forced list for llama:350m, DDP/ZeRO-1/2/3 + tp4 otherwise)
+#             model's variants (the matrix's forced list for llama:350m, DDP/ZeRO-1/2/3, offload and tp4
+#             otherwise)
 # Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
@@ -189,10 +190,10 @@ PY
 
 plan_probe_all() {  # plan residuals per model (header); needs the calibrate step's files in $CAL_DIR
   local m key variants cal shape=(--seq 1024 --batch 16 --precision bf16) runner=("${TORCHRUN[@]}")
-  local forced=free,replicate,zero1,zero2,zero3,tp4,tp4-sp,tp2,tp2-sp,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,zero3-rep2
+  local forced=free,replicate,zero1,zero2,zero3,offload,tp4,tp4-sp,tp2,tp2-sp,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,zero3-rep2
   for m in ${PROBE_MODELS:-llama:350m gpt:1.3b llama:1.3b gpt:350m}; do
     key="PROBE_VARIANTS_${m/:/_}"; key=${key//./_}
-    variants=${!key:-replicate,zero1,zero2,zero3,tp4}
+    variants=${!key:-replicate,zero1,zero2,zero3,offload,tp4}
     [[ $m == llama:350m ]] && variants=${!key:-$forced}
     local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
     cal="$CAL_DIR/${m/:/_}.json"

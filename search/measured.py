@@ -46,10 +46,13 @@ per step, is what a plan gets. Keys::
     plan_residual|<mesh_key>|<notation>|<dtype>      seconds per block layer per step
     plan_residual_step_s|<dtype>                     c₀, seconds per step
 
-Lookup (``runtime_residual_s``): the exact key; else the mean of the same notation on the
-other probed meshes; else ``None`` (no residual: the strategy keeps the model's own terms,
-so an unprobed strategy can look cheaper than a probed one; probe every strategy the search
-may pick).
+Lookup (``runtime_residual_s``): the exact key; else the larger of the same notation's mean
+over the other probed meshes and the largest residual probed on this mesh (on any mesh when
+this one was not probed): what was not measured here is priced no cheaper than the worst
+measured here, so the search does not prefer a strategy only because nothing measured it
+(it did: the first version fell back to the other meshes' mean or to 0, and the search put
+``offload``, probed only under TP 4 where its fit was 0, on every norm layer of an HSDP
+plan). ``None`` without plan residuals in the calibration.
 """
 
 from __future__ import annotations
@@ -179,11 +182,20 @@ def _residual_tables(cluster: Cluster) -> dict[tuple[str, str], dict[str, float]
 def runtime_residual_s(strategy: LayerStrategy, mesh: Mesh, schedule: Schedule, cluster: Cluster,
                        dtype: str) -> float | None:
     """Fitted runtime seconds per step of one block layer under ``strategy`` (lookup: module docstring)."""
-    by_mesh = _residual_tables(cluster).get((strategy.notation, dtype))
-    if not by_mesh:
+    tables = _residual_tables(cluster)
+    here = mesh_key(mesh, schedule)
+    by_mesh = tables.get((strategy.notation, dtype), {})
+    if here in by_mesh:
+        return by_mesh[here]
+    # not probed here: no cheaper than the worst strategy probed on this mesh (else anywhere), so that
+    # the search does not prefer a strategy only because nothing measured it on this mesh
+    same_dtype = [m for (_, d), m in tables.items() if d == dtype]
+    on_mesh = [m[here] for m in same_dtype if here in m]
+    everywhere = [v for m in same_dtype for v in m.values()]
+    if not everywhere:
         return None
-    exact = by_mesh.get(mesh_key(mesh, schedule))
-    return exact if exact is not None else sum(by_mesh.values()) / len(by_mesh)
+    worst = max(on_mesh or everywhere)
+    return max(sum(by_mesh.values()) / len(by_mesh), worst) if by_mesh else worst
 
 
 def residual_step_s(cluster: Cluster, dtype: str) -> float:
