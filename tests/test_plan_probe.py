@@ -70,11 +70,17 @@ def test_cost_model_adds_residual_per_block_layer_and_per_step():
     assert after.step_time_s == pytest.approx(before.step_time_s + 0.004 + blocks * 0.001)
     assert after.exposed_comm_s == pytest.approx(before.exposed_comm_s + 0.004 + blocks * 0.001)
     assert after.peak_memory_bytes == before.peak_memory_bytes
-    # another mesh: the mean of the same strategy's probed meshes; an unprobed strategy: nothing
+    # not probed on this mesh: the same strategy's mean elsewhere, but no cheaper than the worst probed here
     other = base.with_calibration({"plan_residuals": _fit("r9s9t1p1c1e1m1", step_s=0.0, Z3=0.002)})
     assert predict(graph, plan, other, train).step_time_s == pytest.approx(before.step_time_s + blocks * 0.002)
-    zero1 = _uniform(graph, Mesh(dp_shard=2), "zero1")
-    assert predict(graph, zero1, other, train).step_time_s == pytest.approx(predict(graph, zero1, base, train).step_time_s)
+    zero1 = _uniform(graph, Mesh(dp_shard=2), "zero1")  # never probed: the worst probed anywhere
+    assert predict(graph, zero1, other, train).step_time_s == pytest.approx(
+        predict(graph, zero1, base, train).step_time_s + blocks * 0.002)
+    mixed = {"model": "llama:tiny", "dtype": "fp32", "step_s": 0.0, "layers": [
+        {"mesh": "r9s9t1p1c1e1m1", "strategy": "Z3", "s_per_layer": 0.002},
+        {"mesh": key, "strategy": "DDP", "s_per_layer": 0.005}]}
+    worst_here = base.with_calibration({"plan_residuals": mixed})
+    assert predict(graph, plan, worst_here, train).step_time_s == pytest.approx(before.step_time_s + blocks * 0.005)
 
 
 def test_bad_plan_residuals_are_cluster_errors():
