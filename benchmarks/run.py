@@ -133,7 +133,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--stop-on-error", action="store_true", help="re-raise a failing config instead of going on")
     p.add_argument("--profile", action="store_true",
                    help="after each config's timed steps, one more step under torch.profiler; the row gets a "
-                        "summary (GPU busy/idle, per-stream NCCL and compute time, top kernels; rank 0's view)")
+                        "summary (GPU busy/idle, per-stream NCCL and compute time, top kernels; this rank's "
+                        "view). Every config measured after the first profiled one runs slower (measured on "
+                        "H100s): compare only the first config's timing, or profile one config per process")
     p.add_argument("--list-plans", action="store_true",
                    help="search only: print the autoshard plans and predictions, write OUT/plans.json, train nothing")
     args = p.parse_args(argv)
