@@ -29,7 +29,7 @@
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
 # matrix: autoshard's searched plan next to fsdp2, fsdp2-noreshard, megatron-tp, megatron-tp-sp,
-# deepspeed-z2, deepspeed-z3 (MATRIX_CONFIGS), seq 1024, global batch 16, 6 steps of which 2 are
+# deepspeed-z2, deepspeed-z3 (MATRIX_CONFIGS), seq 1024, global batch 16, 10 steps of which 3 are
 # untimed, bf16, no calibration; every row records its per-step losses, and results.md ends with
 # the loss agreement (autoshard's TP plan vs megatron-tp*, ZeRO-3 vs ZeRO-3). Runs, in priority
 # order (MATRIX_RUNS picks a comma-separated subset, in this order):
@@ -99,8 +99,8 @@ bench_cmd() {  # bench_cmd NAME GPUS ARGS...: sets CMD to one matrix run's torch
   for ((i = 0; i < ${#args[@]} - 1; i++)); do [[ ${args[i]} == --model ]] && model=${args[i + 1]}; done
   [[ -n ${model:-} && -f "$CAL_DIR/${model/:/_}.json" ]] && cal=(--calibration "$CAL_DIR/${model/:/_}.json")
   CMD=(env CUDA_VISIBLE_DEVICES="$gpus" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$n"
-    benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-6}"
-    --warmup "${MATRIX_WARMUP:-2}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" ${cal[@]+"${cal[@]}"} "${args[@]}")
+    benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-10}"
+    --warmup "${MATRIX_WARMUP:-3}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" ${cal[@]+"${cal[@]}"} "${args[@]}")
   [[ ",${MATRIX_PROFILE:-}," == *",$name,"* ]] && CMD+=(--profile)  # MATRIX_PROFILE: runs that profile a step per config
 }
 
@@ -203,7 +203,7 @@ plan_probe_all() {  # plan residuals per model (header); needs the calibrate ste
     fi
     [[ -f $cal ]] || { echo "=== plan probe $m skipped: no $cal (run the calibrate step first)"; continue; }
     timed "plan_probe_${m/:/_}" "${PROBE_LIMIT:-200}" "${runner[@]}" benchmarks/plan_probe.py --model "$m" \
-      "${shape[@]}" "${attn[@]}" --steps 5 --warmup 2 --variants "$variants" --calibration "$cal" --out "$cal"
+      "${shape[@]}" "${attn[@]}" --steps 8 --warmup 3 --variants "$variants" --calibration "$cal" --out "$cal"
     [[ "$CAL_DIR" == "$OUT/cal" ]] || cp -r "$CAL_DIR/." "$OUT/cal"
     pack  # after every model: a call cut short keeps the fits made so far
   done
