@@ -5,6 +5,8 @@
 #   AB_MODELS     "model[:attn] ..."      default "gpt:1.3b:sdpa llama:350m"
 #   AB_CDMC       CUDA_DEVICE_MAX_CONNECTIONS values   default "1 8" (1: what Megatron-Core's SP needs)
 #   AB_OVERLAP    AUTOSHARD_OVERLAP_GRAD_SYNC values   default "1 0" (1: DP gradient buckets under backward)
+#   AB_COMPILE    AUTOSHARD_COMPILE values             default "0" (1: torch.compile the per-rank graph;
+#                 plans with ZeRO-3 layers then fail, so pair it with AB_ARGS without --variants zero3)
 #   AB_ARGS       extra run.py arguments (default: the searched plan + forced ZeRO-3, FSDP2 without reshard)
 #   CAL_DIR       calibration files <family>_<size>.json (benchmarks/gpu_session.sh calibrate/probe)
 #
@@ -24,8 +26,9 @@ for spec in ${AB_MODELS:-gpt:1.3b:sdpa llama:350m}; do
   attn_args=(); [[ -n ${attn:-} ]] && attn_args=(--attn "$attn")
   for cdmc in ${AB_CDMC:-1 8}; do
     for overlap in ${AB_OVERLAP:-1 0}; do
-      name="${family}${size}_c${cdmc}_o${overlap}"
-      CUDA_DEVICE_MAX_CONNECTIONS=$cdmc AUTOSHARD_OVERLAP_GRAD_SYNC=$overlap timeout 170 \
+     for compile in ${AB_COMPILE:-0}; do
+      name="${family}${size}_c${cdmc}_o${overlap}"; [[ $compile == 1 ]] && name+="_compiled"
+      CUDA_DEVICE_MAX_CONNECTIONS=$cdmc AUTOSHARD_OVERLAP_GRAD_SYNC=$overlap AUTOSHARD_COMPILE=$compile timeout 300 \
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/run.py \
         --model "$model" "${attn_args[@]}" --batch 16 --seq 1024 --precision bf16 --steps 6 --warmup 2 \
         ${cal[@]+"${cal[@]}"} ${AB_ARGS:---configs autoshard,fsdp2-noreshard --variants zero3} \
@@ -40,6 +43,7 @@ except Exception as err:  # noqa: BLE001
 for r in rows:
     print(f"  {r['config']:<22} {r.get('median_step_s', float('nan')) * 1e3:8.1f} ms  {r.get('plan', '')}  {r['status'][:60]}")
 PY
+     done
     done
   done
 done

@@ -73,7 +73,7 @@ class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
-                 *, overlap_grad_sync: bool = False):
+                 *, overlap_grad_sync: bool = False, compile_graph: bool = False):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
@@ -81,6 +81,16 @@ class Program:
         self.pipeline = PipelineEngine(gm, ctx, plan.schedule, self.regather) if isinstance(gm, PipelineSplit) else None
         if self.pipeline is None and overlap_grad_sync:
             optimizer.enable_overlap()  # DP gradient buckets reduce under the last micro-batch's backward
+        self._run = self.gm
+        if compile_graph:
+            if self.pipeline is not None or self.regather is not None:
+                raise PlanError(
+                    "compile_graph needs pp = 1 and no ZeRO-3 layer (the ZeRO-3 re-gather runs as saved-tensor "
+                    "hooks outside a compiled graph); run this plan without compile_graph, or choose such a plan"
+                )
+            # one compiled graph per input shape (training shapes are fixed); the autoshard:: collectives
+            # are registered ops with fake kernels, so they stay in the graph as opaque calls
+            self._run = torch.compile(self.gm, dynamic=False)
 
     def forward(self, tokens: torch.Tensor) -> Any:
         """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them).
@@ -91,7 +101,7 @@ class Program:
             return self.pipeline.forward({self.pipeline.layout.input_names[0]: tokens})
         tokens = tokens.to(self.ctx.device)
         if self.regather is None:
-            return self.gm(tokens)
+            return self._run(tokens)
         with self.regather.hooks():
             return self.gm(tokens)
 
@@ -160,12 +170,16 @@ def build_program(
     optimizer: OptimizerConfig | None = None,
     device: str = "cpu",
     overlap_grad_sync: bool = False,
+    compile_graph: bool = False,
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
     ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
     (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
     it made the searched DP plans slower (docs/runtime.md, "Overlapped gradient sync").
+    ``compile_graph``: run the rewritten per-rank graph through ``torch.compile`` (inductor fuses
+    its elementwise chains; pp = 1 and no ZeRO-3 layer, else ``PlanError``). Off by default; not
+    yet measured on GPUs (docs/runtime.md, "Compiled per-rank graph").
     """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)
@@ -180,7 +194,7 @@ def build_program(
     config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
     grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
     sharded = ShardedOptimizer(params, placements, masters, ctx, config, grad_comm, bucket_bytes=plan.schedule.bucket_bytes)
-    return Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync)
+    return Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_graph=compile_graph)
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:

@@ -83,7 +83,8 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=True):
+def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=True,
+               compile_graph=False):
     """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1).
 
     ``counts`` counts the ``autoshard::`` ops of step 1; ``overlap_launches`` the gradient buckets
@@ -91,7 +92,8 @@ def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32
     """
     model = build(spec)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
-    program = build_program(model, graph, plan, None, train, optimizer=OPT, overlap_grad_sync=overlap_grad_sync)
+    program = build_program(model, graph, plan, None, train, optimizer=OPT, overlap_grad_sync=overlap_grad_sync,
+                            compile_graph=compile_graph)
     losses, counts, launches = [], None, None
     for i, toks in enumerate(batches()):
         if count and i == 0:
@@ -103,7 +105,8 @@ def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32
         if i == 0:
             launches = program.optimizer.overlap_launches
     return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
-            "coords": program.ctx.coords, "counts": counts, "overlap_launches": launches}
+            "coords": program.ctx.coords, "counts": counts, "overlap_launches": launches,
+            "compiled": program._run is not program.gm}
 
 
 def reassemble(results: list[dict], mesh: Mesh) -> dict[str, torch.Tensor]:
