@@ -94,10 +94,12 @@ from benchmarks.baselines.plans import MODES, broadcast_plans, search_plans  # n
 
 log = logging.getLogger("benchmarks.run")
 
-BASELINES = ("fsdp2", "fsdp2-noreshard", "megatron-tp", "megatron-tp-sp", "deepspeed-z2", "deepspeed-z3")
+BASELINES = ("fsdp2", "fsdp2-noreshard", "fsdp2-noreshard-compiled", "megatron-tp", "megatron-tp-sp", "deepspeed-z2",
+             "deepspeed-z3")
 CONFIGS = ("autoshard", *BASELINES)
 # Nearest autoshard plan of each baseline: (state, Megatron TP over the world).
-EQUIVALENT = {"fsdp2": ("zero3", False), "fsdp2-noreshard": ("zero2", False), "megatron-tp": ("replicate", True),
+EQUIVALENT = {"fsdp2": ("zero3", False), "fsdp2-noreshard": ("zero2", False),
+              "fsdp2-noreshard-compiled": ("zero2", False), "megatron-tp": ("replicate", True),
               "megatron-tp-sp": ("replicate", True), "deepspeed-z2": ("zero2", False),
               "deepspeed-z3": ("zero3", False)}
 
@@ -184,7 +186,7 @@ def _baseline_factory(name: str) -> Callable[..., Any]:
     if name.startswith("fsdp2"):
         from benchmarks.baselines.fsdp2 import FSDP2Options, FSDP2Trainer
 
-        options = FSDP2Options(reshard_after_forward=name == "fsdp2")
+        options = FSDP2Options(reshard_after_forward=name == "fsdp2", compile=name.endswith("-compiled"))
         return lambda spec, device: FSDP2Trainer(spec, device, options, name=name)
     if name.startswith("megatron"):
         from benchmarks.baselines.megatron import MegatronOptions, MegatronTPTrainer

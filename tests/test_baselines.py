@@ -59,9 +59,9 @@ def _autoshard_case(rank, world_size, model, optimizer):
             "placements": trainer.program.param_placements, "coords": trainer.program.ctx.coords}
 
 
-def _fsdp2_case(rank, world_size, model, optimizer, reshard):
+def _fsdp2_case(rank, world_size, model, optimizer, reshard, compile=False):
     spec = _spec(model, optimizer)
-    trainer = FSDP2Trainer(spec, torch.device("cpu"), FSDP2Options(reshard_after_forward=reshard))
+    trainer = FSDP2Trainer(spec, torch.device("cpu"), FSDP2Options(reshard_after_forward=reshard, compile=compile))
     losses, norms = [], []
     for tokens in make_batches(128, spec, STEPS):
         losses.append(trainer.step(tokens))
@@ -73,6 +73,8 @@ CASES = {
     "autoshard_sgd": functools.partial(_autoshard_case, model="gpt:tiny", optimizer=SGD),
     "fsdp2_sgd": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=SGD, reshard=True),
     "fsdp2_noreshard_sgd": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=SGD, reshard=False),
+    "fsdp2_noreshard_compiled_sgd": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=SGD, reshard=False,
+                                                      compile=True),
     "autoshard_adamw": functools.partial(_autoshard_case, model="gpt:tiny", optimizer=ADAMW),
     "fsdp2_adamw": functools.partial(_fsdp2_case, model="gpt:tiny", optimizer=ADAMW, reshard=True),
 }
@@ -83,7 +85,7 @@ def results():
     return run_gloo_cases(CASES, 2, timeout_s=300)
 
 
-@pytest.mark.parametrize("baseline", ["fsdp2_sgd", "fsdp2_noreshard_sgd"])
+@pytest.mark.parametrize("baseline", ["fsdp2_sgd", "fsdp2_noreshard_sgd", "fsdp2_noreshard_compiled_sgd"])
 def test_fsdp2_matches_autoshard_zero3_sgd(results, baseline):
     ours, theirs = results["autoshard_sgd"], results[baseline]
     for rank in range(2):

@@ -13,6 +13,9 @@ What it builds (the torchtitan recipe, data parallel over the whole world):
   reduce_dtype=fp32)`` over fp32 sharded parameters (so the optimizer updates
   fp32 masters); ``fp32``: no policy;
 - ``offload=True``: ``CPUOffloadPolicy(pin_memory=...)`` (pinned only with CUDA);
+- ``compile=True`` (config ``fsdp2-noreshard-compiled``): each block replaced by
+  ``torch.compile(block)`` before ``fully_shard``, as torchtitan does, so FSDP2's hooks stay
+  outside the compiled forward; the counterpart of autoshard's ``compile_graph``;
 - the optimizer of ``common.torch_optimizer`` over the sharded (DTensor)
   parameters, ``clip_grad_norm_`` on them (a DTensor norm: the global norm).
 
@@ -47,10 +50,12 @@ except ImportError:  # pragma: no cover - older torch keeps it under _composable
 
 @dataclass(frozen=True, kw_only=True)
 class FSDP2Options:
-    """reshard_after_forward: ZeRO-3 (True) or keep gathered weights to backward (False); offload: CPU states."""
+    """reshard_after_forward: ZeRO-3 (True) or keep gathered weights to backward (False); offload: CPU states;
+    compile: ``torch.compile`` each block (module docstring)."""
 
     reshard_after_forward: bool = True
     offload: bool = False
+    compile: bool = False
 
 
 class FSDP2Trainer:
@@ -94,7 +99,9 @@ class FSDP2Trainer:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every parameter gathered to a full fp32 CPU tensor (collective; for tests)."""
-        return {name: p.full_tensor().detach().float().cpu() for name, p in self.model.named_parameters()}
+        # a compiled block is an OptimizedModule holding the block as ``_orig_mod``: report the block's own names
+        return {name.replace("._orig_mod", ""): p.full_tensor().detach().float().cpu()
+                for name, p in self.model.named_parameters()}
 
     def close(self) -> None:
         """Drop the model and optimizer (the mesh's groups live until the process group is destroyed)."""
@@ -108,6 +115,9 @@ def _shard(model: nn.Module, mesh, spec: RunSpec, options: FSDP2Options) -> nn.M
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if options.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    if options.compile:
+        for i, block in enumerate(model.blocks):
+            model.blocks[i] = torch.compile(block)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     # The root's parameters (embedding, head) are used first and last: FSDP2 keeps the root
