@@ -27,8 +27,9 @@ syncs like ZeRO-2 (reduce-scatter, half the all-reduce's bytes): the gradient
 is still accumulated in full ``param.grad`` during backward, so in this runtime
 ZeRO-1 and ZeRO-2 differ only in the quantized path.
 
-Overlapped gradient sync (``enable_overlap``, what ``Program`` turns on when pp = 1; DDP's
-``Reducer`` does the same): a post-accumulate-grad hook on every bucketed parameter marks it
+Overlapped gradient sync (``enable_overlap``; ``Program`` turns it on with
+``build_program(overlap_grad_sync=True)`` when pp = 1, off by default because it was measured
+slower on H100s, docs/runtime.md; DDP's ``Reducer`` does the same): a post-accumulate-grad hook on every bucketed parameter marks it
 ready during the backward of the step's last micro-batch (``arm``); buckets are launched
 (``_buckets.start``: packed, then the collective on a side stream) in one fixed order, the last
 bucket first (backward produces the last layers' gradients first), each as soon as it and every
