@@ -344,6 +344,12 @@ def bench_all_gather(world: int, nbytes: int, block: int, iters: int, workdir: P
     return json.loads(result_path.read_text())
 
 
+def _table(header: tuple[str, ...], rows: list[tuple]) -> list[str]:
+    """A blank line, then a markdown table of ``header`` and ``rows`` (cells already formatted)."""
+    return ["", "| " + " | ".join(header) + " |", "| --- " * len(header) + "|",
+            *("| " + " | ".join(str(c) for c in row) + " |" for row in rows)]
+
+
 def markdown(records: list[dict], gather: dict | None, best: list[dict] | None = None) -> str:
     """Markdown tables: ratio to copy per (block, kernel, config) across sizes; the all-gather comparison."""
     sizes = sorted({r["n"] for r in records if "n" in r})
@@ -360,18 +366,14 @@ def markdown(records: list[dict], gather: dict | None, best: list[dict] | None =
         lines.append(f"| {key[0]} | {key[1]} | {key[2]} | {cells} | {exact.get(key, '')} |")
     lines += [f"skipped (deadline): {r['count']}" for r in records if r["kernel"] == "skipped"]
     if best:
-        lines += ["", "| block | kernel | size | default (resolved) | ratio | best bit-exact | ratio |",
-                  "| --- " * 7 + "|"]
-        for b in best:
-            lines.append(f"| {b['block']} | {b['kernel']} | {b['n'] >> 20}M | {b['default']} | "
-                         f"{b['default_ratio']:.3f} | {b['best']} | {b['best_ratio']:.3f} |")
+        lines += _table(("block", "kernel", "size", "default (resolved)", "ratio", "best bit-exact", "ratio"),
+                        [(b["block"], b["kernel"], f"{b['n'] >> 20}M", b["default"], f"{b['default_ratio']:.3f}",
+                          b["best"], f"{b['best_ratio']:.3f}") for b in best])
     same = [r for r in records if "ratio_same_bytes" in r and r.get("config") == "default"]
     if same:
-        lines += ["", "| block | kernel (default) | size | ratio | ratio to a same-bytes copy | host us/launch |",
-                  "| --- " * 6 + "|"]
-        for r in same:
-            lines.append(f"| {r['block']} | {r['kernel']} | {r['n'] >> 20}M | {r['ratio']:.3f} | "
-                         f"{r['ratio_same_bytes']:.3f} | {r['host_us']:.0f} |")
+        lines += _table(("block", "kernel (default)", "size", "ratio", "ratio to a same-bytes copy", "host us/launch"),
+                        [(r["block"], r["kernel"], f"{r['n'] >> 20}M", f"{r['ratio']:.3f}",
+                          f"{r['ratio_same_bytes']:.3f}", f"{r['host_us']:.0f}") for r in same])
     if gather:
         base = gather["bf16"]["seconds"]
         lines += ["", "| all-gather | bytes received / rank | ms | speed-up |", "| --- | --- | --- | --- |"]

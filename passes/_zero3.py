@@ -172,7 +172,7 @@ class GradSink:
     @staticmethod
     def _complete(entry: tuple) -> None:
         handle, spec, shards = entry
-        local = async_collectives.reduce_scatter_finish(handle)
+        local = async_collectives.finish(handle)
         with torch.no_grad():
             for shard, piece in zip(shards, _shard_grads(spec, local, [s.shape for s in shards])):
                 if shard.grad is None:

@@ -73,6 +73,12 @@ def _reduce(x: Tensor, wire: str, fn) -> Tensor:
     return fn(x) if wire == "none" else fn(x.float()).to(x.dtype)
 
 
+def _pack_rows(grads: Sequence[Tensor], chunks: Sequence[int], n: int) -> Tensor:
+    """The rank-major reduce-scatter bucket (module docstring): row r = every member's padded chunk r, flat."""
+    rows = [F.pad(g.reshape(-1), (0, c * n - g.numel())).view(n, c) for g, c in zip(grads, chunks, strict=True)]
+    return torch.cat(rows, dim=1).reshape(-1)  # (n, Σ c_i) rank-major → (n·Σ c_i,)
+
+
 def all_reduce(grads: Sequence[Tensor], group: str, wire: str, op: str) -> list[Tensor]:
     """All-reduce many tensors (same dtype, device) with ONE collective; returns tensors shaped like ``grads``."""
     flat = torch.cat([g.reshape(-1) for g in grads])  # (Σ numel_i,)
@@ -86,8 +92,7 @@ def reduce_scatter(grads: Sequence[Tensor], chunks: Sequence[int], n: int, group
     ``chunks[i]`` = c_i = ceil(numel_i / n); returns this rank's ``(c_i,)`` chunk
     of each reduced, flattened, zero-padded ``grads[i]`` (module docstring layout).
     """
-    rows = [F.pad(g.reshape(-1), (0, c * n - g.numel())).view(n, c) for g, c in zip(grads, chunks, strict=True)]
-    packed = torch.cat(rows, dim=1).reshape(-1)  # (n, Σ c_i) rank-major → (n·Σ c_i,)
+    packed = _pack_rows(grads, chunks, n)
     mine = _reduce(packed, wire, lambda x: collectives.reduce_scatter(x, 0, group, op))  # (Σ c_i,)
     return list(mine.split(list(chunks)))
 
@@ -102,8 +107,7 @@ def start(kind: str, grads: Sequence[Tensor], group: str, wire: str, op: str, ch
         packed, sizes = torch.cat([g.reshape(-1) for g in grads]), [g.numel() for g in grads]
         launch = async_collectives.all_reduce_start
     else:
-        rows = [F.pad(g.reshape(-1), (0, c * n - g.numel())).view(n, c) for g, c in zip(grads, chunks, strict=True)]
-        packed, sizes = torch.cat(rows, dim=1).reshape(-1), list(chunks)
+        packed, sizes = _pack_rows(grads, chunks, n), list(chunks)
         launch = async_collectives.reduce_scatter_start
     assert wire in BUCKETED_WIRES, wire
     wired = packed if wire == "none" else packed.float()

@@ -317,7 +317,7 @@ _register_local_tensor_rules()
 
 # [Note: async reduce-scatter]
 # ``reduce_scatter_start(x, group_name, op)`` launches the reduce-scatter of a
-# ``(n·c,)`` gradient and returns a handle at once; ``reduce_scatter_finish``
+# ``(n·c,)`` gradient and returns a handle at once; ``finish``
 # orders the caller after it and returns this rank's ``(c,)`` chunk. CUDA: on a
 # second side stream owned by this module (after the compute stream's pending
 # work, so ``x`` is complete), the chunk allocated there and handed to the
@@ -360,11 +360,6 @@ def all_reduce_start(x: Tensor, group_name: str, op: str = "avg") -> tuple:
     return out, work, None, x, pg.size(), op
 
 
-def reduce_scatter_finish(handle: tuple) -> Tensor:
-    """This rank's chunk of a ``reduce_scatter_start``, ready for the caller's (current) stream."""
-    return finish(handle)
-
-
 def finish(handle: tuple) -> Tensor:
     """The result of a ``reduce_scatter_start`` or ``all_reduce_start``, ready for the caller's (current) stream."""
     out, work, event, _keep, n, op = handle
@@ -397,4 +392,4 @@ def all_gather_wait(pending: Tensor, num_ranks: int, split_sizes: Sequence[int])
 
 
 __all__ = ["all_gather_start", "all_gather_wait", "all_reduce_start", "finish", "join_rows", "pending_count",
-           "reduce_scatter_finish", "reduce_scatter_start", "split_rows", "wait_all"]
+           "reduce_scatter_start", "split_rows", "wait_all"]

@@ -319,7 +319,7 @@ def case_eager_fast_path(rank, world_size):
     flat = _randn(200 + rank, world_size * 6)
     for op in ("avg", "sum"):
         handle = A.reduce_scatter_start(flat, C.group_name_of(None), op)
-        checks[f"reduce_scatter_start/{op}"] = (A.reduce_scatter_finish(handle), C.reduce_scatter(flat, 0, None, op))
+        checks[f"reduce_scatter_start/{op}"] = (A.finish(handle), C.reduce_scatter(flat, 0, None, op))
     return {"checks": checks, "paths": paths, "pending": A.pending_count()}
 
 
