@@ -71,7 +71,7 @@ export CUDA_DEVICE_MAX_CONNECTIONS="${CUDA_DEVICE_MAX_CONNECTIONS:-1}"  # Megatr
 STEPS=("$@")
 [[ ${#STEPS[@]} -gt 0 ]] || STEPS=(env overlap ppo bench nccl)
 TORCHRUN=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC")
-ALL_CONFIGS=autoshard,fsdp2,fsdp2-noreshard,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3
+ALL_CONFIGS=autoshard,fsdp2,fsdp2-noreshard,fsdp2-noreshard-compiled,megatron-tp,megatron-tp-sp,deepspeed-z2,deepspeed-z3
 
 pack() { tar czf "$RESULTS/gpu_session.tgz" -C "$OUT" .; }
 
@@ -119,12 +119,13 @@ matrix_run() {  # matrix_run NAME CAP GPUS ARGS...
   pack
 }
 
-matrix_pair() {  # llama:1.3b and gpt:1.3b on 2 GPUs each; at the same time on disjoint pairs by default
-  matrix_limit 1.3b_x2 220
+matrix_pair() {  # llama:1.3b and gpt:1.3b on 2 GPUs each; at the same time on disjoint pairs on 4 GPUs
+  local parallel=${MATRIX_PARALLEL2:-$((NPROC >= 4))}
+  matrix_limit 1.3b_x2 $((parallel == 1 ? 220 : 440))
   ((LIMIT > 0)) || return 0
   local llama gpt
   bench_cmd llama1.3b_x2 0,1 --model llama:1.3b --variants tp2; llama=("${CMD[@]}")
-  if [[ "${MATRIX_PARALLEL2:-1}" == 1 ]]; then
+  if [[ $parallel == 1 ]]; then
     bench_cmd gpt1.3b_x2 2,3 --model gpt:1.3b --attn "$GPT_ATTN"; gpt=("${CMD[@]}")
     timed matrix_llama1.3b_x2 "$LIMIT" "${llama[@]}" &
     timed matrix_gpt1.3b_x2 "$LIMIT" "${gpt[@]}" &
@@ -139,13 +140,17 @@ matrix_pair() {  # llama:1.3b and gpt:1.3b on 2 GPUs each; at the same time on d
 
 matrix() {
   MATRIX_END=$((SECONDS + ${MATRIX_BUDGET_S:-480}))
-  local runs=",${MATRIX_RUNS:-llama350m_x4,gpt1.3b_x4,1.3b_x2,llama1.3b_x4,gpt350m_x4},"
+  local default=llama350m_x4,gpt1.3b_x4,1.3b_x2,llama1.3b_x4,gpt350m_x4
+  ((NPROC >= 4)) || default=1.3b_x2,llama350m_x2,gpt350m_x2  # a 2-GPU machine
+  local runs=",${MATRIX_RUNS:-$default},"
   local forced=free,replicate,zero3,tp4,tp4-sp,tp2,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,tp2-sp,zero3-rep2
   mkdir -p "$OUT/matrix"
   [[ $runs == *,llama350m_x4,* ]] && matrix_run llama350m_x4 330 0,1,2,3 --model llama:350m --plans forced \
       --variants "$forced" --max-plans 12
   [[ $runs == *,gpt1.3b_x4,* ]] && matrix_run gpt1.3b_x4 200 0,1,2,3 --model gpt:1.3b --attn "$GPT_ATTN"
   [[ $runs == *,1.3b_x2,* ]] && matrix_pair
+  [[ $runs == *,llama350m_x2,* ]] && matrix_run llama350m_x2 150 0,1 --model llama:350m --variants tp2
+  [[ $runs == *,gpt350m_x2,* ]] && matrix_run gpt350m_x2 150 0,1 --model gpt:350m --attn "$GPT_ATTN" --variants tp2
   [[ $runs == *,llama1.3b_x4,* ]] && matrix_run llama1.3b_x4 200 0,1,2,3 --model llama:1.3b --variants tp4
   [[ $runs == *,gpt350m_x4,* ]] && matrix_run gpt350m_x4 150 0,1,2,3 --model gpt:350m --attn "$GPT_ATTN"
   # opt-in (not in the default list): the searched plans of llama1.3b_x4 and gpt1.3b_x4 again with the
@@ -164,18 +169,41 @@ matrix() {
 
 calibrate_all() {  # calibration files per matrix model (header); each probe at seq 1024, micro-batches 1..16
   mkdir -p "$CAL_DIR"
-  local probe=(--seq 1024 --micro-batch 1,2,4,8,16 --probe-tp 1,2,4)
-  timed calibrate "${CAL_LIMIT:-150}" "${TORCHRUN[@]}" -m autoshard.calibrate --out "$CAL_DIR/llama_350m.json" \
-    --raw "$CAL_DIR/raw.json" --model llama:350m "${probe[@]}"
-  local gpu=0 m
-  for m in gpt:350m llama:1.3b gpt:1.3b; do  # one GPU each, at the same time: only the model probe is new
-    local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
-    timed "probe_${m/:/_}" 120 env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
-      --out "$CAL_DIR/single_${m/:/_}.json" --model "$m" "${probe[@]}" "${attn[@]}" &
-    gpu=$((gpu + 1))
-  done
-  wait
-  "$PYTHON" - "$CAL_DIR" <<'PY'
+  local tps=1 t=2; while ((t <= NPROC)); do tps+=",$t"; t=$((t * 2)); done  # TP shards up to the world
+  local probe=(--seq 1024 --micro-batch 1,2,4,8,16 --probe-tp "$tps")
+  if [[ -n ${CAL_LAYERS_FROM:-} ]] && "$PYTHON" - "$CAL_LAYERS_FROM/llama_350m.json" <<'PY'
+import json, sys, torch
+sys.exit(json.load(open(sys.argv[1]))["device"] != torch.cuda.get_device_name(0))
+PY
+  then  # same card as the reused layer probes (single-GPU timings): measure only matmul and collectives
+    timed calibrate "${CAL_LIMIT:-150}" "${TORCHRUN[@]}" -m autoshard.calibrate --out "$CAL_DIR/base.json" \
+      --raw "$CAL_DIR/raw.json"
+    "$PYTHON" - "$CAL_DIR" "$CAL_LAYERS_FROM" <<'PY'
+import json, pathlib, sys
+cal, src = pathlib.Path(sys.argv[1]), pathlib.Path(sys.argv[2])
+base = json.loads((cal / "base.json").read_text())
+for f in sorted(src.glob("*_*.json")):
+    if f.name.startswith(("single_", "raw")) or "layer_times" not in (old := json.loads(f.read_text())):
+        continue
+    (cal / f.name).write_text(json.dumps(dict(base, layer_times=old["layer_times"]), indent=2) + "\n")
+    print("calibration", f.name, f"= collectives/matmul measured now + the layer probe of {f} (same card)")
+PY
+  else
+    timed calibrate "${CAL_LIMIT:-150}" "${TORCHRUN[@]}" -m autoshard.calibrate --out "$CAL_DIR/llama_350m.json" \
+      --raw "$CAL_DIR/raw.json" --model llama:350m "${probe[@]}"
+    local i=0 m gpu lists=()
+    for m in gpt:350m llama:1.3b gpt:1.3b; do  # the other models' probes, one GPU each, round robin
+      lists[i % NPROC]+=" $m"; i=$((i + 1))
+    done
+    for gpu in "${!lists[@]}"; do  # GPUs in parallel; the probes of one GPU one after the other
+      (for m in ${lists[gpu]}; do
+        local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
+        timed "probe_${m/:/_}" 120 env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
+          --out "$CAL_DIR/single_${m/:/_}.json" --model "$m" "${probe[@]}" "${attn[@]}"
+      done) &
+    done
+    wait
+    "$PYTHON" - "$CAL_DIR" <<'PY'
 import json, pathlib, sys
 cal = pathlib.Path(sys.argv[1])
 base = json.loads((cal / "llama_350m.json").read_text())
@@ -184,6 +212,7 @@ for single in sorted(cal.glob("single_*.json")):
     (cal / single.name.removeprefix("single_")).write_text(json.dumps(merged, indent=2) + "\n")
     print("calibration", single.name.removeprefix("single_"), "= collectives/matmul of llama_350m.json + its probe")
 PY
+  fi
   [[ "$CAL_DIR" == "$OUT/cal" ]] || cp -r "$CAL_DIR" "$OUT/cal"
   pack
 }
@@ -193,8 +222,8 @@ plan_probe_all() {  # plan residuals per model (header); needs the calibrate ste
   local forced=free,replicate,zero1,zero2,zero3,offload,tp4,tp4-sp,tp2,tp2-sp,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,zero3-rep2
   for m in ${PROBE_MODELS:-llama:350m gpt:1.3b llama:1.3b gpt:350m}; do
     key="PROBE_VARIANTS_${m/:/_}"; key=${key//./_}
-    variants=${!key:-replicate,zero1,zero2,zero3,offload,tp4}
-    [[ $m == llama:350m ]] && variants=${!key:-$forced}
+    variants=${!key:-replicate,zero1,zero2,zero3,offload,tp$NPROC}
+    [[ $m == llama:350m && $NPROC -ge 4 ]] && variants=${!key:-$forced}
     local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
     cal="$CAL_DIR/${m/:/_}.json"
     if [[ "${MATRIX_DRY:-0}" == 1 ]]; then  # CPU rehearsal: tiny model, gloo, two ranks
