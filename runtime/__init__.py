@@ -4,7 +4,7 @@
 import ``autoshard.runtime.collectives``, and the program imports the passes.
 """
 
-_LAZY = {"Program", "StepResult", "build_program"}
+_LAZY = {"Program", "StepResult", "build_program", "compile_allowed"}
 
 
 def __getattr__(name: str):
@@ -15,4 +15,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autoshard.runtime' has no attribute {name!r}")
 
 
-__all__ = ["Program", "StepResult", "build_program"]
+__all__ = ["Program", "StepResult", "build_program", "compile_allowed"]

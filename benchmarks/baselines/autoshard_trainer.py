@@ -78,8 +78,9 @@ class AutoshardTrainer:
         train = train_spec(spec, micro_batch=plan.schedule.micro_batch)
         # AUTOSHARD_OVERLAP_GRAD_SYNC=1: DP gradient buckets under backward (off by default; A/B measurements)
         overlap = os.environ.get("AUTOSHARD_OVERLAP_GRAD_SYNC", "0") == "1"
-        # AUTOSHARD_COMPILE=1: torch.compile the per-rank graph (pp = 1, no ZeRO-3; else the plan's row fails)
-        compile_graph = os.environ.get("AUTOSHARD_COMPILE", "0") == "1"
+        # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when pp = 1 and no
+        # ZeRO-3 layer, build_program's default), 1 (always; such a plan's row fails otherwise), 0 (eager)
+        compile_graph = {"0": False, "1": True}.get(os.environ.get("AUTOSHARD_COMPILE", "auto"), "auto")
         self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
                                      device=str(device), overlap_grad_sync=overlap, compile_graph=compile_graph)
         self.last_grad_norm = float("nan")

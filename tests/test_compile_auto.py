@@ -1,0 +1,33 @@
+"""``compile_allowed``: what ``build_program(compile_graph="auto")`` (the default) compiles.
+
+CUDA devices with pp = 1 and no ZeRO-3 layer compile; the CPU, pipelines and ZeRO-3 plans stay
+eager. The compiled path itself is tested in ``test_compile_program.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from _runtime_cases import make_plan
+from autoshard.plan import Mesh
+from autoshard.runtime import compile_allowed
+
+SPEC = "llama:tiny"
+
+
+@pytest.mark.parametrize("mesh, state, device, expected", [
+    (Mesh(dp_shard=2), "zero2", "cuda", True),
+    (Mesh(dp_shard=2), "zero2", "cuda:1", True),
+    (Mesh(dp_shard=2), "zero2", "cpu", False),
+    (Mesh(dp_shard=2), "zero3", "cuda", False),
+    (Mesh(dp_shard=2), "offload", "cuda", True),
+    (Mesh(pp=2), "replicate", "cuda", False),
+])
+def test_compile_allowed(mesh, state, device, expected):
+    plan = make_plan(SPEC, mesh, lambda _name: {"state": state})
+    assert compile_allowed(plan, device) is expected
+
+
+def test_one_zero3_layer_keeps_the_graph_eager():
+    plan = make_plan(SPEC, Mesh(dp_shard=2), lambda name: {"state": "zero3" if name.endswith("mlp") else "zero1"})
+    assert not compile_allowed(plan, "cuda")
