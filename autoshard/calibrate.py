@@ -287,6 +287,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     layer_times = None
     if probe is not None:
         layer_times = {"model": probe.model, "dtype": dtype, "seq_len": probe.seq_len,
+                       **({"compiled": True} if probe.compile else {}),
                        "samples": probe_layers(probe, device, _DTYPES[dtype])}
     return Calibration(
         device=cluster.device.name,
@@ -320,6 +321,9 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
                         help="micro-batch sizes the model probe times (default 1,2,4,8)")
     parser.add_argument("--attn", choices=("sdpa", "math"),
                         help="the model probe's attention path (default: the model family's; GPT math, Llama sdpa)")
+    parser.add_argument("--compile", action="store_true",
+                        help="time the model probe's layers under torch.compile (what the runtime runs on CUDA "
+                             "by default: build_program(compile_graph='auto'))")
     parser.add_argument("--probe-tp", type=parse_int_list, default=(1, 2), metavar="T,T,…",
                         help="Megatron TP shards the model probe times (default 1,2; 1 = unsharded)")
 
@@ -361,7 +365,7 @@ def _probe_spec(args: argparse.Namespace) -> ProbeSpec | None:
         raise AutoshardError(f"--model {model} needs --seq N (the training sequence length to probe)")
     iters = {"iters": args.iters} if args.iters else ({"iters": 3, "reps": 1} if args.quick else {})
     return ProbeSpec(model=model, seq_len=args.seq, micro_batches=tuple(args.micro_batch), tp=tuple(args.probe_tp),
-                     attn_impl=getattr(args, "attn", None), **iters)
+                     attn_impl=getattr(args, "attn", None), compile=bool(getattr(args, "compile", False)), **iters)
 
 
 def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:

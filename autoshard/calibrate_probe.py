@@ -21,6 +21,13 @@ The head is timed with the loss the cost model assumes, cross-entropy on
 ``logits.float()`` (fp32 log-softmax over all ``V``); the value head with
 ``values.float().pow(2).mean()``.
 
+Compiled (``compile``, ``calibrate --compile``): each layer's closure (the same forward, residual
+and loss as above) runs through ``torch.compile(dynamic=False)``, as ``build_program`` compiles
+the per-rank graph on CUDA by default; dynamo's caches are reset before each (layer, shard,
+micro-batch), the compile happens in the untimed warm-up call, and the timed calls run the
+compiled code. What it does not see: fusion across layer boundaries (the runtime compiles the
+whole graph). The file's ``layer_times`` then says ``"compiled": true``.
+
 TP shards (``tp`` degrees > 1, when heads, kv heads, FFN width and vocabulary
 divide): the layer rebuilt as one Megatron rank sees it, column linears
 (q, k, v, up, gate, head) with ``out/t`` outputs and row linears (o, down)
@@ -69,6 +76,7 @@ class ProbeSpec:
     reps: int = 2
     iters: int = 5
     attn_impl: str | None = None  # the model's attention path ("sdpa", "math"); None: the family default
+    compile: bool = False  # time each layer under torch.compile, as the runtime's compiled graph runs it
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or not self.micro_batches or min(self.micro_batches) < 1 or min(self.tp, default=0) < 1:
@@ -211,6 +219,9 @@ def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> l
             local = _shard_linears(module, layer.name, tp) if tp > 1 else module
             for batch in spec.micro_batches:
                 run = _layer_run(model, layer, local, tp, batch, spec.seq_len, dtype, device)
+                if spec.compile:
+                    torch._dynamo.reset()
+                    run.forward = torch.compile(run.forward, dynamic=False)
                 fwd = time_call(run.forward, device, spec.reps, spec.iters)
                 both = time_call(run.step, device, spec.reps, spec.iters)
                 samples.append({"signature": signature, "layer": layer.name, "tp": tp,

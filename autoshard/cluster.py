@@ -67,6 +67,7 @@ _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "i
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
 _COST_MODEL_KEYS = ("kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
+_LAYER_TIMES_OPTIONAL = ("compiled",)  # true: timed under torch.compile (calibrate --compile)
 _LAYER_SAMPLE_KEYS = ("signature", "layer", "tp", "tokens", "fwd_s", "bwd_s")
 _RESIDUALS_KEYS = ("model", "dtype", "seq_len", "global_batch", "step_s", "layers", "probes")
 _RESIDUAL_LAYER_KEYS = ("mesh", "strategy", "s_per_layer")
@@ -528,7 +529,7 @@ def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
 
     if probe is None:
         return {}
-    cluster_io.check_keys(probe, _LAYER_TIMES_KEYS, "calibration.layer_times")
+    cluster_io.check_keys(probe, _LAYER_TIMES_KEYS + _LAYER_TIMES_OPTIONAL, "calibration.layer_times")
     cluster_io.require_keys(probe, _LAYER_TIMES_KEYS, "calibration.layer_times")
     out: dict[str, float | str] = {"layer_times.model": str(probe["model"])}
     for i, sample in enumerate(probe["samples"]):

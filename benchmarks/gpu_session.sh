@@ -19,7 +19,11 @@
 #   calibrate `autoshard cluster calibrate` over NPROC GPUs with the llama:350m model probe, then the
 #             probes of the other matrix models one per GPU in parallel; writes $OUT/cal/<model>.json
 #             (the NPROC-GPU measurements + that model's probe), which matrix runs pass as --calibration
-#             (CAL_DIR overrides $OUT/cal, so a later call on the same or a fresh machine can reuse the files)
+#             (CAL_DIR overrides $OUT/cal, so a later call on the same or a fresh machine can reuse the files);
+#             CAL_COMPILE=1 times the layers under torch.compile (calibrate --compile; the runtime compiles
+#             on CUDA by default; not yet run on a GPU: raise CAL_PROBE_LIMIT, default 120 s per model);
+#             CAL_LAYERS_FROM=DIR reuses DIR's layer probes when its card is this machine's (single-GPU
+#             timings) and measures only matmul, AdamW and collectives over NPROC GPUs
 #   probe     (after calibrate) benchmarks/plan_probe.py over NPROC GPUs per model of PROBE_MODELS
 #             (default the four matrix models): forced plans on 2- and 4-block copies, the fitted plan
 #             residuals added to $CAL_DIR/<model>.json; PROBE_VARIANTS_<family>_<size> overrides a
@@ -171,6 +175,7 @@ calibrate_all() {  # calibration files per matrix model (header); each probe at 
   mkdir -p "$CAL_DIR"
   local tps=1 t=2; while ((t <= NPROC)); do tps+=",$t"; t=$((t * 2)); done  # TP shards up to the world
   local probe=(--seq 1024 --micro-batch 1,2,4,8,16 --probe-tp "$tps")
+  [[ ${CAL_COMPILE:-0} == 1 ]] && probe+=(--compile)  # layer probes under torch.compile, as the runtime runs
   if [[ -n ${CAL_LAYERS_FROM:-} ]] && "$PYTHON" - "$CAL_LAYERS_FROM/llama_350m.json" <<'PY'
 import json, sys, torch
 sys.exit(json.load(open(sys.argv[1]))["device"] != torch.cuda.get_device_name(0))
@@ -198,7 +203,7 @@ PY
     for gpu in "${!lists[@]}"; do  # GPUs in parallel; the probes of one GPU one after the other
       (for m in ${lists[gpu]}; do
         local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
-        timed "probe_${m/:/_}" 120 env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
+        timed "probe_${m/:/_}" "${CAL_PROBE_LIMIT:-120}" env CUDA_VISIBLE_DEVICES=$gpu "$PYTHON" -m autoshard.calibrate \
           --out "$CAL_DIR/single_${m/:/_}.json" --model "$m" "${probe[@]}" "${attn[@]}"
       done) &
     done

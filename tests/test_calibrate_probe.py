@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 
 import pytest
 import torch
@@ -136,3 +137,26 @@ def test_cli_model_needs_seq(tmp_path):
     args = parser.parse_args(["--out", str(tmp_path / "c.json"), "--quick", "--model", "llama:tiny"])
     with pytest.raises(AutoshardError, match="--seq"):
         calibrate_main(args)
+
+
+@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++")),
+                    reason="torch.compile's CPU backend needs a C++ compiler")
+def test_cli_compile_times_compiled_layers(tmp_path):
+    """``calibrate --compile``: every probed layer runs compiled code; the file says so and loads."""
+    from torch._dynamo.utils import counters
+
+    parser = argparse.ArgumentParser()
+    add_calibrate_arguments(parser)
+    out = tmp_path / "c.json"
+    args = parser.parse_args(["--out", str(out), "--quick", "--iters", "1", "--model", "llama:tiny", "--seq", "16",
+                              "--micro-batch", "1", "--probe-tp", "1", "--compile"])
+    counters.clear()
+    assert calibrate_main(args) == 0
+    written = json.loads(out.read_text())
+    assert written["layer_times"]["compiled"] is True
+    samples = written["layer_times"]["samples"]
+    # one compiled graph per probed layer (dynamo is reset before each), none falling back to eager
+    assert counters["stats"]["unique_graphs"] >= len(samples) and not counters["graph_break"]
+    assert all(s["fwd_s"] > 0 for s in samples)
+    applied = Cluster.detect().with_calibration(out)
+    assert sum(k.startswith("layer_time|") for k in applied.calibration) == 2 * len(samples)
