@@ -5,9 +5,10 @@
 #   AB_MODELS     "model[:attn] ..."      default "gpt:1.3b:sdpa llama:350m"
 #   AB_CDMC       CUDA_DEVICE_MAX_CONNECTIONS values   default "1 8" (1: what Megatron-Core's SP needs)
 #   AB_OVERLAP    AUTOSHARD_OVERLAP_GRAD_SYNC values   default "1 0" (1: DP gradient buckets under backward)
-#   AB_COMPILE    AUTOSHARD_COMPILE values             default "0" (1: torch.compile the per-rank graph;
-#                 plans with ZeRO-3 layers then fail, so pair it with AB_ARGS without --variants zero3,
-#                 e.g. AB_ARGS="--configs autoshard,fsdp2-noreshard,fsdp2-noreshard-compiled")
+#   AB_COMPILE    AUTOSHARD_COMPILE values             default "0" (eager; 1: torch.compile the per-rank
+#                 graph, and a plan with ZeRO-3 layers then fails, so pair it with AB_ARGS without
+#                 --variants zero3, e.g. AB_ARGS="--configs autoshard,fsdp2-noreshard,fsdp2-noreshard-compiled";
+#                 auto, run.py's own default: compile where the plan allows)
 #   AB_ARGS       extra run.py arguments (default: the searched plan + forced ZeRO-3, FSDP2 without reshard)
 #   CAL_DIR       calibration files <family>_<size>.json (benchmarks/gpu_session.sh calibrate/probe)
 #
