@@ -304,10 +304,13 @@ def build_engines(
         )
     train = TrainSpec(global_batch=plan.global_batch, seq_len=plan.seq_len, precision=plan.precision)
     adamw = OptimizerConfig(name="adamw", lr=lr, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0)
-    policy_program = build_program(model, graph, plan, None, train, optimizer=adamw, device=device)
+    # eager programs: PPO runs them on varying shapes (scoring, generation without the KV-cache
+    # engine), and a compiled graph (dynamic=False) would recompile per shape; compiled PPO is untested
+    policy_program = build_program(model, graph, plan, None, train, optimizer=adamw, device=device,
+                                   compile_graph=False)
     reference_program = build_program(
         model, graph, reference_plan, None, train, ctx=policy_program.ctx,
-        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device,
+        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device, compile_graph=False,
     )
     config = model.config
     use_cache = plan.mesh.pp == 1 if rollout_cache is None else rollout_cache
