@@ -27,14 +27,14 @@
 #   probe     (after calibrate) benchmarks/plan_probe.py over NPROC GPUs per model of PROBE_MODELS
 #             (default the four matrix models): forced plans on 2- and 4-block copies, the fitted plan
 #             residuals added to $CAL_DIR/<model>.json; PROBE_VARIANTS_<family>_<size> overrides a
-#             model's variants (the matrix's forced list for llama:350m, DDP/ZeRO-1/2/3, offload and tp4
-#             otherwise)
+#             model's variants (the matrix's forced list for llama:350m on 4+ GPUs, DDP/ZeRO-1/2/3,
+#             offload and tp$NPROC otherwise)
 # Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
-# matrix: autoshard's searched plan next to fsdp2, fsdp2-noreshard, megatron-tp, megatron-tp-sp,
-# deepspeed-z2, deepspeed-z3 (MATRIX_CONFIGS), seq 1024, global batch 16, 10 steps of which 3 are
-# untimed, bf16, no calibration; every row records its per-step losses, and results.md ends with
+# matrix: autoshard's searched plan next to fsdp2, fsdp2-noreshard, fsdp2-noreshard-compiled,
+# megatron-tp, megatron-tp-sp, deepspeed-z2, deepspeed-z3 (MATRIX_CONFIGS), seq 1024, global batch
+# 16, 10 steps of which 3 are untimed, bf16, calibrated with $CAL_DIR/<model>.json when present; every row records its per-step losses, and results.md ends with
 # the loss agreement (autoshard's TP plan vs megatron-tp*, ZeRO-3 vs ZeRO-3). Runs, in priority
 # order (MATRIX_RUNS picks a comma-separated subset, in this order):
 #   llama350m_x4   4 GPUs, best + 11 forced plans (--variants: TP 4 and TP 4 + SP first, so the
@@ -42,8 +42,10 @@
 #                  measured)
 #   gpt1.3b_x4     4 GPUs, best (GPT: tied embedding/head, vocabulary padded for Megatron)
 #   1.3b_x2        llama:1.3b (+ tp2) on GPUs 0,1 and gpt:1.3b on GPUs 2,3 at the same time (two
-#                  independent 2-GPU jobs on disjoint NVLink pairs; MATRIX_PARALLEL2=0 runs them
-#                  one after the other on GPUs 0,1)
+#                  independent 2-GPU jobs on disjoint NVLink pairs; MATRIX_PARALLEL2=0, the default
+#                  when NPROC < 4, runs them one after the other on GPUs 0,1)
+#   llama350m_x2, gpt350m_x2   2 GPUs (0,1), best + tp2 / best; with 1.3b_x2 the default list
+#                  when NPROC < 4 (a 2-GPU machine)
 #   llama1.3b_x4   4 GPUs, best + tp4 (TP plan for the loss agreement)
 #   gpt350m_x4     4 GPUs, best
 #   gpt1.3b_x4_sdpa  (only when named in MATRIX_RUNS) gpt1.3b_x4 with --attn sdpa
