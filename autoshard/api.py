@@ -22,7 +22,9 @@ is used (``plan_reuse.train_of``), not the example inputs' shape. Any
 mismatch raises ``PlanError`` naming what differs.
 
 Under a process group, ``program`` is ``autoshard.runtime.build_program(model,
-graph, plan, cluster, train)``; an installation without that runtime stage logs
+graph, plan, cluster, train, device=...)`` on this rank's GPU when the group's
+backend is NCCL (``cuda:<current device>``, which torchrun scripts set from
+``LOCAL_RANK``), else on the CPU (gloo); an installation without that runtime stage logs
 a warning and returns the plan with ``program=None``.
 
 The search is deterministic (fixed seed and worker count), so under torchrun
@@ -176,4 +178,11 @@ def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluste
         log.warning("autoshard.compile: this installation has no autoshard.runtime.build_program; "
                     "returning the plan only (program=None)")
         return None
-    return build_program(model, graph, plan, cluster, train)
+    return build_program(model, graph, plan, cluster, train, device=program_device())
+
+
+def program_device() -> str:
+    """The device of this rank's program: its CUDA device under an NCCL process group, else the CPU."""
+    if torch.distributed.get_backend() == "nccl":
+        return f"cuda:{torch.cuda.current_device()}"
+    return "cpu"

@@ -113,11 +113,13 @@ def test_under_a_process_group_every_rank_builds_its_program(gpt, compiled, monk
 
     calls = []
     runtime = importlib.import_module("autoshard.runtime")
-    monkeypatch.setattr(runtime, "build_program", lambda *args: calls.append(args) or "program", raising=False)
+    monkeypatch.setattr(runtime, "build_program", lambda *args, **kwargs: calls.append((args, kwargs)) or "program",
+                        raising=False)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         result = autoshard.compile(gpt, "h100-sxm:1x8", plan=compiled.plan, name="gpt:tiny")
     finally:
         dist.destroy_process_group()
     assert result.program == "program"
-    assert calls == [(gpt, result.graph, compiled.plan, result.cluster, result.train)]
+    # gloo: the program lives on the CPU (an NCCL group would put it on the rank's current CUDA device)
+    assert calls == [((gpt, result.graph, compiled.plan, result.cluster, result.train), {"device": "cpu"})]
