@@ -72,7 +72,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoshard.calibrate_probe import ProbeSpec, parse_int_list, probe_adamw, probe_layers
+from autoshard.calibrate_probe import ProbeSpec, compiled_saved_scale, parse_int_list, probe_adamw, probe_layers
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 
@@ -289,6 +289,8 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         layer_times = {"model": probe.model, "dtype": dtype, "seq_len": probe.seq_len,
                        **({"compiled": True} if probe.compile else {}),
                        "samples": probe_layers(probe, device, _DTYPES[dtype])}
+        if device.type == "cuda":  # where build_program compiles by default: what inductor saves per block
+            layer_times["compiled_saved_scale"] = compiled_saved_scale(probe.model, probe.seq_len, 1, probe.attn_impl)
     return Calibration(
         device=cluster.device.name,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

@@ -36,6 +36,17 @@ logits before the loss, standing in for the all-gather the runtime inserts
 (the loss runs on all ``V`` on every rank). Collectives are not timed here:
 they keep their α-β model.
 
+Compiled activations (``compiled_saved_scale``): the runtime compiles the per-rank graph on
+CUDA, and inductor's min-cut partitioner saves fewer tensors for backward than eager autograd
+(it recomputes cheap elementwise chains: Llama's fp32 RMSNorm and RoPE). On ``meta`` tensors,
+one training step of the reference model with 1 and 2 blocks goes through ``aot_autograd``
+with the default partitioner (eager-like) and with the min-cut one, under
+``GpuKernelProfile``; the bytes of the forward graph's saved non-input outputs (a storage
+counted once) give each partitioner's per-block bytes, and their ratio (min-cut / default) is
+the scale the cost model applies to transformer-block activations of a compiled plan
+(``search/cost_model.predict``). It does not see the loss's transient peak (the loss runs
+outside the compiled program) or inductor's buffer reuse.
+
 Optimizer (``probe_adamw``): ``runtime/optimizer.py``'s AdamW step itself —
 bf16 gradients cast to fp32, multi-tensor clipping norms, the clip scale,
 ``foreach_update`` and the multi-tensor write-back to the bf16 parameters —
@@ -228,6 +239,76 @@ def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> l
                                 "tokens": batch * spec.seq_len, "fwd_s": fwd, "bwd_s": max(both - fwd, 0.0)})
                 del run
     return samples
+
+
+# --------------------------------------------------------------------------- compiled activations
+
+_VIEW_OPS = ("view", "_unsafe_view", "t", "transpose", "detach", "permute", "reshape", "expand", "alias")
+
+
+def saved_bytes(spec: str, num_layers: int, seq_len: int, micro_batch: int, partition: Callable,
+                attn_impl: str | None = None) -> int:
+    """Bytes the forward graph of one training step saves for backward under ``partition`` (module docstring)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    from autoshard.models import build
+    from autoshard.passes._capture_saved import GpuKernelProfile
+
+    torch._dynamo.reset()
+    model = build(spec, device="meta", dtype=torch.bfloat16, num_layers=num_layers,
+                  **({"attn_impl": attn_impl} if attn_impl else {}))
+    total: list[int] = []
+
+    def base(node: Any) -> Any:  # the node whose storage a view reads
+        while node.op == "call_function" and getattr(node.target, "__name__", "").split(".")[0] in _VIEW_OPS:
+            node = node.args[0]
+        return node
+
+    def forward_compiler(gm: torch.fx.GraphModule, _inputs: Any) -> Callable:
+        output = next(n for n in gm.graph.nodes if n.op == "output")
+        seen = set()
+        for node in output.args[0][1:]:  # the first output is the loss itself
+            value = node.meta.get("val") if isinstance(node, torch.fx.Node) else None
+            root = base(node) if isinstance(value, torch.Tensor) else None
+            if root is None or root.op == "placeholder" or root in seen:
+                continue
+            seen.add(root)
+            total.append(value.numel() * value.element_size())
+        return gm.forward
+
+    backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _inputs: gm.forward,
+                           partition_fn=partition)
+    tokens = torch.randint(0, 100, (micro_batch, seq_len), device="meta")
+
+    def step(t: torch.Tensor) -> torch.Tensor:
+        logits, values = model(t)
+        loss = F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]).float(), t[:, 1:].reshape(-1))
+        return loss + values.float().pow(2).mean()
+
+    with GpuKernelProfile():
+        torch.compile(step, backend=backend)(tokens)
+    torch._dynamo.reset()
+    return sum(total)
+
+
+def block_saved_bytes(spec: str, seq_len: int, micro_batch: int, attn_impl: str | None = None) -> dict[str, int]:
+    """Per-block saved bytes, ``{"default": …, "min_cut": …}`` (the 2-block minus the 1-block step)."""
+    from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
+
+    out = {}
+    for name, partition in (("default", default_partition), ("min_cut", min_cut_rematerialization_partition)):
+        one, two = (saved_bytes(spec, n, seq_len, micro_batch, partition, attn_impl) for n in (1, 2))
+        out[name] = two - one
+    return out
+
+
+def compiled_saved_scale(spec: str, seq_len: int, micro_batch: int = 1, attn_impl: str | None = None) -> float:
+    """Min-cut over default per-block saved bytes: the compiled runtime's block-activation scale."""
+    sizes = block_saved_bytes(spec, seq_len, micro_batch, attn_impl)
+    if sizes["default"] <= 0:
+        raise AutoshardError(f"{spec}: a block saved no activations under the default partitioner; "
+                             "cannot scale compiled activations")
+    return min(sizes["min_cut"] / sizes["default"], 1.0)
 
 
 # --------------------------------------------------------------------------- optimizer

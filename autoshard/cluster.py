@@ -67,7 +67,10 @@ _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "i
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
 _COST_MODEL_KEYS = ("kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
-_LAYER_TIMES_OPTIONAL = ("compiled",)  # true: timed under torch.compile (calibrate --compile)
+COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibration key (search/cost_model.predict)
+# compiled: true when timed under torch.compile (calibrate --compile); compiled_saved_scale: the
+# compiled runtime's block-activation scale (calibrate_probe.compiled_saved_scale)
+_LAYER_TIMES_OPTIONAL = ("compiled", "compiled_saved_scale")
 _LAYER_SAMPLE_KEYS = ("signature", "layer", "tp", "tokens", "fwd_s", "bwd_s")
 _RESIDUALS_KEYS = ("model", "dtype", "seq_len", "global_batch", "step_s", "layers", "probes")
 _RESIDUAL_LAYER_KEYS = ("mesh", "strategy", "s_per_layer")
@@ -532,6 +535,11 @@ def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
     cluster_io.check_keys(probe, _LAYER_TIMES_KEYS + _LAYER_TIMES_OPTIONAL, "calibration.layer_times")
     cluster_io.require_keys(probe, _LAYER_TIMES_KEYS, "calibration.layer_times")
     out: dict[str, float | str] = {"layer_times.model": str(probe["model"])}
+    if "compiled_saved_scale" in probe:
+        scale = cluster_io.parse_quantity(probe["compiled_saved_scale"], "number", "calibration.layer_times.compiled_saved_scale")
+        if not 0.0 < scale <= 1.0:
+            raise ClusterError(f"calibration.layer_times.compiled_saved_scale={scale!r}: must be in (0, 1]")
+        out[COMPILED_SAVED_SCALE_KEY] = scale
     for i, sample in enumerate(probe["samples"]):
         where = f"calibration.layer_times.samples[{i}]"
         cluster_io.check_keys(sample, _LAYER_SAMPLE_KEYS, where)

@@ -134,7 +134,10 @@ Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
     peak_k = Σ (params + grads + optimizer) + (1 + prefetch)·max buffers
              + in_flight_k·Σ activations
 
-bytes of live tensors (``torch.cuda.max_memory_allocated``); the head's activations include the
+bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles the plan
+(pp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
+(``autoshard/calibrate_probe.py``, "Compiled activations"), block activations are scaled by it
+(``compiled_activation_scale``; ``predict`` only, the search keeps eager activations). The head's activations include the
 loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
 (``ALLOCATOR_FRAGMENTATION = 0.05``) and ``reserved`` = ``calibration["reserved_bytes"]`` or
 ``RESERVED_BYTES`` = 1 GiB (CUDA context, NCCL) are headroom in the limit
@@ -145,9 +148,9 @@ loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragment
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
-from autoshard.cluster import Cluster
+from autoshard.cluster import COMPILED_SAVED_SCALE_KEY, Cluster
 from autoshard.errors import PlanError
 from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Plan, Predictions, Schedule
@@ -332,6 +335,10 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
         layer_cost(layer, s, mesh, cluster, train, schedule, region_entry=entry)
         for layer, s, entry in zip(graph.layers, strategies, entries)
     ]
+    scale = compiled_activation_scale(graph, plan, cluster)
+    if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks
+        costs = [replace(c, memory=replace(c.memory, activations=c.memory.activations * scale))
+                 if layer.block is not None else c for layer, c in zip(graph.layers, costs)]
     p2p = _boundary_p2p(graph, strategies, ranks, mesh, cluster, schedule, train)
     stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh) for k in range(mesh.pp)]
     slow = max(stages, key=lambda r: r.micro_batch_s)
@@ -357,6 +364,19 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
         tokens_per_s=train.global_batch * train.seq_len / step if step > 0 else 0.0,
         mfu=model_flops / (step * mesh.world_size * peak_flops) if step > 0 else 0.0,
     )
+
+
+def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -> float:
+    """Scale of block activations in ``predict``: the calibration's ``compiled_saved_scale`` when the
+    runtime compiles ``plan`` (pp = 1, no ZeRO-3 layer: ``runtime.compile_allowed`` on a GPU; the
+    calibration carries the scale only for GPU runs) and the scale was measured for this model;
+    else 1. The search keeps the eager activations (a conservative bound: one ZeRO-3 layer makes
+    the whole plan run eager, which a per-layer cost cannot see)."""
+    scale = cluster.calibration.get(COMPILED_SAVED_SCALE_KEY)
+    if (scale is None or plan.mesh.pp != 1 or any(s.state == "zero3" for s in plan.layers)
+            or cluster.calibration.get("layer_times.model") != graph.model_name):
+        return 1.0
+    return float(scale)
 
 
 @dataclass(frozen=True)

@@ -160,3 +160,47 @@ def test_cli_compile_times_compiled_layers(tmp_path):
     assert all(s["fwd_s"] > 0 for s in samples)
     applied = Cluster.detect().with_calibration(out)
     assert sum(k.startswith("layer_time|") for k in applied.calibration) == 2 * len(samples)
+
+
+def test_compiled_saved_scale_of_llama_is_below_one():
+    """Inductor's min-cut partitioner recomputes Llama's fp32 norm/RoPE chains instead of saving them."""
+    from autoshard.calibrate_probe import block_saved_bytes, compiled_saved_scale
+
+    sizes = block_saved_bytes("llama:tiny", SEQ, 2)
+    assert 0 < sizes["min_cut"] < sizes["default"]
+    assert compiled_saved_scale("llama:tiny", SEQ, 2) == pytest.approx(sizes["min_cut"] / sizes["default"])
+
+
+def _with_scale(scale, model="llama:tiny"):
+    return Cluster.preset("h100-sxm", 1, 2).with_calibration(
+        {"layer_times": {"model": model, "dtype": "bf16", "seq_len": SEQ, "samples": [],
+                         "compiled_saved_scale": scale}})
+
+
+def test_compiled_scale_applies_to_block_activations_of_compiled_plans_only():
+    graph = capture_reference("llama:tiny", seq_lens=(SEQ // 2, SEQ), dtype=torch.bfloat16)
+    train = TrainSpec(global_batch=4, seq_len=SEQ, precision="bf16", micro_batch=2)
+    from autoshard.plan import Plan
+
+    def plan(state):
+        return Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=2),
+                    layers=tuple(LayerStrategy(layer=l.name, state=state) for l in graph.layers),
+                    schedule=Schedule(micro_batch=2, num_micro_batches=1))
+
+    def activations(p, cluster):
+        return cost_model.predict(graph, p, cluster, train).memory_breakdown["activations"]
+
+    eager, half = Cluster.preset("h100-sxm", 1, 2), _with_scale(0.5)
+    blocks = sum(l.saved_bytes(2, SEQ) for l in graph if l.block is not None)
+    dp = plan("zero1")
+    assert cost_model.compiled_activation_scale(graph, dp, half) == 0.5
+    assert activations(dp, eager) - activations(dp, half) == pytest.approx(0.5 * blocks, rel=1e-6)
+    # one ZeRO-3 layer keeps the whole program eager; a scale measured for another model is not used
+    assert activations(plan("zero3"), half) == activations(plan("zero3"), eager)
+    assert cost_model.compiled_activation_scale(graph, dp, _with_scale(0.5, model="gpt:tiny")) == 1.0
+
+
+@pytest.mark.parametrize("bad", [0.0, 1.5, "x"])
+def test_compiled_scale_out_of_range_is_refused(bad):
+    with pytest.raises(AutoshardError, match="compiled_saved_scale"):
+        _with_scale(bad)
