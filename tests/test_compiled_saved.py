@@ -1,4 +1,5 @@
-"""``benchmarks/compiled_saved.py``: what inductor's partitioner would save, on meta tensors.
+"""What inductor's partitioner would save, on meta tensors (``calibrate_probe.saved_bytes``,
+``benchmarks/compiled_saved.py``).
 
 The min-cut partitioner (compiled runtime) saves no more than the default one (eager-like), the
 block term is positive and the same for every added block, and the default partitioner's
@@ -7,12 +8,16 @@ per-block bytes are close to what capture measures from the eager model for the 
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from torch._functorch.partitioners import default_partition, min_cut_rematerialization_partition
 
 from autoshard.passes.capture import capture_reference
-from benchmarks.compiled_saved import saved_bytes
+from autoshard.calibrate_probe import saved_bytes
+from autoshard.cluster import Cluster
+from benchmarks import compiled_saved
 
 SPEC, SEQ, MB = "llama:tiny", 16, 2
 
@@ -39,3 +44,12 @@ def test_default_partition_matches_capture_per_block(sizes):
     captured = sum(layer.saved_bytes(MB, SEQ) for layer in block)
     per_block = sizes["default"][1] - sizes["default"][0]
     assert per_block == pytest.approx(captured, rel=0.15)
+
+
+def test_cli_writes_the_scale_into_a_calibration_file(tmp_path):
+    cal = tmp_path / "cal.json"
+    cal.write_text(json.dumps({"layer_times": {"model": SPEC, "dtype": "bf16", "seq_len": SEQ, "samples": []}}))
+    assert compiled_saved.main(["--model", SPEC, "--seq", str(SEQ), "--micro-batch", str(MB), "--into", str(cal)]) == 0
+    scale = json.loads(cal.read_text())["layer_times"]["compiled_saved_scale"]
+    assert 0 < scale < 1  # Llama's fp32 norm and RoPE chains are recomputed, not saved
+    assert Cluster.preset("h100-sxm", 1, 2).with_calibration(cal).calibration["layer_times.compiled_saved_scale"] == scale
