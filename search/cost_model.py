@@ -135,7 +135,7 @@ Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
              + in_flight_k·Σ activations
 
 bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles the plan
-(pp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
+(pp = ep = cp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
 (``autoshard/calibrate_probe.py``, "Compiled activations"), block activations are scaled by it
 (``compiled_activation_scale``; ``predict`` only, the search keeps eager activations). The head's activations include the
 loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
@@ -368,12 +368,13 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
 
 def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -> float:
     """Scale of block activations in ``predict``: the calibration's ``compiled_saved_scale`` when the
-    runtime compiles ``plan`` (pp = 1, no ZeRO-3 layer: ``runtime.compile_allowed`` on a GPU; the
+    runtime compiles ``plan`` (pp = ep = cp = 1, no ZeRO-3 layer: ``runtime.compile_allowed`` on a GPU; the
     calibration carries the scale only for GPU runs) and the scale was measured for this model;
     else 1. The search keeps the eager activations (a conservative bound: one ZeRO-3 layer makes
     the whole plan run eager, which a per-layer cost cannot see)."""
     scale = cluster.calibration.get(COMPILED_SAVED_SCALE_KEY)
-    if (scale is None or plan.mesh.pp != 1 or any(s.state == "zero3" for s in plan.layers)
+    mesh = plan.mesh  # the conditions of runtime.compile_allowed (search does not import the runtime)
+    if (scale is None or mesh.pp != 1 or mesh.ep != 1 or mesh.cp != 1 or any(s.state == "zero3" for s in plan.layers)
             or cluster.calibration.get("layer_times.model") != graph.model_name):
         return 1.0
     return float(scale)

@@ -1,7 +1,7 @@
 """``compile_allowed``: what ``build_program(compile_graph="auto")`` (the default) compiles.
 
-CUDA devices with pp = 1 and no ZeRO-3 layer compile; the CPU, pipelines and ZeRO-3 plans stay
-eager. The compiled path itself is tested in ``test_compile_program.py``.
+CUDA devices with pp = ep = cp = 1 and no ZeRO-3 layer compile; the CPU, pipelines, expert and
+context parallelism and ZeRO-3 plans stay eager. The compiled path itself is tested in ``test_compile_program.py``.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ SPEC = "llama:tiny"
     (Mesh(dp_shard=2), "zero3", "cuda", False),
     (Mesh(dp_shard=2), "offload", "cuda", True),
     (Mesh(pp=2), "replicate", "cuda", False),
+    (Mesh(dp_shard=2, ep=2), "replicate", "cuda", False),
+    (Mesh(cp=2), "replicate", "cuda", False),
 ])
 def test_compile_allowed(mesh, state, device, expected):
     plan = make_plan(SPEC, mesh, lambda _name: {"state": state})

@@ -1,8 +1,8 @@
 """``build_program(compile_graph=True)``: the per-rank graph through ``torch.compile`` trains as the eager one.
 
 One gloo job (world 2, llama:tiny, fp32, 3 SGD steps of 2 micro-batches, clipping on):
-a DP plan (replicate + ZeRO-1) and a Megatron TP 2 plan, whose graph holds ``autoshard::``
-collectives, each compiled and eager; losses and trained shards must agree (fp32, 1e-5).
+a DP plan (replicate + ZeRO-1), a Megatron TP 2 plan and a TP 2 + SP plan, whose graphs hold
+``autoshard::`` collectives, each compiled and eager; losses and trained shards must agree (fp32, 1e-5).
 A ZeRO-3 plan is refused with a ``PlanError`` (its re-gather runs as saved-tensor hooks).
 """
 
@@ -33,6 +33,8 @@ PLANS = {
     "dp": (Mesh(dp_shard=2), lambda name: {"state": "zero1" if name.endswith("mlp") else "replicate"}),
     "tp2": (Mesh(tp=2), lambda name: {"state": "replicate", "tp": "megatron"}
             if name.endswith(("attn", "mlp")) else {"state": "replicate"}),
+    # sequence parallel: the residual stream is seq-sharded, SP all-gathers/reduce-scatters in the graph
+    "tp2_sp": (Mesh(tp=2), lambda _name: {"state": "replicate", "tp": "megatron", "sp": True}),
 }
 
 
