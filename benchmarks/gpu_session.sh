@@ -108,6 +108,7 @@ bench_cmd() {  # bench_cmd NAME GPUS ARGS...: sets CMD to one matrix run's torch
     benchmarks/run.py --out "$OUT/matrix/$name" "${shape[@]}" --steps "${MATRIX_STEPS:-10}"
     --warmup "${MATRIX_WARMUP:-3}" --configs "${MATRIX_CONFIGS:-$ALL_CONFIGS}" ${cal[@]+"${cal[@]}"} "${args[@]}")
   [[ ",${MATRIX_PROFILE:-}," == *",$name,"* ]] && CMD+=(--profile)  # MATRIX_PROFILE: runs that profile a step per config
+  [[ ",${MATRIX_MEMORY:-}," == *",$name,"* ]] && CMD+=(--memory-snapshot)  # MATRIX_MEMORY: runs that record what is live at the peak
 }
 
 matrix_limit() {  # matrix_limit NAME CAP: sets LIMIT, the seconds the next run may take (0: do not start it)

@@ -138,6 +138,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "summary (GPU busy/idle, per-stream NCCL and compute time, top kernels; this rank's "
                         "view). Every config measured after the first profiled one runs slower (measured on "
                         "H100s): compare only the first config's timing, or profile one config per process")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="after each config's timed steps, one more step under the CUDA allocator's history "
+                        "(torch.cuda.memory._record_memory_history); the row gets memory_at_peak: the bytes "
+                        "live before the step, the step's peak and what was allocated in the step and still "
+                        "live at that peak, grouped by the allocating Python line (this rank; CUDA only)")
     p.add_argument("--list-plans", action="store_true",
                    help="search only: print the autoshard plans and predictions, write OUT/plans.json, train nothing")
     args = p.parse_args(argv)
@@ -199,7 +204,7 @@ def _baseline_factory(name: str) -> Callable[..., Any]:
 
 
 def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, stop_on_error: bool,
-             profile: bool = False) -> dict:
+             profile: bool = False, memory_snapshot: bool = False) -> dict:
     """Build and measure one config; a row with ``status`` ok / skipped / failed."""
     reset_memory(device)
     trainer = None
@@ -214,6 +219,8 @@ def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, 
                "peak_memory_bytes": result.peak_memory_bytes, "build_s": built - start}
         if profile:
             row["profile"] = profile_step(trainer.step, batches[-1], device)
+        if memory_snapshot and device.type == "cuda":
+            row["memory_at_peak"] = memory_snapshot_step(trainer.step, batches[-1], device)
         row["wall_s"] = time.perf_counter() - start
         return row
     except BaselineUnavailable as err:
@@ -271,6 +278,57 @@ def profile_step(step: Callable[[torch.Tensor], Any], tokens: torch.Tensor, devi
                gpu_idle_ms=streams["gpu_idle_s"] * 1e3, streams=streams["streams"],
                top_kernels=[{"name": n, "ms": ms, "count": c} for n, (ms, c) in ranked])
     return out
+
+
+def memory_snapshot_step(step: Callable[[torch.Tensor], Any], tokens: torch.Tensor, device, top: int = 20) -> dict:
+    """One more ``step(tokens)`` under the CUDA allocator's history; ``peak_summary`` of it (``--memory-snapshot``)."""
+    synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    torch.cuda.memory._record_memory_history(max_entries=1_000_000, stacks="python")
+    try:
+        step(tokens)
+        synchronize(device)
+        snapshot = torch.cuda.memory._snapshot(device)
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return peak_summary(snapshot["device_traces"][index], before, top)
+
+
+def peak_summary(trace: list[dict], before: int, top: int = 20) -> dict:
+    """Replay one device's allocator trace from ``before`` live bytes: the peak, and what the step
+    allocated that was live at it, grouped by the allocating line.
+
+    ``trace``: the events of ``torch.cuda.memory._snapshot()["device_traces"][i]`` (``action``
+    alloc / free_completed, ``addr``, ``size``, ``frames`` innermost first). A block freed in the
+    step but allocated before it only lowers the running total. The group of a block is the first
+    frame outside ``torch/`` (the model, runtime or benchmark line that caused it), else the
+    innermost frame.
+    """
+    live: dict[int, dict] = {}
+    current = peak = before
+    at_peak: list[dict] = []
+    for event in trace:
+        action, size = event.get("action"), int(event.get("size", 0))
+        if action == "alloc":
+            current += size
+            live[event["addr"]] = event
+            if current > peak:
+                peak, at_peak = current, list(live.values())
+        elif action == "free_completed":
+            current -= size
+            live.pop(event["addr"], None)
+    groups: dict[str, list[int]] = {}
+    for event in at_peak:
+        frames = event.get("frames") or []
+        frame = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0] if frames else None)
+        where = f"{'/'.join(frame['filename'].rsplit('/', 2)[-2:])}:{frame['line']} {frame['name']}" if frame else "?"
+        entry = groups.setdefault(where, [0, 0])
+        entry[0] += int(event["size"])
+        entry[1] += 1
+    ranked = sorted(groups.items(), key=lambda kv: -kv[1][0])[:top]
+    return {"before_step_bytes": before, "peak_bytes": peak, "allocated_in_step_at_peak_bytes": peak - before,
+            "top": [{"where": w, "bytes": b, "blocks": n} for w, (b, n) in ranked]}
 
 
 def _predict(graph, plan: Plan, cluster: Cluster | None, spec: RunSpec) -> dict | None:
@@ -340,10 +398,12 @@ def _benchmark(args: argparse.Namespace) -> None:
 
     for named in plans:
         build = lambda plan=named.plan, name=named.name: AutoshardTrainer(spec, device, graph, plan, detected, name=name)  # noqa: E731
-        record(_run_one(named.name, build, batches, args.warmup, device, args.stop_on_error, args.profile), named.plan)
+        record(_run_one(named.name, build, batches, args.warmup, device, args.stop_on_error, args.profile,
+                        args.memory_snapshot), named.plan)
     for name in (c for c in args.configs if c != "autoshard"):
         build = lambda name=name: _baseline_factory(name)(spec, device)  # noqa: E731
-        row = _run_one(name, build, batches, args.warmup, device, args.stop_on_error, args.profile)
+        row = _run_one(name, build, batches, args.warmup, device, args.stop_on_error, args.profile,
+                       args.memory_snapshot)
         record(row, _equivalent_plan(name, graph, spec, world))
     if rank == 0:
         print(report.markdown(meta, rows))
