@@ -304,7 +304,11 @@ def block_saved_bytes(spec: str, seq_len: int, micro_batch: int, attn_impl: str 
 
 def compiled_saved_scale(spec: str, seq_len: int, micro_batch: int = 1, attn_impl: str | None = None) -> float:
     """Min-cut over default per-block saved bytes: the compiled runtime's block-activation scale."""
-    sizes = block_saved_bytes(spec, seq_len, micro_batch, attn_impl)
+    return saved_scale(block_saved_bytes(spec, seq_len, micro_batch, attn_impl), spec)
+
+
+def saved_scale(sizes: dict[str, int], spec: str) -> float:
+    """``block_saved_bytes``' min-cut over default, at most 1."""
     if sizes["default"] <= 0:
         raise AutoshardError(f"{spec}: a block saved no activations under the default partitioner; "
                              "cannot scale compiled activations")

@@ -22,18 +22,15 @@ cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
 mkdir -p "$OUT/ab"
 for spec in ${AB_MODELS:-gpt:1.3b:sdpa llama:350m}; do
-  IFS=: read -r family size attn <<< "$spec"
-  model="$family:$size"
-  cal=(); [[ -f "${CAL_DIR:-.cal}/${family}_${size}.json" ]] && cal=(--calibration "${CAL_DIR:-.cal}/${family}_${size}.json")
-  attn_args=(); [[ -n ${attn:-} ]] && attn_args=(--attn "$attn")
+  model_spec "$spec"
   for cdmc in ${AB_CDMC:-1 8}; do
     for overlap in ${AB_OVERLAP:-1 0}; do
      for compile in ${AB_COMPILE:-0}; do
-      name="${family}${size}_c${cdmc}_o${overlap}"; [[ $compile == 1 ]] && name+="_compiled"
+      name="${TAG}_c${cdmc}_o${overlap}"; [[ $compile == 1 ]] && name+="_compiled"
       CUDA_DEVICE_MAX_CONNECTIONS=$cdmc AUTOSHARD_OVERLAP_GRAD_SYNC=$overlap AUTOSHARD_COMPILE=$compile timeout 300 \
         "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" benchmarks/run.py \
-        --model "$model" "${attn_args[@]}" --batch 16 --seq 1024 --precision bf16 --steps 6 --warmup 2 \
-        ${cal[@]+"${cal[@]}"} ${AB_ARGS:---configs autoshard,fsdp2-noreshard --variants zero3} \
+        "${MODEL_ARGS[@]}" --batch 16 --seq 1024 --precision bf16 --steps 6 --warmup 2 \
+        ${AB_ARGS:---configs autoshard,fsdp2-noreshard --variants zero3} \
         --out "$OUT/ab/$name" > "$OUT/ab/$name.log" 2>&1
       echo "=== $name rc=$?"
       "$PYTHON" - "$OUT/ab/$name/results.json" <<'PY'

@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from autoshard.calibrate_probe import block_saved_bytes  # noqa: E402
+from autoshard.calibrate_probe import block_saved_bytes, saved_scale  # noqa: E402
 from autoshard.cluster_io import read_mapping_file  # noqa: E402
 
 
@@ -38,7 +38,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--into", type=Path, help="calibration file whose layer_times get compiled_saved_scale")
     args = p.parse_args(argv)
     sizes = block_saved_bytes(args.model, args.seq, args.micro_batch, args.attn)
-    scale = min(sizes["min_cut"] / sizes["default"], 1.0)
+    scale = saved_scale(sizes, args.model)
     mib = 2 ** 20
     print(f"{args.model}, seq {args.seq}, micro-batch {args.micro_batch}: saved per block "
           f"{sizes['default'] / mib:.1f} MiB (default partitioner), {sizes['min_cut'] / mib:.1f} MiB (min-cut); "

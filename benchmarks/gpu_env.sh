@@ -35,3 +35,14 @@ export PYTHONPATH="$SHIM:$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # `python -m`/`-c` put the working directory first on sys.path, where the repository's own
 # autoshard/ (without the stage folders) would shadow the shim: keep it off.
 export PYTHONSAFEPATH=1
+
+model_spec() {  # model_spec FAMILY:SIZE[:ATTN]: sets MODEL, TAG (e.g. llama1.3b) and MODEL_ARGS for run.py
+  local family size attn cal   # (--model, --attn when given, --calibration when CAL_DIR, default .cal, has the file)
+  IFS=: read -r family size attn <<< "$1"
+  MODEL="$family:$size"; TAG="$family$size"
+  MODEL_ARGS=(--model "$MODEL")
+  [[ -n ${attn:-} ]] && MODEL_ARGS+=(--attn "$attn")
+  cal="${CAL_DIR:-.cal}/${family}_${size}.json"
+  [[ -f $cal ]] && MODEL_ARGS+=(--calibration "$cal")
+  return 0
+}

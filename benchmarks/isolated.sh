@@ -28,16 +28,13 @@ device=(); [[ ${ISO_DEVICE:-cuda} == cpu ]] && device=(--device cpu --precision 
 for ((r = 1; r <= ${ISO_REPEATS:-2}; r++)); do
   for run in ${ISO_RUNS:-llama:350m=autoshard,fsdp2-noreshard-compiled}; do
     spec=${run%%=*}; configs=${run#*=}
-    IFS=: read -r family size attn <<< "$spec"
-    model="$family:$size"; tag="${family}${size}"
-    cal=(); [[ -f "${CAL_DIR:-.cal}/${family}_${size}.json" ]] && cal=(--calibration "${CAL_DIR:-.cal}/${family}_${size}.json")
-    attn_args=(); [[ -n ${attn:-} ]] && attn_args=(--attn "$attn")
+    model_spec "$spec"; tag=$TAG
     shape=(--batch 16 --seq 1024 --precision bf16); [[ ${ISO_DEVICE:-cuda} == cpu ]] && shape=(--batch 8 --seq 16)
     for config in ${configs//,/ }; do
       dir="$OUT/iso/$tag/${config}_r$r"; mkdir -p "$OUT/iso/$tag"
       timeout "${ISO_LIMIT:-120}" "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$NPROC" \
-        benchmarks/run.py --model "$model" ${attn_args[@]+"${attn_args[@]}"} "${shape[@]}" "${device[@]}" \
-        --steps "${ISO_STEPS:-12}" --warmup "${ISO_WARMUP:-4}" ${cal[@]+"${cal[@]}"} --configs "$config" \
+        benchmarks/run.py "${MODEL_ARGS[@]}" "${shape[@]}" ${device[@]+"${device[@]}"} \
+        --steps "${ISO_STEPS:-12}" --warmup "${ISO_WARMUP:-4}" --configs "$config" \
         ${ISO_ARGS:-} --out "$dir" > "$dir.log" 2>&1
       echo "=== $tag $config round $r rc=$?"
     done

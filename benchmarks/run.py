@@ -305,21 +305,23 @@ def peak_summary(trace: list[dict], before: int, top: int = 20) -> dict:
     frame outside ``torch/`` (the model, runtime or benchmark line that caused it), else the
     innermost frame.
     """
-    live: dict[int, dict] = {}
     current = peak = before
-    at_peak: list[dict] = []
-    for event in trace:
-        action, size = event.get("action"), int(event.get("size", 0))
-        if action == "alloc":
-            current += size
-            live[event["addr"]] = event
+    peak_at = -1  # index of the allocation that reached the peak
+    for i, event in enumerate(trace):  # first pass: the running total
+        if event.get("action") == "alloc":
+            current += int(event["size"])
             if current > peak:
-                peak, at_peak = current, list(live.values())
-        elif action == "free_completed":
-            current -= size
+                peak, peak_at = current, i
+        elif event.get("action") == "free_completed":
+            current -= int(event["size"])
+    live: dict[int, dict] = {}
+    for event in trace[:peak_at + 1]:  # second pass: what the step allocated and had not freed by then
+        if event.get("action") == "alloc":
+            live[event["addr"]] = event
+        elif event.get("action") == "free_completed":
             live.pop(event["addr"], None)
     groups: dict[str, list[int]] = {}
-    for event in at_peak:
+    for event in live.values():
         frames = event.get("frames") or []
         frame = next((f for f in frames if "/torch/" not in f.get("filename", "")), frames[0] if frames else None)
         where = f"{'/'.join(frame['filename'].rsplit('/', 2)[-2:])}:{frame['line']} {frame['name']}" if frame else "?"

@@ -203,12 +203,9 @@ def build_program(
 
 
 def compile_allowed(plan: Plan, device: Any) -> bool:
-    """Whether ``compile_graph="auto"`` compiles ``plan`` on ``device``: CUDA, pp = 1, no ZeRO-3 layer,
-    and ep = cp = 1 (expert routing's data-dependent all-to-all splits and context parallelism are
-    not tested compiled; ``compile_graph=True`` still compiles them)."""
-    mesh = plan.mesh
-    return (torch.device(device).type == "cuda" and mesh.pp == 1 and mesh.ep == 1 and mesh.cp == 1
-            and not any(s.state == "zero3" for s in plan.layers))
+    """Whether ``compile_graph="auto"`` compiles ``plan`` on ``device``: CUDA and ``plan.compilable``
+    (pp = ep = cp = 1, no ZeRO-3 layer; ``compile_graph=True`` still compiles ep/cp plans)."""
+    return torch.device(device).type == "cuda" and plan.compilable
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:

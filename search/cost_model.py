@@ -373,9 +373,7 @@ def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -
     else 1. The search keeps the eager activations (a conservative bound: one ZeRO-3 layer makes
     the whole plan run eager, which a per-layer cost cannot see)."""
     scale = cluster.calibration.get(COMPILED_SAVED_SCALE_KEY)
-    mesh = plan.mesh  # the conditions of runtime.compile_allowed (search does not import the runtime)
-    if (scale is None or mesh.pp != 1 or mesh.ep != 1 or mesh.cp != 1 or any(s.state == "zero3" for s in plan.layers)
-            or cluster.calibration.get("layer_times.model") != graph.model_name):
+    if scale is None or not plan.compilable or cluster.calibration.get("layer_times.model") != graph.model_name:
         return 1.0
     return float(scale)
 
