@@ -49,7 +49,7 @@ outside the compiled program) or inductor's buffer reuse.
 
 Optimizer (``probe_adamw``): ``runtime/optimizer.py``'s AdamW step itself —
 bf16 gradients cast to fp32, multi-tensor clipping norms, the clip scale,
-``foreach_update`` and the multi-tensor write-back to the bf16 parameters —
+``apply_update`` (the fused AdamW kernel) and the multi-tensor write-back to the bf16 parameters —
 over one large flat fp32 buffer (``s_per_param`` = slope) and over many tiny
 tensors (``s_per_tensor`` = the per-tensor floor, which the multi-tensor
 kernels make small).
@@ -324,16 +324,16 @@ def _adamw_step(group: list[tuple[torch.Tensor, ...]], step: int) -> float:
     Per slot the fp32 cast of the bf16 gradient (``set_grad``); then, as the
     optimizer does for all slots of a device at once: the clipping norms
     (``_foreach_norm``, summed on the device, one host read), the clip scale,
-    the AdamW update (``foreach_update``) and the write-back to the bf16
+    the AdamW update (``apply_update``) and the write-back to the bf16
     parameters (``_foreach_copy_``).
     """
-    from autoshard.runtime.optimizer import OptimizerConfig, foreach_update
+    from autoshard.runtime.optimizer import OptimizerConfig, apply_update
 
     masters, exp_avg, exp_avg_sq, grads16, params16 = (list(t) for t in zip(*group))
     grads = [g.to(torch.float32) for g in grads16]
     total = torch.stack(torch._foreach_norm(grads)).double().pow(2).sum()
     torch._foreach_mul_(grads, 0.5)
-    foreach_update(OptimizerConfig(), step, masters, grads, exp_avg, exp_avg_sq)
+    apply_update(OptimizerConfig(), step, masters, grads, exp_avg, exp_avg_sq)
     torch._foreach_copy_(params16, masters)
     return float(total.sqrt())  # the clip scale reaches the host once per step
 

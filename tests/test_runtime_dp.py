@@ -124,3 +124,51 @@ def test_zero3_shards_are_chunks(results4):
     placement = per_rank[0]["placements"]["value_head.bias"]  # 1 row over 4 ranks: 1, 0, 0, 0
     assert [r["placements"]["value_head.bias"].local_shape for r in per_rank] == [(1,), (0,), (0,), (0,)]
     assert placement.global_shape == (1,)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+def test_fused_update_matches_torch_adamw(weight_decay):
+    """The runtime's AdamW (the fused kernel) and its foreach fallback step as torch.optim.AdamW does."""
+    import torch
+
+    from autoshard.runtime.optimizer import OptimizerConfig, apply_update, foreach_update, update_kind
+
+    cfg = OptimizerConfig(name="adamw", lr=1e-3, weight_decay=weight_decay)
+    gen = torch.Generator().manual_seed(0)
+    shapes = [(7,), (33, 5), (1024,), (3, 3, 3)]
+    start = [torch.randn(s, generator=gen) for s in shapes]
+    params = [torch.nn.Parameter(t.clone()) for t in start]
+    reference = torch.optim.AdamW(params, lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=weight_decay,
+                                  foreach=False, fused=False)
+    fused, looped = [t.clone() for t in start], [t.clone() for t in start]
+    moments = {key: [torch.zeros(s) for s in shapes] for key in ("f1", "f2", "l1", "l2")}
+    assert update_kind(cfg, fused) == "fused"
+    assert update_kind(OptimizerConfig(name="sgd"), fused) == "foreach"
+    for step in range(1, 6):
+        grads = [torch.randn(s, generator=gen) for s in shapes]
+        for p, g in zip(params, grads, strict=True):
+            p.grad = g.clone()
+        reference.step()
+        apply_update(cfg, step, fused, [g.clone() for g in grads], moments["f1"], moments["f2"])
+        foreach_update(cfg, step, looped, [g.clone() for g in grads], moments["l1"], moments["l2"])
+    for p, a, b in zip(params, fused, looped, strict=True):
+        torch.testing.assert_close(a, p.detach(), rtol=1e-6, atol=1e-7)
+        torch.testing.assert_close(b, p.detach(), rtol=1e-6, atol=1e-7)
+
+
+def test_optimizer_bench_smoke(tmp_path):
+    """benchmarks/optimizer_bench.py runs both update paths and writes its JSON (tiny CPU run)."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parents[1]
+    out = tmp_path / "optimizer.json"
+    proc = subprocess.run([sys.executable, str(repo / "benchmarks" / "optimizer_bench.py"), "--smoke", "--out", str(out)],
+                          cwd=repo, env={**os.environ, "PYTHONPATH": str(repo)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["params"] == 4096 and report["fused"]["median_ms"] > 0 and report["foreach"]["median_ms"] > 0
