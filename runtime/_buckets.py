@@ -135,4 +135,17 @@ def all_gather(chunks: Sequence[Tensor], n: int, group: str) -> list[Tensor]:
     return [block.reshape(-1) for block in full.split(sizes, dim=1)]
 
 
-__all__ = ["BUCKETED_WIRES", "all_gather", "all_reduce", "assign", "finish", "reduce_scatter", "start"]
+def all_gather_begin(chunks: Sequence[Tensor], n: int, group: str) -> tuple:
+    """``all_gather`` launched and not waited (``async_collectives.all_gather_start``: a side stream
+    on CUDA, ``async_op=True`` on gloo); ``all_gather_end`` completes it with the same result."""
+    sizes = [c.numel() for c in chunks]
+    return async_collectives.all_gather_start(torch.cat(list(chunks)), group), n, sizes
+
+
+def all_gather_end(handle: tuple) -> list[Tensor]:
+    """The result of an ``all_gather_begin``: per member the ``(n·c_i,)`` concatenation, as ``all_gather``."""
+    pending, n, sizes = handle
+    return [piece.reshape(-1) for piece in async_collectives.all_gather_wait(pending, n, sizes)]
+
+
+__all__ = ["BUCKETED_WIRES", "all_gather", "all_gather_begin", "all_gather_end", "all_reduce", "assign", "finish", "reduce_scatter", "start"]

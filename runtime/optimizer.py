@@ -27,6 +27,12 @@ syncs like ZeRO-2 (reduce-scatter, half the all-reduce's bytes): the gradient
 is still accumulated in full ``param.grad`` during backward, so in this runtime
 ZeRO-1 and ZeRO-2 differ only in the quantized path.
 
+Update and re-gather overlap: the flat slots are updated one gather bucket at a time, and each
+bucket's all-gather is launched (``_buckets.all_gather_begin``: a side stream on CUDA) as soon
+as its masters are updated, so it runs under the update of the following buckets; the copies
+into the compute params wait for it (``write_back``). Same values as updating everything, then
+gathering. Offloaded slots (masters on the host) are updated with the rest and gathered after.
+
 Overlapped gradient sync (``enable_overlap``; ``Program`` turns it on with
 ``build_program(overlap_grad_sync=True)`` when pp = 1, off by default because it was measured
 slower on H100s, docs/runtime.md; DDP's ``Reducer`` does the same): a post-accumulate-grad hook on every bucketed parameter marks it
@@ -333,12 +339,24 @@ class ShardedOptimizer:
         self.sync_grads()
         norm, scale = self._clip_tensors()
         self.steps += 1
-        for slots, _replication in self._groups:
-            grads = [s.grad for s in slots]
-            if self.config.max_grad_norm is not None:
+        if self.config.max_grad_norm is not None:
+            for slots, _replication in self._groups:
+                grads = [s.grad for s in slots]
                 torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
-            self._update(slots, grads)
-        self.write_back()
+        # flat slots updated where they are gathered: bucket by bucket, each all-gather launched as soon as
+        # its bucket is updated, so it runs under the update of the next ones (module docstring)
+        started, updated = [], set()
+        for bucket in self._gather_buckets:
+            if all(s.master.device == s.param.device for s in bucket):
+                self._update(bucket, [s.grad for s in bucket])
+                updated.update(id(s) for s in bucket)
+                chunks = [s.master.to(s.param.dtype) for s in bucket]
+                started.append((bucket, _buckets.all_gather_begin(chunks, self.ctx.size("dp"), self.ctx.group("dp"))))
+        for slots, _replication in self._groups:
+            rest = [s for s in slots if id(s) not in updated]
+            if rest:
+                self._update(rest, [s.grad for s in rest])
+        self.write_back(started)
         return float(norm)
 
     def sync_grads(self) -> None:
@@ -364,11 +382,20 @@ class ShardedOptimizer:
         for slot in self._unbucketed:
             slot.sync_grad()
 
-    def write_back(self) -> None:
-        """Copy updated masters into the compute params: one all-gather per bucket of flat slots."""
+    def write_back(self, started: list | None = None) -> None:
+        """Copy updated masters into the compute params: one all-gather per bucket of flat slots.
+
+        ``started``: (bucket, ``_buckets.all_gather_begin`` handle) of buckets whose gather ``step``
+        already launched; the other buckets are gathered here.
+        """
+        handles = dict((id(bucket[0]), handle) for bucket, handle in started or ())
         for bucket in self._gather_buckets:
-            chunks = [s.master.to(s.param.device, s.param.dtype) for s in bucket]
-            fulls = _buckets.all_gather(chunks, self.ctx.size("dp"), self.ctx.group("dp"))
+            handle = handles.get(id(bucket[0]))
+            if handle is not None:
+                fulls = _buckets.all_gather_end(handle)
+            else:
+                chunks = [s.master.to(s.param.device, s.param.dtype) for s in bucket]
+                fulls = _buckets.all_gather(chunks, self.ctx.size("dp"), self.ctx.group("dp"))
             # one multi-tensor copy per bucket (Slot.write_back's copy, without a launch per parameter)
             torch._foreach_copy_([s.param.data for s in bucket],
                                  [full[: s.numel].view_as(s.param) for s, full in zip(bucket, fulls, strict=True)])

@@ -53,6 +53,7 @@ from autoshard.passes.context import ParamPlacement, RankContext
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.runtime import collectives
+from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
 from autoshard.runtime.pipeline import PipelineEngine
 from autoshard.runtime.mesh import build_rank_context, check_world
 from autoshard.runtime.optimizer import OptimizerConfig, ShardedOptimizer
@@ -73,7 +74,8 @@ class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
-                 *, overlap_grad_sync: bool = False, compile_graph: bool | str = False):
+                 *, overlap_grad_sync: bool = False, compile_graph: bool | str = False,
+                 compile_regions: str = "block"):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
@@ -90,8 +92,12 @@ class Program:
                     "compile_graph needs pp = 1 and no ZeRO-3 layer (the ZeRO-3 re-gather runs as saved-tensor "
                     "hooks outside a compiled graph); run this plan without compile_graph, or choose such a plan"
                 )
-            # one compiled graph per input shape (training shapes are fixed); the autoshard:: collectives
-            # are registered ops with fake kernels, so they stay in the graph as opaque calls
+            if compile_regions not in REGIONS:
+                raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
+            if compile_regions == "block":  # one compiled graph per block (runtime/compile_regions.py)
+                insert_region_breaks(self.gm)
+            # one compiled graph per region and input shape (training shapes are fixed); the autoshard::
+            # collectives are registered ops with fake kernels, so they stay in the graph as opaque calls
             self._run = torch.compile(self.gm, dynamic=False)
 
     def forward(self, tokens: torch.Tensor) -> Any:
@@ -173,6 +179,7 @@ def build_program(
     device: str = "cpu",
     overlap_grad_sync: bool = False,
     compile_graph: bool | str = "auto",
+    compile_regions: str = "block",
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
@@ -184,7 +191,8 @@ def build_program(
     default) compiles exactly when ``compile_allowed``: a CUDA device and such a plan with
     ep = cp = 1. On 2×H100 it made the searched (DP) plans 1.07–1.8× faster (docs/runtime.md, "Compiled per-rank graph"); on
     the CPU the graph stays eager (inductor's CPU backend needs a C++ compiler and gains little
-    for the gloo tests).
+    for the gloo tests). ``compile_regions``: ``"block"`` (default) compiles each transformer block
+    as its own graph, ``"graph"`` the whole program as one (``runtime/compile_regions.py``).
     """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)
@@ -199,7 +207,8 @@ def build_program(
     config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
     grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
     sharded = ShardedOptimizer(params, placements, masters, ctx, config, grad_comm, bucket_bytes=plan.schedule.bucket_bytes)
-    return Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_graph=compile_graph)
+    return Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_graph=compile_graph,
+                   compile_regions=compile_regions)
 
 
 def compile_allowed(plan: Plan, device: Any) -> bool:

@@ -3,6 +3,9 @@
 One gloo job (world 2, llama:tiny, fp32, 3 SGD steps of 2 micro-batches, clipping on):
 a DP plan (replicate + ZeRO-1), a Megatron TP 2 plan and a TP 2 + SP plan, whose graphs hold
 ``autoshard::`` collectives, each compiled and eager; losses and trained shards must agree (fp32, 1e-5).
+The DP plan is also compiled as one whole graph (``compile_regions="graph"``). Per-block regions
+(the default) give gradients block by block: when the head's gradient is accumulated, the first
+block's is not there yet, as in eager; the whole graph hands them all over at once.
 A ZeRO-3 plan is refused with a ``PlanError`` (its re-gather runs as saved-tensor hooks).
 """
 
@@ -46,6 +49,12 @@ def results():
         jobs[f"{name}_eager"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=plan)
         jobs[f"{name}_compiled"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=plan,
                                                      compile_graph=True)
+    mesh, choose = PLANS["dp"]
+    jobs["dp_compiled_graph"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC),
+                                                  plan=make_plan(SPEC, mesh, choose), compile_graph=True,
+                                                  compile_regions="graph")
+    for mode in ("eager", "block", "graph"):
+        jobs[f"order_{mode}"] = functools.partial(_gradient_order, mode=mode)
     jobs["zero3_refused"] = _zero3_refusal
     return run_gloo_cases(jobs, 2, timeout_s=900)
 
@@ -58,6 +67,34 @@ def test_compiled_graph_trains_as_eager(results, name):
         for fqn in b["shards"]:
             torch.testing.assert_close(a["shards"][fqn], b["shards"][fqn], rtol=1e-5, atol=1e-6,
                                        msg=lambda m, fqn=fqn: f"{name} {fqn}: {m}")
+
+
+def test_whole_graph_compile_trains_as_eager(results):
+    for a, b in zip(results["dp_compiled_graph"], results["dp_eager"]):
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
+        for fqn in b["shards"]:
+            torch.testing.assert_close(a["shards"][fqn], b["shards"][fqn], rtol=1e-5, atol=1e-6)
+    assert all(r["compiled"] for r in results["dp_compiled_graph"])
+
+
+def _gradient_order(rank, world_size, mode):
+    """Whether block 0's gradient is still missing when the head's gradient is accumulated (one backward)."""
+    mesh, choose = PLANS["dp"]
+    plan = make_plan(SPEC, mesh, choose)
+    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
+                            compile_graph=mode != "eager", compile_regions="graph" if mode == "eager" else mode)
+    params = dict(program.gm.named_parameters())
+    first = params["blocks.0.attn.q.weight"]
+    seen = []
+    params["head.weight"].register_post_accumulate_grad_hook(lambda _p: seen.append(first.grad is None))
+    tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(rank))
+    program.forward(tokens)[0].float().pow(2).mean().backward()
+    return seen
+
+
+@pytest.mark.parametrize("mode, incremental", [("eager", True), ("block", True), ("graph", False)])
+def test_block_regions_hand_over_gradients_block_by_block(results, mode, incremental):
+    assert all(r == [incremental] for r in results[f"order_{mode}"])
 
 
 def _zero3_refusal(rank, world_size):

@@ -81,8 +81,11 @@ class AutoshardTrainer:
         # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when pp = 1 and no
         # ZeRO-3 layer, build_program's default), 1 (always; such a plan's row fails otherwise), 0 (eager)
         compile_graph = {"0": False, "1": True}.get(os.environ.get("AUTOSHARD_COMPILE", "auto"), "auto")
+        # AUTOSHARD_COMPILE_REGIONS: block (default, one compiled graph per block) or graph (one for all)
+        regions = os.environ.get("AUTOSHARD_COMPILE_REGIONS", "block")
         self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
-                                     device=str(device), overlap_grad_sync=overlap, compile_graph=compile_graph)
+                                     device=str(device), overlap_grad_sync=overlap, compile_graph=compile_graph,
+                                     compile_regions=regions)
         self.last_grad_norm = float("nan")
 
     def step(self, global_tokens: torch.Tensor) -> float:
