@@ -1,24 +1,22 @@
 """Compile regions: where ``torch.compile`` cuts the per-rank graph (``build_program(compile_regions=...)``).
 
-``"block"`` (the default): a ``torch._dynamo.graph_break()`` call goes in front of the first node of
-every transformer block and of the first node after the last block, so dynamo compiles the
-embedding (with the RoPE tables), each block and the head as separate graphs, each with its own
-AOT-autograd backward. ``"graph"``: one graph for the whole per-rank program.
+``"stem"`` (the default): one ``torch._dynamo.graph_break()`` in front of the first transformer
+block, so dynamo compiles the model-level prologue (embedding, RoPE tables) as one graph and
+everything from the first block on as another. ``"block"``: a break in front of every block and
+after the last, one graph per block. ``"graph"``: one graph for the whole per-rank program.
 
-Why blocks, measured on 2×H100 (Llama-1.3B, DP plan, torch 2.11; docs/runtime.md, "Compiled
-per-rank graph"):
+Why ``"stem"``: the RoPE cos/sin tables are computed once at the model level from ``arange`` and
+read by every block. Over one whole graph inductor fused their computation (``pow``,
+``reciprocal``, ``cos``, ``sin``) into every block's rotary kernel, forward and backward: on
+2×H100 (Llama-1.3B, DP plan, torch 2.11) 96 such kernels took 13 ms of a 173 ms step. Across a
+region boundary the tables are an input of the block graph, computed once per step.
 
-- **Gradients arrive per block.** A single compiled graph returns every parameter gradient at
-  the end of its one backward, so the overlapped DP gradient sync (``runtime/optimizer.py``) had
-  nothing to overlap: its post-accumulate-grad hooks all fired after the backward. With a graph
-  per block, autograd accumulates each block's gradients as soon as that block's backward ends,
-  and the buckets reduce under the backward of the blocks before it — as FSDP2 with a compiled
-  block does (torchtitan compiles each block before ``fully_shard``).
-- **Shared tables stay materialised.** The RoPE cos/sin tables are computed once at the model
-  level from ``arange`` and read by every block. Over the whole graph inductor fused their
-  computation (``pow``, ``reciprocal``, ``cos``, ``sin``) into each block's rotary kernel, forward
-  and backward: 48 such kernels took 13 ms of a 173 ms step. Across a region boundary they are a
-  graph output, computed once.
+Why not ``"block"`` by default, though it hands gradients over block by block (a single graph
+returns every gradient at the end of its one backward, so the overlapped DP gradient sync had
+nothing to overlap) as FSDP2 with compiled blocks does: measured on the same machine, compiling
+24 block graphs of Llama-1.3B took more than the 150 s a benchmark process is given, and GPT-1.3B
+with the overlapped sync stepped in 218 ms against 176 ms as one graph, the reduce-scatters
+contending with the backward's kernels (docs/runtime.md, "Compiled per-rank graph").
 
 Regions come from the nodes' ``nn_module_stack`` (kept by ``torch.export`` and by the passes'
 node copies): a node's region is the shortest module path in its stack whose last component is
@@ -33,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-REGIONS = ("block", "graph")
+REGIONS = ("stem", "block", "graph")
 _BREAK = torch._dynamo.graph_break
 
 
@@ -49,8 +47,9 @@ def region_of(node: torch.fx.Node) -> str | None | bool:
     return min(blocks, key=len) if blocks else None
 
 
-def insert_region_breaks(gm: torch.fx.GraphModule) -> int:
-    """Put a dynamo graph break at every region change of ``gm`` (module docstring); the number inserted.
+def insert_region_breaks(gm: torch.fx.GraphModule, regions: str = "block") -> int:
+    """Put dynamo graph breaks into ``gm`` (module docstring): at every region change (``"block"``),
+    or only in front of the first block (``"stem"``); the number inserted.
 
     Idempotent: a graph that already holds breaks is left as it is.
     """
@@ -69,7 +68,11 @@ def insert_region_breaks(gm: torch.fx.GraphModule) -> int:
         if region is False:
             continue
         if region != current:
-            if current is not None or region is not None:
+            if regions == "stem" and current is None and region is not None and breaks == 0:
+                with graph.inserting_before(_first_of_run(node)):
+                    graph.call_function(_BREAK, ())
+                breaks += 1
+            elif regions == "block" and (current is not None or region is not None):
                 with graph.inserting_before(_first_of_run(node)):
                     graph.call_function(_BREAK, ())
                 breaks += 1

@@ -278,6 +278,7 @@ class ShardedOptimizer:
                        if all(s.placement.dp_dim is None for s in self._grad_buckets[i])]
         self._next = 0  # position in _order of the next bucket to launch
         self.overlap_launches = 0  # buckets launched from backward, over the optimizer's life (tests)
+        self.gather_under_update = True  # False: update every slot, then gather (module docstring; A/B runs)
 
     def enable_overlap(self) -> None:
         """Register the post-accumulate-grad hooks of the overlapped gradient sync (module docstring)."""
@@ -346,7 +347,7 @@ class ShardedOptimizer:
         # flat slots updated where they are gathered: bucket by bucket, each all-gather launched as soon as
         # its bucket is updated, so it runs under the update of the next ones (module docstring)
         started, updated = [], set()
-        for bucket in self._gather_buckets:
+        for bucket in self._gather_buckets if self.gather_under_update else ():
             if all(s.master.device == s.param.device for s in bucket):
                 self._update(bucket, [s.grad for s in bucket])
                 updated.update(id(s) for s in bucket)

@@ -75,7 +75,7 @@ class Program:
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
                  *, overlap_grad_sync: bool = False, compile_graph: bool | str = False,
-                 compile_regions: str = "block"):
+                 compile_regions: str = "stem"):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
@@ -94,8 +94,8 @@ class Program:
                 )
             if compile_regions not in REGIONS:
                 raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
-            if compile_regions == "block":  # one compiled graph per block (runtime/compile_regions.py)
-                insert_region_breaks(self.gm)
+            if compile_regions != "graph":  # runtime/compile_regions.py
+                insert_region_breaks(self.gm, compile_regions)
             # one compiled graph per region and input shape (training shapes are fixed); the autoshard::
             # collectives are registered ops with fake kernels, so they stay in the graph as opaque calls
             self._run = torch.compile(self.gm, dynamic=False)
@@ -179,7 +179,7 @@ def build_program(
     device: str = "cpu",
     overlap_grad_sync: bool = False,
     compile_graph: bool | str = "auto",
-    compile_regions: str = "block",
+    compile_regions: str = "stem",
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
@@ -191,8 +191,9 @@ def build_program(
     default) compiles exactly when ``compile_allowed``: a CUDA device and such a plan with
     ep = cp = 1. On 2×H100 it made the searched (DP) plans 1.07–1.8× faster (docs/runtime.md, "Compiled per-rank graph"); on
     the CPU the graph stays eager (inductor's CPU backend needs a C++ compiler and gains little
-    for the gloo tests). ``compile_regions``: ``"block"`` (default) compiles each transformer block
-    as its own graph, ``"graph"`` the whole program as one (``runtime/compile_regions.py``).
+    for the gloo tests). ``compile_regions``: ``"stem"`` (default) compiles the prologue and the blocks
+    onward as two graphs, ``"block"`` each block as its own, ``"graph"`` the whole program as one
+    (``runtime/compile_regions.py``).
     """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)

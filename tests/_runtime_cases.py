@@ -84,7 +84,7 @@ class CountCollectives(TorchDispatchMode):
 
 
 def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=True,
-               compile_graph=False, compile_regions="block"):
+               compile_graph=False, compile_regions="stem"):
     """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1).
 
     ``counts`` counts the ``autoshard::`` ops of step 1; ``overlap_launches`` the gradient buckets

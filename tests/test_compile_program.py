@@ -3,8 +3,9 @@
 One gloo job (world 2, llama:tiny, fp32, 3 SGD steps of 2 micro-batches, clipping on):
 a DP plan (replicate + ZeRO-1), a Megatron TP 2 plan and a TP 2 + SP plan, whose graphs hold
 ``autoshard::`` collectives, each compiled and eager; losses and trained shards must agree (fp32, 1e-5).
-The DP plan is also compiled as one whole graph (``compile_regions="graph"``). Per-block regions
-(the default) give gradients block by block: when the head's gradient is accumulated, the first
+The plans compile with the default regions (``"stem"``); the DP plan also as one whole graph
+(``compile_regions="graph"``). Per-block regions
+give gradients block by block: when the head's gradient is accumulated, the first
 block's is not there yet, as in eager; the whole graph hands them all over at once.
 A ZeRO-3 plan is refused with a ``PlanError`` (its re-gather runs as saved-tensor hooks).
 """
@@ -53,7 +54,7 @@ def results():
     jobs["dp_compiled_graph"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC),
                                                   plan=make_plan(SPEC, mesh, choose), compile_graph=True,
                                                   compile_regions="graph")
-    for mode in ("eager", "block", "graph"):
+    for mode in ("eager", "stem", "block", "graph"):
         jobs[f"order_{mode}"] = functools.partial(_gradient_order, mode=mode)
     jobs["zero3_refused"] = _zero3_refusal
     return run_gloo_cases(jobs, 2, timeout_s=900)
@@ -92,7 +93,7 @@ def _gradient_order(rank, world_size, mode):
     return seen
 
 
-@pytest.mark.parametrize("mode, incremental", [("eager", True), ("block", True), ("graph", False)])
+@pytest.mark.parametrize("mode, incremental", [("eager", True), ("block", True), ("stem", False), ("graph", False)])
 def test_block_regions_hand_over_gradients_block_by_block(results, mode, incremental):
     assert all(r == [incremental] for r in results[f"order_{mode}"])
 

@@ -81,11 +81,13 @@ class AutoshardTrainer:
         # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when pp = 1 and no
         # ZeRO-3 layer, build_program's default), 1 (always; such a plan's row fails otherwise), 0 (eager)
         compile_graph = {"0": False, "1": True}.get(os.environ.get("AUTOSHARD_COMPILE", "auto"), "auto")
-        # AUTOSHARD_COMPILE_REGIONS: block (default, one compiled graph per block) or graph (one for all)
-        regions = os.environ.get("AUTOSHARD_COMPILE_REGIONS", "block")
+        # AUTOSHARD_COMPILE_REGIONS: stem (default), block or graph (runtime/compile_regions.py)
+        regions = os.environ.get("AUTOSHARD_COMPILE_REGIONS", "stem")
         self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
                                      device=str(device), overlap_grad_sync=overlap, compile_graph=compile_graph,
                                      compile_regions=regions)
+        # AUTOSHARD_GATHER_UNDER_UPDATE=0: update every slot, then all-gather (runtime/optimizer.py; A/B runs)
+        self.program.optimizer.gather_under_update = os.environ.get("AUTOSHARD_GATHER_UNDER_UPDATE", "1") == "1"
         self.last_grad_norm = float("nan")
 
     def step(self, global_tokens: torch.Tensor) -> float:
