@@ -119,10 +119,10 @@ runtime spent beyond this model under the layer's strategy, mesh and micro-batch
 ``predict`` adds the fitted per-step constant (``search/measured.py``). Without one, 0.
 
 Optimizer step (``optimizer_*``): ``Ψ_opt`` = Ψ/N for sharded states, Ψ for
-replicate; the eager per-tensor update of ``runtime/optimizer.py`` makes
-``P`` fp32 passes (AdamW 22, SGD 6) and the write-back reads the master and
+replicate; the update of ``runtime/optimizer.py`` makes
+``P`` fp32 passes (AdamW 8 with the fused kernel, SGD 6) and the write-back reads the master and
 writes the compute copy: ``optimizer_hbm_s = Ψ_opt·(4P + 4 + p)/(hbm·hbm_eff)``
-(94 B/param for bf16 AdamW), or ``Ψ_opt·calibration["adamw_s_per_param"]`` when measured. Offload: ``Ψ_opt·g/host_bw`` (grads down) ``+
+(38 B/param for bf16 AdamW), or ``Ψ_opt·calibration["adamw_s_per_param"]`` when measured. Offload: ``Ψ_opt·g/host_bw`` (grads down) ``+
 Ψ_opt/cpu_adam_params_per_s`` ``+ Ψ_opt·p/host_bw`` (params up). Each
 parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11; measured:
 ``calibration["adamw_s_per_tensor"]``):
@@ -133,6 +133,15 @@ Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
 
     peak_k = Σ (params + grads + optimizer) + (1 + prefetch)·max buffers
              + in_flight_k·Σ activations
+
+except with one micro-batch on one stage (m = 1, pp = 1), where ``Σ grads + in_flight·Σ
+activations`` becomes ``max(Σ grads, Σ activations)``: gradients exist only from the step's
+backward on (the runtime, like ``zero_grad(set_to_none=True)``, drops them after each update), so
+at the forward's end, the activation peak, none is live; as the backward runs, each layer's
+activations are freed as its gradients appear. With more micro-batches (gradient accumulation)
+or pipeline stages, the gradients of one micro-batch stay live under the next one's activations,
+and the sum stands. Measured on 2×H100 (GPT-1.3B and Llama-1.3B, DP plans, m = 1): the sum
+over-predicted the peak by the gradients' 1.4–2.6 GB (docs/cost-model.md, "Memory").
 
 bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles the plan
 (pp = ep = cp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
@@ -163,7 +172,7 @@ from autoshard.search.layer_terms import (
     comm_bytes_per_element,
     usable_memory_bytes,
 )
-from autoshard.search.memory import MemoryBreakdown, state_bytes
+from autoshard.search.memory import MemoryBreakdown, rank_memory, state_bytes
 from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank
 from autoshard.train import TrainSpec
 
@@ -184,7 +193,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "5"
+COST_MODEL_VERSION = "6"  # 6: gradients beside activations only with m > 1 or pp > 1; fused AdamW passes
 
 
 @dataclass(frozen=True)
@@ -389,6 +398,7 @@ class _RankTotals:
     optimizer_s: float  # per step
     static: MemoryBreakdown  # params, grads, optimizer, host summed; buffers = the live gather buffers
     activations: float  # all in-flight micro-batches
+    grads_beside_activations: bool = True  # False: one micro-batch on one stage (module docstring)
 
     @property
     def micro_batch_s(self) -> float:
@@ -409,10 +419,13 @@ class _RankTotals:
             optimizer_s=sum(c.optimizer_s for c in mine),
             static=static,
             activations=summed.activations * in_flight(plan.schedule, mesh.pp, rank),
+            grads_beside_activations=plan.schedule.num_micro_batches > 1 or mesh.pp > 1,
         )
 
     def allocated_bytes(self) -> float:
-        return self.static.total_static + self.activations
+        s = self.static
+        return rank_memory(s.params + s.grads + s.optimizer, s.grads, s.buffers, self.activations,
+                           self.grads_beside_activations)
 
     def peak_bytes(self, cluster: Cluster) -> float:
         """Peak bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports); the allocator's

@@ -53,6 +53,7 @@ from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Predictions, Schedule
 from autoshard.search import cost_model
+from autoshard.search.memory import rank_memory
 from autoshard.search.cost_model import LayerCost
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import strategy_key
@@ -199,7 +200,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
     """
     pp = mesh.pp
-    t, tail, static, act, buf = ([0.0] * pp for _ in range(5))
+    t, tail, static, act, buf, grads = ([0.0] * pp for _ in range(6))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
     for i, (option, r) in enumerate(zip(layer_options, ranks)):
@@ -208,10 +209,11 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
             t[r] += option.p2p_s
         tail[r] += option.tail_s
         static[r] += option.static_bytes
+        grads[r] += option.cost.memory.grads
         act[r] += acts[i]
         buf[r] = max(buf[r], option.buffer_bytes)
-    memory = tuple(static[r] + (1 + schedule.prefetch) * buf[r] + in_flight(schedule, pp, r) * act[r]
-                   for r in range(pp))
+    memory = tuple(rank_memory(static[r], grads[r], (1 + schedule.prefetch) * buf[r], in_flight(schedule, pp, r) * act[r],
+                               schedule.num_micro_batches > 1 or pp > 1) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
     per_rank = [slots * t_max + tail[r] for r in range(pp)]

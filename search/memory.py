@@ -153,3 +153,14 @@ def activation_bytes(
     if strategy.recompute == "none":
         interior += layer.saved_interior_per_token_seq * seq_len
     return tokens * (layer.saved_boundary_per_token / tp_boundary + interior / tp_interior)
+
+
+def rank_memory(static: float, grads: float, buffers: float, activations: float, grads_beside_activations: bool) -> float:
+    """Peak bytes of one rank: ``static`` (params + grads + optimizer) + buffers + activations, except
+    with one micro-batch on one stage (``grads_beside_activations`` False), where gradients and
+    activations are not live at once: ``static − grads + buffers + max(grads, activations)``
+    (``search/cost_model.py``, "Memory per rank"). The CP-SAT memory rows keep the sum, a bound
+    this never exceeds: a plan the solver admits fits here too."""
+    if grads_beside_activations:
+        return static + buffers + activations
+    return static - grads + buffers + max(grads, activations)

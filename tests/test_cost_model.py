@@ -609,3 +609,25 @@ def test_dp_copy_kernels_on_the_critical_path():
     single = layer_cost(mlp, LayerStrategy(layer=mlp.name, state="zero3"), Mesh(), make_cluster(1),
                         TrainSpec(global_batch=4, seq_len=64), schedule)
     assert single.detail["dp_kernels_s"] == 0.0  # no data parallelism, no collectives
+
+
+@pytest.mark.parametrize("micro_batches, pp", [(1, 1), (2, 1), (2, 2)])
+def test_gradients_beside_activations_only_when_they_coexist(micro_batches, pp):
+    """One micro-batch on one stage: gradients and activations are not live together (peak = the larger);
+    gradient accumulation or pipeline stages: their sum (search/memory.rank_memory)."""
+    graph = gpt_graph(blocks=4, h=1024, a=16)
+    cluster, train = make_cluster(nodes=1), TrainSpec(global_batch=8, seq_len=512)
+    mesh = Mesh(dp_shard=2, pp=pp)
+    schedule = Schedule(micro_batch=8 // (2 * micro_batches), num_micro_batches=micro_batches)
+    plan = make_plan(graph, mesh, schedule, stages_of=(lambda l: 0 if (l.block or 0) < 2 and l.kind != "head" else pp - 1),
+                     state="zero1")
+    pred = predict(graph, plan, cluster, train)
+    b = pred.memory_breakdown
+    summed = b["params"] + b["grads"] + b["optimizer"] + b["buffers"] + b["activations"]
+    if micro_batches == 1 and pp == 1:
+        assert b["grads"] > 0 and b["activations"] > 0
+        expected = b["params"] + b["optimizer"] + b["buffers"] + max(b["grads"], b["activations"])
+        assert pred.peak_memory_bytes == pytest.approx(expected, abs=8)
+        assert pred.peak_memory_bytes < summed
+    else:
+        assert pred.peak_memory_bytes == pytest.approx(summed, abs=8)
