@@ -72,7 +72,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from autoshard.calibrate_probe import ProbeSpec, compiled_saved_scale, parse_int_list, probe_adamw, probe_layers
+from autoshard.calibrate_probe import (ProbeSpec, compile_scaled, compiled_saved_scale, parse_int_list, probe_adamw,
+                                      probe_layers)
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 
@@ -286,9 +287,12 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
                                         small_tensors=sizes.optimizer_tensors, iters=sizes.iters)
     layer_times = None
     if probe is not None:
-        layer_times = {"model": probe.model, "dtype": dtype, "seq_len": probe.seq_len,
-                       **({"compiled": True} if probe.compile else {}),
-                       "samples": probe_layers(probe, device, _DTYPES[dtype])}
+        samples = probe_layers(probe, device, _DTYPES[dtype])
+        layer_times = {"model": probe.model, "dtype": dtype, "seq_len": probe.seq_len}
+        if probe.compile:  # the eager samples scaled to the whole-model compiled step
+            samples, scales = compile_scaled(probe, device, _DTYPES[dtype], samples)
+            layer_times.update(compiled=True, compiled_scales=scales)
+        layer_times["samples"] = samples
         if device.type == "cuda":  # where build_program compiles by default: what inductor saves per block
             layer_times["compiled_saved_scale"] = compiled_saved_scale(probe.model, probe.seq_len, 1, probe.attn_impl)
     return Calibration(
@@ -324,8 +328,9 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--attn", choices=("sdpa", "math"),
                         help="the model probe's attention path (default: the model family's; GPT math, Llama sdpa)")
     parser.add_argument("--compile", action="store_true",
-                        help="time the model probe's layers under torch.compile (what the runtime runs on CUDA "
-                             "by default: build_program(compile_graph='auto'))")
+                        help="scale the model probe's layer times to the reference model's step compiled whole "
+                             "(1 and 3 blocks; what the runtime runs on CUDA by default: "
+                             "build_program(compile_graph='auto'))")
     parser.add_argument("--probe-tp", type=parse_int_list, default=(1, 2), metavar="T,T,…",
                         help="Megatron TP shards the model probe times (default 1,2; 1 = unsharded)")
 

@@ -21,12 +21,26 @@ The head is timed with the loss the cost model assumes, cross-entropy on
 ``logits.float()`` (fp32 log-softmax over all ``V``); the value head with
 ``values.float().pow(2).mean()``.
 
-Compiled (``compile``, ``calibrate --compile``): each layer's closure (the same forward, residual
-and loss as above) runs through ``torch.compile(dynamic=False)``, as ``build_program`` compiles
-the per-rank graph on CUDA by default; dynamo's caches are reset before each (layer, shard,
-micro-batch), the compile happens in the untimed warm-up call, and the timed calls run the
-compiled code. What it does not see: fusion across layer boundaries (the runtime compiles the
-whole graph). The file's ``layer_times`` then says ``"compiled": true``.
+Compiled (``compile``, ``calibrate --compile``; ``compiled_scales``): the runtime compiles the
+per-rank graph whole on CUDA (``build_program``, ``runtime/compile_regions.py``), so a layer's
+compiled time is not the time of that layer compiled alone. The first version compiled each
+layer's closure separately; on an H100 every such layer paid dynamo's and AOT-autograd's
+per-call cost (GPT's LayerNorm backward 0.72 ms compiled alone against 0.18 ms eager) and the
+layer sums over-priced the compiled step by +4% to +89%
+(``benchmarks/results/calibration_h100x1_2026-11-26_compiled/``). Now the eager per-layer
+samples are kept and scaled: the reference model with 1 and 3 blocks is exported, cut into the
+runtime's compile regions (``"stem"``) and compiled whole; its training step (forward with the
+benchmark loss, then backward) is timed per micro-batch size, and
+
+    block = (t(3) − t(1)) / 2        rest = t(1) − block          (forward and backward apart)
+
+are the compiled time of one block and of everything else (embedding, final norm, head, loss,
+value head). Each block layer's eager sample is multiplied by ``block / Σ eager block layers``,
+each other layer's by ``rest / Σ eager other layers``, so the samples add up to the compiled
+model's own times while keeping the eager split between layers. A signature shared by block and
+non-block layers (the final norm is a block norm's twin) takes the block factor. TP shards take
+the factors of the unsharded model (the whole-model runs are unsharded). The factors are kept in
+the file's ``layer_times.compiled_scales``; ``layer_times`` says ``"compiled": true``.
 
 TP shards (``tp`` degrees > 1, when heads, kv heads, FFN width and vocabulary
 divide): the layer rebuilt as one Megatron rank sees it, column linears
@@ -87,7 +101,7 @@ class ProbeSpec:
     reps: int = 2
     iters: int = 5
     attn_impl: str | None = None  # the model's attention path ("sdpa", "math"); None: the family default
-    compile: bool = False  # time each layer under torch.compile, as the runtime's compiled graph runs it
+    compile: bool = False  # scale the eager layer times to the whole-model compiled step (module docstring)
 
     def __post_init__(self) -> None:
         if self.seq_len < 2 or not self.micro_batches or min(self.micro_batches) < 1 or min(self.tp, default=0) < 1:
@@ -230,15 +244,102 @@ def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> l
             local = _shard_linears(module, layer.name, tp) if tp > 1 else module
             for batch in spec.micro_batches:
                 run = _layer_run(model, layer, local, tp, batch, spec.seq_len, dtype, device)
-                if spec.compile:
-                    torch._dynamo.reset()
-                    run.forward = torch.compile(run.forward, dynamic=False)
                 fwd = time_call(run.forward, device, spec.reps, spec.iters)
                 both = time_call(run.step, device, spec.reps, spec.iters)
                 samples.append({"signature": signature, "layer": layer.name, "tp": tp,
                                 "tokens": batch * spec.seq_len, "fwd_s": fwd, "bwd_s": max(both - fwd, 0.0)})
                 del run
     return samples
+
+
+# --------------------------------------------------------------------------- compiled layer times
+
+SCALE_BLOCKS = (1, 3)  # block counts of the whole-model compiled runs (module docstring)
+
+
+def compiled_model_times(spec: ProbeSpec, device: torch.device, dtype: torch.dtype, blocks: int,
+                         batch: int) -> tuple[float, float]:
+    """(forward s, backward s) of one training step of ``spec.model`` with ``blocks`` blocks, exported,
+    cut into the runtime's compile regions and compiled whole (module docstring)."""
+    from autoshard.models import build
+    from autoshard.runtime.compile_regions import insert_region_breaks
+
+    overrides: dict[str, Any] = {"num_layers": blocks}
+    if spec.attn_impl is not None:
+        overrides["attn_impl"] = spec.attn_impl
+    model = build(spec.model, device=device, dtype=dtype, **overrides)
+    model.train()
+    tokens = torch.randint(0, model.config.vocab_size, (batch, spec.seq_len), device=device)
+    gm = torch.export.export(model, (tokens,)).module()
+    insert_region_breaks(gm, "stem")
+    torch._dynamo.reset()
+    compiled = torch.compile(gm, dynamic=False)
+    params = [p for p in gm.parameters() if p.requires_grad]
+
+    def forward() -> torch.Tensor:  # the benchmarks' policy loss (benchmarks/baselines/common.py)
+        logits, values = compiled(tokens)
+        vocab = logits.shape[-1]
+        ce = F.cross_entropy(logits[:, :-1].reshape(-1, vocab).float(), tokens[:, 1:].reshape(-1))
+        return ce + values.float().pow(2).mean()
+
+    def step() -> None:
+        for p in params:
+            p.grad = None
+        forward().backward()
+
+    step()  # compile forward and backward outside the timed calls
+    fwd = time_call(forward, device, spec.reps, spec.iters)
+    both = time_call(step, device, spec.reps, spec.iters)
+    torch._dynamo.reset()
+    return fwd, max(both - fwd, 0.0)
+
+
+def compile_scaled(spec: ProbeSpec, device: torch.device, dtype: torch.dtype,
+                   samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
+    """Eager ``samples`` scaled to the compiled model's block and rest times (module docstring);
+    also the factors per micro-batch: ``[{"tokens", "block_fwd", "block_bwd", "rest_fwd", "rest_bwd"}]``."""
+    from autoshard.passes.capture import capture_reference
+    from autoshard.search.measured import layer_signature
+
+    overrides: dict[str, Any] = {"num_layers": 1}
+    if spec.attn_impl is not None:
+        overrides["attn_impl"] = spec.attn_impl
+    graph = capture_reference(spec.model, seq_lens=(max(2, spec.seq_len // 2), spec.seq_len), dtype=dtype,
+                              **overrides)
+    in_block: dict[str, int] = {}
+    rest: dict[str, int] = {}
+    for layer in graph:
+        if layer.kind in _PROBED_KINDS:
+            counts = in_block if layer.block is not None else rest
+            signature = layer_signature(layer)
+            counts[signature] = counts.get(signature, 0) + 1
+    scales, out = [], [dict(s) for s in samples]
+    for batch in spec.micro_batches:
+        tokens = batch * spec.seq_len
+        eager = {s["signature"]: s for s in samples if s["tp"] == 1 and s["tokens"] == tokens}
+        one, three = (compiled_model_times(spec, device, dtype, n, batch) for n in SCALE_BLOCKS)
+        span = SCALE_BLOCKS[1] - SCALE_BLOCKS[0]
+        factors = {"tokens": tokens}
+        for i, phase in enumerate(("fwd", "bwd")):
+            block = (three[i] - one[i]) / span
+            other = one[i] - SCALE_BLOCKS[0] * block
+            eager_block = sum(n * eager[sig][f"{phase}_s"] for sig, n in in_block.items() if sig in eager)
+            eager_rest = sum(n * eager[sig][f"{phase}_s"] for sig, n in rest.items() if sig in eager)
+            if block <= 0 or other <= 0 or eager_block <= 0 or eager_rest <= 0:
+                raise AutoshardError(
+                    f"compiled probe of {spec.model} at micro-batch {batch}: {phase} block {block:.3g} s, rest "
+                    f"{other:.3g} s from {SCALE_BLOCKS[0]} and {SCALE_BLOCKS[1]} blocks (eager {eager_block:.3g}, "
+                    f"{eager_rest:.3g} s); timings too noisy to split: raise --iters")
+            factors[f"block_{phase}"] = block / eager_block
+            factors[f"rest_{phase}"] = other / eager_rest
+        scales.append(factors)
+        for sample in out:
+            if sample["tokens"] != tokens:
+                continue
+            where = "block" if sample["signature"] in in_block else "rest"
+            for phase in ("fwd", "bwd"):
+                sample[f"{phase}_s"] *= factors[f"{where}_{phase}"]
+    return out, scales
 
 
 # --------------------------------------------------------------------------- compiled activations
@@ -368,4 +469,5 @@ def parse_int_list(text: str) -> tuple[int, ...]:
     return values
 
 
-__all__ = ["ProbeSpec", "parse_int_list", "probe_adamw", "probe_layers", "time_call"]
+__all__ = ["ProbeSpec", "compile_scaled", "compiled_model_times", "parse_int_list", "probe_adamw", "probe_layers",
+           "time_call"]

@@ -68,9 +68,10 @@ _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "i
 _COST_MODEL_KEYS = ("kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
 COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibration key (search/cost_model.predict)
-# compiled: true when timed under torch.compile (calibrate --compile); compiled_saved_scale: the
-# compiled runtime's block-activation scale (calibrate_probe.compiled_saved_scale)
-_LAYER_TIMES_OPTIONAL = ("compiled", "compiled_saved_scale")
+# compiled: true when scaled to the compiled step (calibrate --compile), with the factors in
+# compiled_scales (a record; the samples already carry them); compiled_saved_scale: the compiled
+# runtime's block-activation scale (calibrate_probe.compiled_saved_scale)
+_LAYER_TIMES_OPTIONAL = ("compiled", "compiled_scales", "compiled_saved_scale")
 _LAYER_SAMPLE_KEYS = ("signature", "layer", "tp", "tokens", "fwd_s", "bwd_s")
 _RESIDUALS_KEYS = ("model", "dtype", "seq_len", "global_batch", "step_s", "layers", "probes")
 _RESIDUAL_LAYER_KEYS = ("mesh", "strategy", "s_per_layer")

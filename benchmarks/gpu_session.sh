@@ -20,8 +20,9 @@
 #             probes of the other matrix models one per GPU in parallel; writes $OUT/cal/<model>.json
 #             (the NPROC-GPU measurements + that model's probe), which matrix runs pass as --calibration
 #             (CAL_DIR overrides $OUT/cal, so a later call on the same or a fresh machine can reuse the files);
-#             CAL_COMPILE=1 times the layers under torch.compile (calibrate --compile; the runtime compiles
-#             on CUDA by default; not yet run on a GPU: raise CAL_PROBE_LIMIT, default 120 s per model);
+#             CAL_COMPILE=1 scales the layer probes to the model's step compiled whole (calibrate --compile:
+#             1 and 3 blocks per micro-batch; the runtime compiles on CUDA by default; this version not yet
+#             run on a GPU: raise CAL_PROBE_LIMIT, default 120 s per model);
 #             CAL_LAYERS_FROM=DIR reuses DIR's layer probes when its card is this machine's (single-GPU
 #             timings) and measures only matmul, AdamW and collectives over NPROC GPUs
 #   probe     (after calibrate) benchmarks/plan_probe.py over NPROC GPUs per model of PROBE_MODELS
@@ -178,7 +179,7 @@ calibrate_all() {  # calibration files per matrix model (header); each probe at 
   mkdir -p "$CAL_DIR"
   local tps=1 t=2; while ((t <= NPROC)); do tps+=",$t"; t=$((t * 2)); done  # TP shards up to the world
   local probe=(--seq 1024 --micro-batch 1,2,4,8,16 --probe-tp "$tps")
-  [[ ${CAL_COMPILE:-0} == 1 ]] && probe+=(--compile)  # layer probes under torch.compile, as the runtime runs
+  [[ ${CAL_COMPILE:-0} == 1 ]] && probe+=(--compile)  # layer times scaled to the compiled step, as the runtime runs
   if [[ -n ${CAL_LAYERS_FROM:-} ]] && "$PYTHON" - "$CAL_LAYERS_FROM/llama_350m.json" <<'PY'
 import json, sys, torch
 sys.exit(json.load(open(sys.argv[1]))["device"] != torch.cuda.get_device_name(0))

@@ -139,27 +139,80 @@ def test_cli_model_needs_seq(tmp_path):
         calibrate_main(args)
 
 
-@pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++")),
-                    reason="torch.compile's CPU backend needs a C++ compiler")
-def test_cli_compile_times_compiled_layers(tmp_path):
-    """``calibrate --compile``: every probed layer runs compiled code; the file says so and loads."""
+_NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang++")),
+                                reason="torch.compile's CPU backend needs a C++ compiler")
+
+
+@_NEEDS_CXX
+def test_compiled_model_times_run_the_runtime_regions():
+    """The whole-model compiled step: exported, cut in front of the first block, compiled (two graphs)."""
     from torch._dynamo.utils import counters
 
+    from autoshard.calibrate_probe import compiled_model_times
+
+    counters.clear()
+    spec = ProbeSpec(model="llama:tiny", seq_len=16, micro_batches=(1,), tp=(1,), reps=1, iters=1)
+    fwd, bwd = compiled_model_times(spec, torch.device("cpu"), torch.float32, blocks=1, batch=1)
+    assert fwd > 0 and bwd >= 0
+    assert counters["stats"]["unique_graphs"] >= 2  # the prologue, then the block(s) and head
+
+
+def _fake_compiled(times):
+    """``compiled_model_times`` stand-in: ``times[blocks] = (fwd, bwd)`` whatever the batch."""
+    return lambda spec, device, dtype, blocks, batch: times[blocks]
+
+
+def test_compile_scaled_splits_block_and_rest(probed, monkeypatch):
+    """Scaled samples: block layers × block/Σeager-block, the others × rest/Σeager-rest, per phase."""
+    import autoshard.calibrate_probe as probe
+
+    samples, _cluster, _graph = probed
+    monkeypatch.setattr(probe, "compiled_model_times", _fake_compiled({1: (3e-3, 5e-3), 3: (7e-3, 11e-3)}))
+    spec = ProbeSpec(model="llama:tiny", seq_len=SEQ, micro_batches=(1, 2), tp=(1, 2), reps=1, iters=1)
+    scaled, scales = probe.compile_scaled(spec, torch.device("cpu"), torch.float32, samples)
+    assert [f["tokens"] for f in scales] == [SEQ, 2 * SEQ]
+    one_block = capture_reference("llama:tiny", seq_lens=(SEQ // 2, SEQ), dtype=torch.float32, num_layers=1)
+    kinds = {layer_signature(l): l.block is not None for l in one_block if l.kind != "norm" or l.block is not None}
+    for factors in scales:
+        tokens = factors["tokens"]
+        for phase, block in (("fwd", 2e-3), ("bwd", 3e-3)):
+            # one block = (t3 − t1)/2, the rest = t1 − block; the scaled samples add up to them
+            mine = [(a, b) for a, b in zip(samples, scaled) if a["tokens"] == tokens and a["tp"] == 1]
+            block_sum = sum(b[f"{phase}_s"] for l in one_block if l.block is not None
+                            for a, b in mine if a["signature"] == layer_signature(l))
+            assert block_sum == pytest.approx(block, rel=1e-9)
+            for a, b in zip(samples, scaled):
+                if a["tokens"] == tokens:
+                    where = "block" if kinds.get(a["signature"], True) else "rest"
+                    assert b[f"{phase}_s"] == pytest.approx(a[f"{phase}_s"] * factors[f"{where}_{phase}"], rel=1e-12)
+    assert all(a["fwd_s"] != b["fwd_s"] for a, b in zip(samples, scaled))  # the inputs are left as they were
+
+
+def test_compile_scaled_refuses_noise(probed, monkeypatch):
+    import autoshard.calibrate_probe as probe
+
+    samples, _cluster, _graph = probed
+    monkeypatch.setattr(probe, "compiled_model_times", _fake_compiled({1: (3e-3, 5e-3), 3: (2e-3, 11e-3)}))
+    spec = ProbeSpec(model="llama:tiny", seq_len=SEQ, micro_batches=(1,), tp=(1,), reps=1, iters=1)
+    with pytest.raises(AutoshardError, match="too noisy"):
+        probe.compile_scaled(spec, torch.device("cpu"), torch.float32, samples)
+
+
+def test_cli_compile_writes_scaled_samples_and_factors(tmp_path, monkeypatch):
+    """``calibrate --compile``: the file says compiled, carries the factors, and loads."""
+    import autoshard.calibrate_probe as probe
+
+    monkeypatch.setattr(probe, "compiled_model_times", _fake_compiled({1: (3e-3, 5e-3), 3: (7e-3, 11e-3)}))
     parser = argparse.ArgumentParser()
     add_calibrate_arguments(parser)
     out = tmp_path / "c.json"
     args = parser.parse_args(["--out", str(out), "--quick", "--iters", "1", "--model", "llama:tiny", "--seq", "16",
-                              "--micro-batch", "1", "--probe-tp", "1", "--compile"])
-    counters.clear()
+                              "--micro-batch", "1,2", "--probe-tp", "1", "--compile"])
     assert calibrate_main(args) == 0
-    written = json.loads(out.read_text())
-    assert written["layer_times"]["compiled"] is True
-    samples = written["layer_times"]["samples"]
-    # one compiled graph per probed layer (dynamo is reset before each), none falling back to eager
-    assert counters["stats"]["unique_graphs"] >= len(samples) and not counters["graph_break"]
-    assert all(s["fwd_s"] > 0 for s in samples)
+    written = json.loads(out.read_text())["layer_times"]
+    assert written["compiled"] is True and [f["tokens"] for f in written["compiled_scales"]] == [16, 32]
     applied = Cluster.detect().with_calibration(out)
-    assert sum(k.startswith("layer_time|") for k in applied.calibration) == 2 * len(samples)
+    assert sum(k.startswith("layer_time|") for k in applied.calibration) == 2 * len(written["samples"])
 
 
 def test_compiled_saved_scale_of_llama_is_below_one():
