@@ -175,6 +175,27 @@ def bench(tmp_path_factory):
     return json.loads((tmp / "out" / "results.json").read_text()), (tmp / "out" / "results.md").read_text(), listed
 
 
+def test_repredict_searched_reproduces_the_recorded_prediction(bench, tmp_path):
+    """benchmarks/repredict_searched.py: the search run again on a run's meta, with the run's calibration,
+    finds the recorded plan and its recorded calibrated prediction."""
+    from benchmarks import repredict_searched
+
+    data, _, _ = bench
+    calibrations = tmp_path / "cal"
+    calibrations.mkdir()
+    (calibrations / "llama_tiny.json").write_text(json.dumps({"matmul_efficiency": 0.05, "hbm_efficiency": 0.5}))
+    results = tmp_path / "run" / "results.json"
+    results.parent.mkdir()
+    results.write_text(json.dumps(data))
+    rows = repredict_searched.repredict(repredict_searched.result_files([tmp_path / "run"]), calibrations)
+    recorded = next(r for r in data["rows"] if r["config"] == "autoshard")
+    assert len(rows) == 1 and rows[0]["same_plan"], rows
+    assert rows[0]["predicted_s"] == pytest.approx(recorded["predicted_calibrated"]["step_time_s"], rel=1e-9)
+    assert rows[0]["predicted_bytes"] == recorded["predicted_calibrated"]["peak_memory_bytes"]
+    text = repredict_searched.markdown(rows)
+    assert "| run | llama:tiny |" in text and "median |error| step" in text
+
+
 def test_list_plans_covers_ten_distinct_forced_plans(bench):
     from autoshard.plan import Plan
     from benchmarks.baselines.plans import decision_key
