@@ -403,7 +403,7 @@ def test_prefix_memory_rows_bound_every_candidate_and_see_the_first_stage(small)
     from autoshard.search.evaluate import anchor_blocks, num_anchor_blocks
 
     graph, cluster, _ = small
-    # Without the loss over the vocabulary: its T·V·14 bytes on the last stage (one micro-batch in
+    # Without the loss over the vocabulary: its T·V·12 bytes on the last stage (one micro-batch in
     # flight under 1F1B) would set the all-rank row, and this test is about the first stages.
     graph = dataclasses.replace(graph, layers=tuple(dataclasses.replace(l, vocab=None) for l in graph.layers))
     train = TrainSpec(global_batch=64, seq_len=4096)
