@@ -22,6 +22,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -54,8 +55,13 @@ def search_prediction(meta: dict, calibration: Path | None, out_dir: Path) -> di
         argv += ["--attn", meta["attn_impl"]]
     if calibration is not None:
         argv += ["--calibration", str(calibration)]
-    with contextlib.redirect_stdout(io.StringIO()):  # run.py prints its own table of plans
-        run_main(argv)
+    saved = dict(os.environ)  # run.py sets WORLD_SIZE and friends for Cluster.detect: keep the caller's
+    try:
+        with contextlib.redirect_stdout(io.StringIO()):  # run.py prints its own table of plans
+            run_main(argv)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved)
     best = json.loads((out_dir / "plans.json").read_text())["plans"][0]
     pred = best["predicted_calibrated"] if calibration is not None else best["predicted"]
     return {"plan": best["plan"], "step_s": pred["step_time_s"], "memory_bytes": pred["peak_memory_bytes"]}

@@ -187,7 +187,9 @@ def test_repredict_searched_reproduces_the_recorded_prediction(bench, tmp_path):
     results = tmp_path / "run" / "results.json"
     results.parent.mkdir()
     results.write_text(json.dumps(data))
+    env = dict(os.environ)
     rows = repredict_searched.repredict(repredict_searched.result_files([tmp_path / "run"]), calibrations)
+    assert dict(os.environ) == env  # run.py's WORLD_SIZE & co. must not leak into later tests' launches
     recorded = next(r for r in data["rows"] if r["config"] == "autoshard")
     assert len(rows) == 1 and rows[0]["same_plan"], rows
     assert rows[0]["predicted_s"] == pytest.approx(recorded["predicted_calibrated"]["step_time_s"], rel=1e-9)
