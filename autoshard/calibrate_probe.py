@@ -215,18 +215,26 @@ def _layer_run(model: nn.Module, layer: Any, module: nn.Module, tp: int, batch: 
     return _LayerRun(lambda: module(x), params)  # norm
 
 
+def _overrides(spec: ProbeSpec, blocks: int) -> dict[str, Any]:
+    """``build`` / ``capture_reference`` keywords of the probed model with ``blocks`` blocks."""
+    return {"num_layers": blocks, **({"attn_impl": spec.attn_impl} if spec.attn_impl is not None else {})}
+
+
+def _one_block_graph(spec: ProbeSpec, dtype: torch.dtype) -> Any:
+    """The one-block model captured on ``meta``: what names the probed layers."""
+    from autoshard.passes.capture import capture_reference
+
+    return capture_reference(spec.model, seq_lens=(max(2, spec.seq_len // 2), spec.seq_len), dtype=dtype,
+                             **_overrides(spec, 1))
+
+
 def probe_layers(spec: ProbeSpec, device: torch.device, dtype: torch.dtype) -> list[dict[str, Any]]:
     """Samples ``{"signature", "layer", "tp", "tokens", "fwd_s", "bwd_s"}`` (module docstring)."""
     from autoshard.models import build
-    from autoshard.passes.capture import capture_reference
     from autoshard.search.measured import layer_signature
 
-    overrides: dict[str, Any] = {"num_layers": 1}
-    if spec.attn_impl is not None:
-        overrides["attn_impl"] = spec.attn_impl
-    meta_graph = capture_reference(spec.model, seq_lens=(max(2, spec.seq_len // 2), spec.seq_len), dtype=dtype,
-                                   **overrides)
-    model = build(spec.model, device=device, dtype=dtype, **overrides)
+    meta_graph = _one_block_graph(spec, dtype)
+    model = build(spec.model, device=device, dtype=dtype, **_overrides(spec, 1))
     if model.config.max_seq_len < spec.seq_len:
         raise AutoshardError(f"probe seq_len={spec.seq_len} exceeds {spec.model}'s max_seq_len="
                              f"{model.config.max_seq_len}; probe a sequence length the model supports")
@@ -264,10 +272,7 @@ def compiled_model_times(spec: ProbeSpec, device: torch.device, dtype: torch.dty
     from autoshard.models import build
     from autoshard.runtime.compile_regions import insert_region_breaks
 
-    overrides: dict[str, Any] = {"num_layers": blocks}
-    if spec.attn_impl is not None:
-        overrides["attn_impl"] = spec.attn_impl
-    model = build(spec.model, device=device, dtype=dtype, **overrides)
+    model = build(spec.model, device=device, dtype=dtype, **_overrides(spec, blocks))
     model.train()
     tokens = torch.randint(0, model.config.vocab_size, (batch, spec.seq_len), device=device)
     gm = torch.export.export(model, (tokens,)).module()
@@ -298,14 +303,9 @@ def compile_scaled(spec: ProbeSpec, device: torch.device, dtype: torch.dtype,
                    samples: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], list[dict[str, float]]]:
     """Eager ``samples`` scaled to the compiled model's block and rest times (module docstring);
     also the factors per micro-batch: ``[{"tokens", "block_fwd", "block_bwd", "rest_fwd", "rest_bwd"}]``."""
-    from autoshard.passes.capture import capture_reference
     from autoshard.search.measured import layer_signature
 
-    overrides: dict[str, Any] = {"num_layers": 1}
-    if spec.attn_impl is not None:
-        overrides["attn_impl"] = spec.attn_impl
-    graph = capture_reference(spec.model, seq_lens=(max(2, spec.seq_len // 2), spec.seq_len), dtype=dtype,
-                              **overrides)
+    graph = _one_block_graph(spec, dtype)
     in_block: dict[str, int] = {}
     rest: dict[str, int] = {}
     for layer in graph:

@@ -12,7 +12,8 @@
 #   ISO_STEPS / ISO_WARMUP   steps per process (default 12 / 4)
 #   ISO_LIMIT    seconds per process (default 120)
 #   ISO_ARGS     extra run.py arguments (e.g. --optimizer sgd)
-# AUTOSHARD_COMPILE (auto/1/0) and AUTOSHARD_OVERLAP_GRAD_SYNC pass through to the autoshard rows.
+# AUTOSHARD_COMPILE (auto/1/0), AUTOSHARD_COMPILE_REGIONS, AUTOSHARD_GATHER_UNDER_UPDATE and
+# AUTOSHARD_OVERLAP_GRAD_SYNC pass through to the autoshard rows (benchmarks/baselines/autoshard_trainer.py).
 # Writes $OUT/iso/<model>/<config>_r<k>/results.{json,md} and $OUT/iso/summary.md (median over
 # the rounds of each process's median step, and each config over the best baseline).
 set -uo pipefail

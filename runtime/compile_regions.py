@@ -56,27 +56,22 @@ def insert_region_breaks(gm: torch.fx.GraphModule, regions: str = "block") -> in
     graph = gm.graph
     if any(n.op == "call_function" and n.target is _BREAK for n in graph.nodes):
         return 0
-    for node in [n for n in graph.nodes if n.op == "get_attr"]:
-        users = [u for u in graph.nodes if u in node.users]  # graph order
-        if users:
-            users[0].prepend(node)
+    order = {n: i for i, n in enumerate(graph.nodes)}
+    for node in [n for n in graph.nodes if n.op == "get_attr" and n.users]:
+        min(node.users, key=order.__getitem__).prepend(node)  # in front of its first user
     breaks, current = 0, None
     for node in list(graph.nodes):
         if node.op not in ("call_function", "call_method", "call_module"):
             continue
         region = region_of(node)
-        if region is False:
+        if region is False or region == current:
             continue
-        if region != current:
-            if regions == "stem" and current is None and region is not None and breaks == 0:
-                with graph.inserting_before(_first_of_run(node)):
-                    graph.call_function(_BREAK, ())
-                breaks += 1
-            elif regions == "block" and (current is not None or region is not None):
-                with graph.inserting_before(_first_of_run(node)):
-                    graph.call_function(_BREAK, ())
-                breaks += 1
-            current = region
+        # "block": at every change; "stem": only the first step from the model level into a block
+        if regions == "block" or (current is None and breaks == 0):
+            with graph.inserting_before(_first_of_run(node)):
+                graph.call_function(_BREAK, ())
+            breaks += 1
+        current = region
     graph.lint()
     gm.recompile()
     return breaks

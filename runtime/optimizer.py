@@ -346,13 +346,13 @@ class ShardedOptimizer:
                 torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
         # flat slots updated where they are gathered: bucket by bucket, each all-gather launched as soon as
         # its bucket is updated, so it runs under the update of the next ones (module docstring)
-        started, updated = [], set()
-        for bucket in self._gather_buckets if self.gather_under_update else ():
+        started, updated = {}, set()
+        for index, bucket in enumerate(self._gather_buckets if self.gather_under_update else ()):
             if all(s.master.device == s.param.device for s in bucket):
                 self._update(bucket, [s.grad for s in bucket])
                 updated.update(id(s) for s in bucket)
                 chunks = [s.master.to(s.param.dtype) for s in bucket]
-                started.append((bucket, _buckets.all_gather_begin(chunks, self.ctx.size("dp"), self.ctx.group("dp"))))
+                started[index] = _buckets.all_gather_begin(chunks, self.ctx.size("dp"), self.ctx.group("dp"))
         for slots, _replication in self._groups:
             rest = [s for s in slots if id(s) not in updated]
             if rest:
@@ -383,15 +383,14 @@ class ShardedOptimizer:
         for slot in self._unbucketed:
             slot.sync_grad()
 
-    def write_back(self, started: list | None = None) -> None:
+    def write_back(self, started: dict[int, tuple] | None = None) -> None:
         """Copy updated masters into the compute params: one all-gather per bucket of flat slots.
 
-        ``started``: (bucket, ``_buckets.all_gather_begin`` handle) of buckets whose gather ``step``
-        already launched; the other buckets are gathered here.
+        ``started``: gather-bucket index → ``_buckets.all_gather_begin`` handle, for the buckets whose
+        gather ``step`` already launched; the other buckets are gathered here.
         """
-        handles = dict((id(bucket[0]), handle) for bucket, handle in started or ())
-        for bucket in self._gather_buckets:
-            handle = handles.get(id(bucket[0]))
+        for index, bucket in enumerate(self._gather_buckets):
+            handle = (started or {}).get(index)
             if handle is not None:
                 fulls = _buckets.all_gather_end(handle)
             else:
@@ -422,7 +421,7 @@ class ShardedOptimizer:
 def update_kind(cfg: OptimizerConfig, masters: list[torch.Tensor]) -> str:
     """``"fused"`` when ``torch._fused_adamw_`` serves this AdamW update (fp32/bf16/fp16 masters on CUDA or
     the CPU, torch's own condition for ``AdamW(fused=True)``), else ``"foreach"`` (SGD, other devices)."""
-    if cfg.name != "adamw" or not masters or not hasattr(torch, "_fused_adamw_"):
+    if cfg.name != "adamw" or not masters:
         return "foreach"
     device = masters[0].device
     if device.type not in ("cuda", "cpu"):

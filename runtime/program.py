@@ -84,6 +84,8 @@ class Program:
         if self.pipeline is None and overlap_grad_sync:
             optimizer.enable_overlap()  # DP gradient buckets reduce under the last micro-batch's backward
         self._run = self.gm
+        if compile_regions not in REGIONS:
+            raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
         if compile_graph == "auto":
             compile_graph = compile_allowed(plan, ctx.device) and self.pipeline is None and self.regather is None
         if compile_graph:
@@ -92,8 +94,6 @@ class Program:
                     "compile_graph needs pp = 1 and no ZeRO-3 layer (the ZeRO-3 re-gather runs as saved-tensor "
                     "hooks outside a compiled graph); run this plan without compile_graph, or choose such a plan"
                 )
-            if compile_regions not in REGIONS:
-                raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
             if compile_regions != "graph":  # runtime/compile_regions.py
                 insert_region_breaks(self.gm, compile_regions)
             # one compiled graph per region and input shape (training shapes are fixed); the autoshard::

@@ -140,8 +140,8 @@ backward on (the runtime, like ``zero_grad(set_to_none=True)``, drops them after
 at the forward's end, the activation peak, none is live; as the backward runs, each layer's
 activations are freed as its gradients appear. With more micro-batches (gradient accumulation)
 or pipeline stages, the gradients of one micro-batch stay live under the next one's activations,
-and the sum stands. Measured on 2×H100 (GPT-1.3B and Llama-1.3B, DP plans, m = 1): the sum
-over-predicted the peak by the gradients' 1.4–2.6 GB (docs/cost-model.md, "Memory").
+and the sum stands. Measured on 2×H100 (compiled searched DP plans, m = 1), the sum
+over-predicted the peak by about the gradients' bytes (docs/cost-model.md, "Memory per rank").
 
 bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles the plan
 (pp = ep = cp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
@@ -423,8 +423,7 @@ class _RankTotals:
         )
 
     def allocated_bytes(self) -> float:
-        s = self.static
-        return rank_memory(s.params + s.grads + s.optimizer, s.grads, s.buffers, self.activations,
+        return rank_memory(self.static.model_states, self.static.grads, self.static.buffers, self.activations,
                            self.grads_beside_activations)
 
     def peak_bytes(self, cluster: Cluster) -> float:

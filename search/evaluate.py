@@ -53,8 +53,8 @@ from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Predictions, Schedule
 from autoshard.search import cost_model
-from autoshard.search.memory import rank_memory
 from autoshard.search.cost_model import LayerCost
+from autoshard.search.memory import rank_memory
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import strategy_key
 from autoshard.train import TrainSpec

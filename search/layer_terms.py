@@ -85,7 +85,8 @@ OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 11, "sgd": 5}
 # (4), the incoming fp32 gradient of the log-probabilities (4) and the fp32 gradient of the logits
 # being produced (4) are live together: 12. The bf16 logits are not: nothing saves them for
 # backward and Program.step drops the model's outputs when the loss function returns (cost model v5
-# and before counted them, 14, and over-predicted the compiled searched plans' peaks by 2.4–5.3%).
+# and before counted them, 14; with that and v6's gradient rule the compiled searched plans' peaks
+# were over-predicted by 2.4–5.3%, with 12 by −1.1 to +0.5%).
 # The forward side of the loss peaks lower, at about 8 (bf16 logits, their contiguous copy, the fp32
 # copy). Checked on the CPU by tracking live tensor bytes through the benchmarks' policy loss:
 # 8.1 forward, 12.1 backward. Capture sees the model up to the logits only, so none of this is in

@@ -169,7 +169,9 @@ def test_compile_scaled_splits_block_and_rest(probed, monkeypatch):
     samples, _cluster, _graph = probed
     monkeypatch.setattr(probe, "compiled_model_times", _fake_compiled({1: (3e-3, 5e-3), 3: (7e-3, 11e-3)}))
     spec = ProbeSpec(model="llama:tiny", seq_len=SEQ, micro_batches=(1, 2), tp=(1, 2), reps=1, iters=1)
+    before = [dict(s) for s in samples]
     scaled, scales = probe.compile_scaled(spec, torch.device("cpu"), torch.float32, samples)
+    assert samples == before  # the eager samples are left as they were
     assert [f["tokens"] for f in scales] == [SEQ, 2 * SEQ]
     one_block = capture_reference("llama:tiny", seq_lens=(SEQ // 2, SEQ), dtype=torch.float32, num_layers=1)
     kinds = {layer_signature(l): l.block is not None for l in one_block if l.kind != "norm" or l.block is not None}
@@ -185,7 +187,7 @@ def test_compile_scaled_splits_block_and_rest(probed, monkeypatch):
                 if a["tokens"] == tokens:
                     where = "block" if kinds.get(a["signature"], True) else "rest"
                     assert b[f"{phase}_s"] == pytest.approx(a[f"{phase}_s"] * factors[f"{where}_{phase}"], rel=1e-12)
-    assert all(a["fwd_s"] != b["fwd_s"] for a, b in zip(samples, scaled))  # the inputs are left as they were
+    assert all(a["fwd_s"] != b["fwd_s"] for a, b in zip(samples, scaled))  # every sample was scaled
 
 
 def test_compile_scaled_refuses_noise(probed, monkeypatch):
