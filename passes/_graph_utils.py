@@ -69,3 +69,28 @@ def tag(node: fx.Node, pass_name: str, why: str, **extra) -> fx.Node:
     """Record in ``node.meta["autoshard"]`` which pass inserted/moved ``node`` and why."""
     node.meta[META_KEY] = {"pass": pass_name, "why": why, **extra}
     return node
+
+
+def retarget_device(gm: fx.GraphModule, traced: torch.device, target: torch.device) -> int:
+    """Point every ``device=`` argument equal to ``traced`` at ``target``; returns how many were changed.
+
+    ``torch.export`` bakes the device it traced on into factory calls (``arange``), casts and
+    ``_assert_tensor_metadata`` checks. The runtime exports on the meta device (no weights are
+    read) and runs on ``ctx.device``, so those constants must follow.
+    """
+    changed = 0
+
+    def swap(value):
+        nonlocal changed
+        if isinstance(value, torch.device) and value == traced:
+            changed += 1
+            return target
+        return value
+
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        node.args = tuple(swap(a) for a in node.args)
+        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+    gm.recompile()
+    return changed

@@ -137,18 +137,31 @@ class ParamPlacement:
         """Contiguous strides of the global shape (for ``DTensor.from_local``)."""
         return tuple(torch.empty(self.global_shape, device="meta").stride())
 
+    def region(self, ctx: RankContext) -> tuple[slice, ...]:
+        """The block of the global tensor this rank holds: one ``slice(start, stop)`` per tensor dim.
+
+        Every sharding here (tp, then ZeRO-3 over dp_shard, then ep) chunks a contiguous range of
+        one dim, so the local shard is always one rectangular block: materialisation reads or
+        initialises exactly it (``runtime/materialize.py``), never the whole tensor.
+        """
+        bounds = [(0, n) for n in self.global_shape]
+        for tensor_dim, axis, empty_ok in ((self.tp_dim, "tp", False), (self.dp_dim, "dp_shard", True),
+                                           (self.ep_dim, "ep", False)):
+            if tensor_dim is None:
+                continue
+            start, stop = bounds[tensor_dim]
+            size, parts, index = stop - start, ctx.size(axis), ctx.coord(axis)
+            length = _chunk_len(size, parts, index) if empty_ok else size // parts
+            first = min(size, index * chunk_size(size, parts)) if empty_ok else index * length
+            bounds[tensor_dim] = (start + first, start + first + length)
+        region = tuple(slice(a, b) for a, b in bounds)
+        assert tuple(b - a for a, b in bounds) == self.local_shape, (bounds, self.local_shape)
+        return region
+
     def shard(self, full: torch.Tensor, ctx: RankContext) -> torch.Tensor:
         """This rank's local shard of the global tensor ``full`` (a new contiguous tensor)."""
         assert tuple(full.shape) == self.global_shape, (full.shape, self.global_shape)
-        local = full
-        if self.tp_dim is not None:
-            local = local.chunk(ctx.size("tp"), self.tp_dim)[ctx.coord("tp")]
-        if self.dp_dim is not None:
-            local = chunk_or_empty(local, ctx.size("dp_shard"), ctx.coord("dp_shard"), self.dp_dim)
-        if self.ep_dim is not None:
-            local = local.chunk(ctx.size("ep"), self.ep_dim)[ctx.coord("ep")]
-        assert tuple(local.shape) == self.local_shape, (local.shape, self.local_shape)
-        return local.contiguous().clone()
+        return full[self.region(ctx)].contiguous().clone()
 
 
 def chunk_or_empty(t: torch.Tensor, num_chunks: int, index: int, tensor_dim: int) -> torch.Tensor:

@@ -5,10 +5,15 @@ parameters are reached by ``get_attr`` nodes; ``gm.meta["autoshard"]["params"]``
 maps every parameter FQN to ``(owner_layer, tp_role)`` (``build_program`` puts
 it there from the ``ModelGraph``); the plan names every owner layer.
 
-Post-conditions: a new module whose parameters are fresh ``nn.Parameter``
-shards in ``ctx.compute_dtype`` with the shapes of
-``gm.meta["autoshard"]["placements"][fqn].local_shape`` (a ``ParamPlacement``,
-``autoshard.passes.context``). The graph is unchanged: nodes that used a full
+Post-conditions: a new module whose parameters are fresh, *uninitialised*
+``nn.Parameter`` shards on ``ctx.device`` in ``ctx.compute_dtype`` with the
+shapes of ``gm.meta["autoshard"]["placements"][fqn].local_shape`` (a
+``ParamPlacement``, ``autoshard.passes.context``), and whose buffers are
+uninitialised tensors of their full shape on ``ctx.device``; other pipeline
+ranks' parameters stay on the meta device. The pass allocates only this
+rank's shards and reads no values: ``gm`` may live on the meta device, and
+``runtime/materialize.py`` fills shards and buffers afterwards from the model,
+an initialiser or a file. The graph is unchanged: nodes that used a full
 parameter now see a shard, and ``insert_collectives`` makes the graph valid
 again (gathers for ZeRO-3, Megatron f/g around tp shards). The input module is
 not modified.
@@ -57,13 +62,12 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     placements = param_placements(gm, plan, ctx)
     keep = split_pipeline.local_parameter_fqns(gm, plan, ctx)  # pp > 1: only this rank's stages (split_pipeline)
     replace = {}
-    with torch.no_grad():
-        for fqn, param in gm.named_parameters():
-            if keep is not None and fqn not in keep:  # another pipeline rank's parameter: never materialised
-                replace[fqn] = nn.Parameter(torch.empty(placements[fqn].local_shape, device="meta", dtype=ctx.compute_dtype))
-                continue
-            local = placements[fqn].shard(param.detach(), ctx)
-            replace[fqn] = nn.Parameter(local.to(device=ctx.device, dtype=ctx.compute_dtype))
+    for fqn, param in gm.named_parameters():
+        device = ctx.device if keep is None or fqn in keep else "meta"  # meta: another pipeline rank's parameter
+        local = torch.empty(placements[fqn].local_shape, device=device, dtype=ctx.compute_dtype)
+        replace[fqn] = nn.Parameter(local, requires_grad=param.requires_grad)
+    for fqn, buffer in gm.named_buffers():
+        replace[fqn] = torch.empty(buffer.shape, device=ctx.device, dtype=buffer.dtype)
     graph = copy.deepcopy(gm.graph)
     _canonical_targets(graph, {id(p): fqn for fqn, p in gm.named_parameters()}, gm)
     out = rebuild(gm, graph, replace)

@@ -87,6 +87,7 @@ step instead of about ten per parameter, which made the step host-bound on GPUs
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
@@ -123,8 +124,10 @@ class OptimizerConfig:
 class _Slot:
     """One parameter's optimizer state and gradient reduction (module docstring table)."""
 
-    def __init__(self, param: nn.Parameter, placement: ParamPlacement, master_local: torch.Tensor, ctx: RankContext,
-                 grad_comm: str = "none"):
+    def __init__(self, param: nn.Parameter, placement: ParamPlacement, master_local: torch.Tensor | None,
+                 ctx: RankContext, grad_comm: str = "none"):
+        """``master_local``: the fp32 values at the parameter's local shape; ``None`` allocates the master
+        uninitialised (``load_master`` fills it: sharded materialisation, ``runtime/materialize.py``)."""
         self.param, self.placement, self.ctx = param, placement, ctx
         self.grad_comm = grad_comm  # wire dtype of the gradient sync (module docstring)
         self.flat = placement.state in FLAT_STATES and ctx.size("dp") > 1
@@ -132,8 +135,11 @@ class _Slot:
         self.numel = param.numel()
         if self.flat:
             self.chunk = -(-self.numel // ctx.size("dp"))
-            master_local = self._own_chunk(master_local.reshape(-1))
-        self.master = master_local.detach().to(self.host, torch.float32).clone()
+        if master_local is None:
+            self.master = torch.empty(self.chunk if self.flat else param.shape, dtype=torch.float32, device=self.host)
+        else:
+            own = self._own_chunk(master_local.reshape(-1)) if self.flat else master_local
+            self.master = own.detach().to(self.host, torch.float32).clone()
         self.exp_avg = torch.zeros_like(self.master)
         self.exp_avg_sq = torch.zeros_like(self.master)
         self.grad: torch.Tensor | None = None
@@ -218,12 +224,22 @@ class _Slot:
         full = collectives.all_gather(self.master.to(self.param.device), 0, self.ctx.group("dp"))
         return full[: self.numel].view(self.param.shape).clone()
 
+    @torch.no_grad()
     def load_master(self, local: torch.Tensor) -> None:
-        """Set the master (and the compute param) from a tensor at the local shape."""
+        """Set the master (and the compute param) from fp32 values at the local shape, in place.
+
+        Flat slots copy only their own chunk (zeros past the parameter's end); no padded copy is made.
+        """
         local = local.detach().to(self.param.device, torch.float32)
-        self.master = (self._own_chunk(local.reshape(-1)) if self.flat else local).to(self.host).clone()
-        with torch.no_grad():
-            self.param.copy_(local.to(self.param.dtype))
+        if self.flat:
+            flat = local.reshape(-1)
+            start = min(self.numel, self.ctx.coord("dp") * self.chunk)
+            piece = flat[start:start + self.chunk]
+            self.master[piece.numel():].zero_()
+            self.master[:piece.numel()].copy_(piece)
+        else:
+            self.master.copy_(local)
+        self.param.copy_(local)
 
 
 class ShardedOptimizer:
@@ -233,13 +249,16 @@ class ShardedOptimizer:
         self,
         params: dict[str, nn.Parameter],
         placements: dict[str, ParamPlacement],
-        masters: dict[str, torch.Tensor],
+        masters: Mapping[str, torch.Tensor] | None,
         ctx: RankContext,
         config: OptimizerConfig,
         grad_comm: dict[str, str] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     ) -> None:
-        """``grad_comm``: fqn → wire dtype of its gradient sync ("none" when absent; module docstring).
+        """``masters``: fqn → fp32 values at the local shape; ``None``: masters allocated uninitialised, filled
+        afterwards through each slot's ``load_master`` (``runtime/materialize.py``).
+
+        ``grad_comm``: fqn → wire dtype of its gradient sync ("none" when absent; module docstring).
 
         ``bucket_bytes``: target payload of one bucketed collective
         (``plan.schedule.bucket_bytes``); 0 = one collective per parameter.
@@ -249,7 +268,8 @@ class ShardedOptimizer:
                                  f"set Schedule.bucket_bytes to e.g. {DEFAULT_BUCKET_BYTES}")
         self.ctx, self.config, self.bucket_bytes = ctx, config, bucket_bytes
         wire = grad_comm or {}
-        self.slots = {fqn: _Slot(p, placements[fqn], masters[fqn], ctx, wire.get(fqn, "none")) for fqn, p in params.items()}
+        self.slots = {fqn: _Slot(p, placements[fqn], None if masters is None else masters[fqn], ctx, wire.get(fqn, "none"))
+                      for fqn, p in params.items()}
         self.steps = 0
         slots = list(self.slots.values())
         self._grad_buckets = [[slots[i] for i in b] for b in _buckets.assign(

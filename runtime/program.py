@@ -37,7 +37,6 @@ stages in order without autograd and returns the full outputs on every rank.
 
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -48,14 +47,16 @@ from torch.export import Dim
 from autoshard.errors import PlanError
 from autoshard.graph import ModelGraph
 from autoshard.passes import run_passes
-from autoshard.passes._graph_utils import META_KEY
+from autoshard.passes._graph_utils import META_KEY, retarget_device
 from autoshard.passes.context import ParamPlacement, RankContext
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.runtime import collectives
 from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
 from autoshard.runtime.pipeline import PipelineEngine
-from autoshard.runtime.mesh import build_rank_context, check_world
+from autoshard.runtime.materialize import Wanted, bind_source, fill, meta_twin
+from autoshard.runtime.memory_report import BuildMemory, MemoryReport
+from autoshard.runtime.mesh import build_device_mesh, build_rank_context, check_world
 from autoshard.runtime.optimizer import OptimizerConfig, ShardedOptimizer
 from autoshard.train import TrainSpec
 
@@ -77,6 +78,7 @@ class Program:
                  *, overlap_grad_sync: bool = False, compile_graph: bool | str = False,
                  compile_regions: str = "stem"):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
+        self.build_memory = BuildMemory(torch.device(ctx.device))  # build_program replaces it with the measured one
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
         self.regather = gm.get_submodule(name) if name else None
@@ -153,6 +155,10 @@ class Program:
             total += loss.detach().float()
         return total
 
+    def memory_report(self) -> MemoryReport:
+        """Measured build peak, resident bytes after the build and (CUDA) step peak (``runtime/memory_report.py``)."""
+        return self.build_memory.report()
+
     def local_state_dict(self) -> dict[str, torch.Tensor]:
         """fp32 master values at each ``param_placements[fqn].local_shape`` (collective for ZeRO-1/2/offload)."""
         return {fqn: slot.full_master() for fqn, slot in self.optimizer.slots.items()}
@@ -180,36 +186,58 @@ def build_program(
     overlap_grad_sync: bool = False,
     compile_graph: bool | str = "auto",
     compile_regions: str = "stem",
+    weights: Any = None,
+    release_model: bool = False,
+    track_memory: bool = False,
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
+    ``weights``: where this rank's shards come from (``runtime/materialize.py``): ``None`` = the
+    model's own parameters when they hold data, else initialised on shards (``Initialize(seed=0)``);
+    a path (autoshard checkpoint directory, ``.safetensors`` file, Hugging Face safetensors
+    directory); or a source (``Initialize``, ``Safetensors``, ``Checkpoint``, ``FromModule``). The
+    model may live on the meta device; no rank ever holds a whole parameter its plan shards.
+    ``release_model``: swap each of the model's parameters for a meta tensor once read (the model is
+    otherwise left unchanged). ``track_memory``: on a CPU, count live tensor bytes during the build
+    (``runtime/live_bytes.py``) for ``Program.memory_report``; CUDA builds always report.
     ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
     (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
     it made the searched DP plans slower (docs/runtime.md, "Overlapped gradient sync").
     ``compile_graph``: run the rewritten per-rank graph through ``torch.compile`` (inductor fuses
     its elementwise chains; pp = 1 and no ZeRO-3 layer, else ``PlanError``). ``"auto"`` (the
     default) compiles exactly when ``compile_allowed``: a CUDA device and such a plan with
-    ep = cp = 1. On 2×H100 it made the searched (DP) plans 1.07–1.8× faster (docs/runtime.md, "Compiled per-rank graph"); on
-    the CPU the graph stays eager (inductor's CPU backend needs a C++ compiler and gains little
-    for the gloo tests). ``compile_regions``: ``"stem"`` (default) compiles the prologue and the blocks
-    onward as two graphs, ``"block"`` each block as its own, ``"graph"`` the whole program as one
-    (``runtime/compile_regions.py``).
+    ep = cp = 1. On the CPU the graph stays eager (inductor's CPU backend needs a C++ compiler and
+    gains little for the gloo tests). ``compile_regions``: ``"stem"`` (default) compiles the
+    prologue and the blocks onward as two graphs, ``"block"`` each block as its own, ``"graph"``
+    the whole program as one (``runtime/compile_regions.py``).
     """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)
     check_world(plan.mesh)
+    device_mesh = None
     if ctx is None:
-        ctx, _device_mesh = build_rank_context(plan.mesh, device=device, compute_dtype=_DTYPES[precision])
-    gm, masters = _export(model, graph, ctx.compute_dtype)
-    gm = run_passes(gm, plan, ctx)
-    placements = gm.meta[META_KEY]["placements"]
-    params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
-    masters = {fqn: placements[fqn].shard(masters[fqn], ctx) for fqn in params}
-    config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
-    grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
-    sharded = ShardedOptimizer(params, placements, masters, ctx, config, grad_comm, bucket_bytes=plan.schedule.bucket_bytes)
-    return Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_graph=compile_graph,
-                   compile_regions=compile_regions)
+        ctx, device_mesh = build_rank_context(plan.mesh, device=device, compute_dtype=_DTYPES[precision])
+    build_memory = BuildMemory(torch.device(ctx.device), track_memory)
+    with build_memory:
+        reader = bind_source(weights, model, release=release_model)
+        gm = run_passes(_export(model, graph, ctx), plan, ctx)
+        placements = gm.meta[META_KEY]["placements"]
+        params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
+        config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
+        grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
+        sharded = ShardedOptimizer(params, placements, None, ctx, config, grad_comm,
+                                   bucket_bytes=plan.schedule.bucket_bytes)
+        if hasattr(reader, "mesh"):  # a DCP checkpoint reads through DTensors over the plan's mesh
+            reader.mesh = device_mesh or build_device_mesh(plan.mesh, torch.device(ctx.device).type)
+        wanted = [Wanted(fqn, placements[fqn].global_shape, placements[fqn].region(ctx), placements[fqn])
+                  for fqn in params]
+        expected = {fqn: placement.global_shape for fqn, placement in placements.items()}
+        fill(reader, wanted, expected, _program_buffers(gm), torch.device(ctx.device),
+             lambda fqn, values: sharded.slots[fqn].load_master(values))
+    program = Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_graph=compile_graph,
+                      compile_regions=compile_regions)
+    program.build_memory = build_memory
+    return program
 
 
 def compile_allowed(plan: Plan, device: Any) -> bool:
@@ -239,27 +267,35 @@ def _check_stages(plan: Plan) -> None:
         )
 
 
-def _export(
-    model: nn.Module, graph: ModelGraph, compute_dtype: torch.dtype
-) -> tuple[torch.fx.GraphModule, dict[str, torch.Tensor]]:
-    """``torch.export`` a copy of ``model`` in ``compute_dtype`` (dynamic batch/seq) → (module, fp32 masters).
+def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext) -> torch.fx.GraphModule:
+    """``torch.export`` of ``model``'s meta twin in the compute dtype (dynamic batch/seq), retargeted to ``ctx.device``.
 
-    The copy is cast to the compute dtype *before* export: export bakes the
-    dtypes it sees into the graph (``_assert_tensor_metadata`` checks, explicit
-    casts such as a norm's ``.to(x.dtype)``), so a graph traced in fp32 and
-    then fed bf16 parameters fails or silently computes in the wrong dtype.
-    The fp32 masters are taken from the copy before the cast.
+    No weight is read or copied: the twin has the model's structure with meta tensors
+    (``materialize.meta_twin``), so a model on the GPU is not duplicated and one on the meta device
+    exports as well. The twin is cast to the compute dtype *before* export: export bakes the dtypes
+    it sees into the graph (``_assert_tensor_metadata`` checks, explicit casts such as a norm's
+    ``.to(x.dtype)``). It also bakes in the device (factory calls, metadata checks), which
+    ``retarget_device`` points at the rank's device.
     """
-    clone = copy.deepcopy(model).float()
-    masters = {fqn: p.detach().clone() for fqn, p in clone.named_parameters()}
-    clone = clone.to(compute_dtype)
+    twin = meta_twin(model).to(ctx.compute_dtype)
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
-    tokens = torch.zeros(2, seq, dtype=torch.long, device=next(clone.parameters()).device)
-    exported = torch.export.export(clone, (tokens,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},), strict=False)
+    tokens = torch.zeros(2, seq, dtype=torch.long, device="meta")
+    exported = torch.export.export(twin, (tokens,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},), strict=False)
     gm = exported.module()
+    retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
     gm.meta[META_KEY] = {"params": owners}
-    return gm, masters
+    return gm
+
+
+def _program_buffers(gm: torch.fx.GraphModule | PipelineSplit) -> dict[str, torch.Tensor]:
+    """The program's buffers by their FQN in the model (pipeline stages' ``stage_<k>.`` prefix removed)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, buffer in gm.named_buffers():
+        if isinstance(gm, PipelineSplit):
+            name = name.split(".", 1)[1]
+        out.setdefault(name, buffer)
+    return out
 
 
 __all__ = ["Program", "StepResult", "build_program", "compile_allowed"]

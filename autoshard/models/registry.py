@@ -166,7 +166,7 @@ def build(
     *,
     device: str | torch.device | None = None,
     dtype: torch.dtype | None = None,
-    seed: int | None = 0,
+    seed: int = 0,
     **overrides: object,
 ) -> nn.Module:
     """Build the policy model ``spec`` (``"family:size"``) with config ``overrides``.
@@ -174,8 +174,8 @@ def build(
     The model is constructed on ``meta``, cast to ``dtype`` (default: fp32),
     materialised on ``device`` (default: ``default_device(spec)``) and
     initialised by ``init_weights(seed)``; on ``meta`` it stays uninitialised
-    (call ``to_empty``, ``tie_weights`` and ``init_weights`` later).
-    ``seed=None`` draws from torch's global RNG.
+    (call ``to_empty``, ``tie_weights`` and ``init_weights`` later, or hand it to
+    ``autoshard.compile``, which initialises each rank's shards alone).
     """
     config = config_for(spec, **overrides)
     target = torch.device(device) if device is not None else default_device(spec)

@@ -9,10 +9,12 @@ Module names are a contract with capture, the passes and TP sharding (see
 attn.{q,k,v,o}, mlp_norm, mlp.{up,gate,down} | moe.{router,w_gate,w_up,w_down}}``,
 ``norm``, ``head``, ``value_head``.
 
-Initialisation (``init_weights``), GPT-2 style, drawn from one generator in
-``named_parameters()`` order so a seed fixes every value (per device and
-dtype): weights N(0, 0.02²); residual projections (``attn.o``, ``mlp.down``,
-``moe.w_down``) N(0, (0.02/√(2L))²); biases 0; norm weights 1.
+Initialisation, GPT-2 style (``init_rule``): weights N(0, 0.02²); residual
+projections (``attn.o``, ``mlp.down``, ``moe.w_down``) N(0, (0.02/√(2L))²);
+biases 0; norm weights 1. Values come from ``autoshard.init``'s counter-based
+generator, a function of (seed, parameter name, element index), so a sharded
+build creates each rank's shards alone and they equal the single-device
+``init_weights(seed)`` whatever the plan.
 
 Plain ``forward(tokens)`` is the export path (no Python branches on data or
 shapes). ``forward(tokens, cache=..., start_pos=p)`` is eager-only decoding.
@@ -28,6 +30,7 @@ from torch import nn
 
 from autoshard.errors import ModelError
 from autoshard.graph import TP_ROLES
+from autoshard.init import Constant, InitRule, Normal, init_tensor_
 from autoshard.models.config import GPTConfig, LlamaConfig, MoEConfig
 from autoshard.models.layers import Attention, GeluMLP, KVCache, RMSNorm, SwiGLUMLP, rope_tables
 from autoshard.models.moe import MoE
@@ -171,23 +174,21 @@ class PolicyModel(nn.Module):
         """Parameter FQN (as in ``named_parameters()``, tied ones once) → TP role."""
         return {name: tp_role(name) for name, _ in self.named_parameters()}
 
+    def init_rule(self, name: str) -> InitRule:
+        """How parameter ``name`` is initialised (module docstring); ``autoshard.init`` draws the values."""
+        if name.endswith("bias"):
+            return Constant(0.0)
+        if _NORM_WEIGHTS.fullmatch(name):
+            return Constant(1.0)
+        residual = _RESIDUAL_PROJECTIONS.fullmatch(name)
+        return Normal(0.0, INIT_STD / math.sqrt(2 * self.config.num_layers) if residual else INIT_STD)
+
     @torch.no_grad()
-    def init_weights(self, seed: int | None = 0) -> None:
-        """(Re)initialise every parameter as the module docstring says; ``seed=None`` uses torch's global RNG."""
-        residual_std = INIT_STD / math.sqrt(2 * self.config.num_layers)
-        generator = None
+    def init_weights(self, seed: int = 0) -> None:
+        """(Re)initialise every materialised parameter with ``init_rule`` and ``seed`` (meta ones are skipped)."""
         for name, param in self.named_parameters():
-            if param.is_meta:
-                continue
-            if generator is None and seed is not None:
-                generator = torch.Generator(device=param.device).manual_seed(seed)
-            if name.endswith("bias"):
-                param.zero_()
-            elif _NORM_WEIGHTS.fullmatch(name):
-                param.fill_(1.0)
-            else:
-                std = residual_std if _RESIDUAL_PROJECTIONS.fullmatch(name) else INIT_STD
-                param.normal_(0.0, std, generator=generator)
+            if not param.is_meta:
+                init_tensor_(param, self.init_rule(name), seed, name)
 
 
 class GPTModel(PolicyModel):

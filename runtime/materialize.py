@@ -1,0 +1,486 @@
+"""Materialisation: every rank creates or reads only the shards its plan gives it.
+
+``build_program`` exports a *meta twin* of the model (``meta_twin``: the same
+module tree with every parameter and buffer on the meta device; no data is
+copied), runs the passes (``shard_parameters`` allocates this rank's empty
+shards on its device), builds the optimizer with empty masters, and then
+``fill`` walks this rank's parameters once: for each it asks the weights
+source for the rank's *region* of the global tensor (``ParamPlacement.region``:
+one ``slice`` per tensor dim) as float32, and hands it to the optimizer slot,
+which keeps its part as the fp32 master and writes the compute copy
+(``_Slot.load_master``). One region lives at a time, so the build's memory is
+this rank's resident state (compute shards, masters, moments) plus about two
+regions of the largest parameter it holds (the region read in the file's
+dtype, and its fp32 copy); the cost model prices it the same way
+(``search/memory.py``, build peak).
+
+Weights sources (``weights=`` of ``build_program`` and ``autoshard.compile``):
+
+| source | when | what a rank reads |
+| --- | --- | --- |
+| ``FromModule(model)`` | default when the model's parameters hold data (CPU, GPU) | a slice of each parameter, copied to its device as fp32 |
+| ``Initialize(seed)`` | default when the model is on meta | ``init_rule`` models (the reference models, or ``rules=``): counter-based values of its region only (``autoshard.init``); others: ``module_init`` or each module's ``reset_parameters`` (below) |
+| ``Safetensors(path, name_map=)`` | a ``.safetensors`` file or a Hugging Face sharded directory | ``get_slice`` of its region (``runtime/_safetensors_source.py``) |
+| ``Checkpoint(path)`` | an autoshard DCP checkpoint (any plan, any world size) | the saved chunks that overlap its region (DCP, no collective) |
+
+A path given as ``weights`` is a DCP checkpoint when it holds autoshard's
+sidecar, else safetensors.
+
+Module-init fallback (models with no ``init_rule``, e.g. Hugging Face models
+with ``module_init=model._init_weights``, or plain ``nn.Linear`` stacks with
+``reset_parameters``): the modules are visited in ``Module.apply`` order
+(children first) on a private meta twin; each module's *own* parameters and
+meta buffers are materialised whole, in fp32 on the rank's device, the
+function runs on the module, every rank takes its region and the whole tensor
+is freed. With ``torch.manual_seed(seed)`` first, this is exactly what
+``torch.manual_seed(seed); model.to_empty(device=d); model.apply(fn)`` gives on
+one device, for every plan; the price is one module's parameters held whole
+for a moment (the largest module's, e.g. an embedding). A function that
+touches a tensor other than its module's own parameters and buffers raises
+``WeightsError`` naming the module (it would silently read meta tensors).
+
+Buffers are replicated: each comes whole from the source's file when it has
+the key, else from the model (where it holds data), else the module-init
+fallback; a buffer no one provides is an error naming it.
+
+The user's module (decision): ``build_program`` never changes it.
+``autoshard.compile`` builds with ``FromModule(model, release=True)``: each
+parameter's storage is swapped for a meta tensor as soon as this rank has
+read its region, and the model's buffers follow at the end, so a model handed
+over on the GPU is never held twice; the module stays usable on the meta
+device (capture, planning; ``program.full_state_dict()``-style exports come
+from the program or a checkpoint). Why: keeping it would cost a whole model
+per rank, the failure this module exists to remove.
+
+Every source checks every parameter's name and global shape (all of the
+model's, on every rank, before any tensor is read), so a bad file is refused
+with one line naming the tensor and the file and nothing is half-loaded.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
+
+from autoshard.errors import AutoshardError
+from autoshard.init import InitRule, init_region
+
+Region = tuple[slice, ...]
+
+
+class WeightsError(AutoshardError):
+    """Weights could not be created or loaded: a bad source, initialiser or buffer."""
+
+
+@dataclass(frozen=True)
+class Wanted:
+    """One tensor this rank needs: its name, global shape, region, and its placement (``ParamPlacement``)."""
+
+    fqn: str
+    global_shape: tuple[int, ...]
+    region: Region
+    placement: Any = None
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes (ties kept).
+
+    No data is copied: ``deepcopy`` is given a memo mapping each tensor to its meta stand-in.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(
+            tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)
+
+
+def has_data(model: nn.Module) -> bool:
+    """Whether every parameter of ``model`` holds data (no meta tensor)."""
+    return not any(p.is_meta for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- sources
+
+
+class FromModule:
+    """Regions sliced from the model's own parameters (module docstring); ``release``: free each after reading."""
+
+    def __init__(self, model: nn.Module, *, release: bool = False) -> None:
+        self.model, self.release = model, release
+        self.params = dict(model.named_parameters())
+        self.buffers_ = dict(model.named_buffers())
+
+    def describe(self) -> str:
+        return f"the parameters of {type(self.model).__name__}"
+
+    def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        for fqn, shape in expected.items():
+            param = self.params.get(fqn)
+            if param is None or tuple(param.shape) != tuple(shape):
+                raise WeightsError(f"parameter {fqn!r} {list(shape)}: the model given has "
+                                   f"{'none' if param is None else list(param.shape)}; pass the model that was captured")
+            if param.is_meta:
+                raise WeightsError(f"parameter {fqn!r} is on the meta device: pass weights=Initialize(...) or a "
+                                   "checkpoint / safetensors path to create it")
+
+    def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in wanted:
+            param = self.params[item.fqn]
+            yield item.fqn, param.detach()[item.region].to(device, torch.float32, copy=True)
+            if self.release:
+                param.data = torch.empty_like(param, device="meta")
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        value = self.buffers_.get(fqn)
+        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+
+    def close(self) -> None:
+        if self.release:
+            self.model.to("meta")
+
+
+@dataclass(frozen=True)
+class Initialize:
+    """Initialise on shards (module docstring).
+
+    seed: fixes every value, for every plan.
+    rules: ``fqn -> autoshard.init.InitRule`` (default: the model's ``init_rule`` when it has one).
+    module_init: ``fn(module)`` run per module in ``Module.apply`` order, each module's own tensors
+        materialised whole (default without rules: each module's ``reset_parameters``).
+    """
+
+    seed: int = 0
+    rules: Callable[[str], InitRule] | None = None
+    module_init: Callable[[nn.Module], None] | None = None
+
+    def bind(self, model: nn.Module) -> Any:
+        """The reader for ``model``: by rules when there are any and no ``module_init``, else by modules."""
+        rules = self.rules or getattr(model, "init_rule", None)
+        if rules is not None and self.module_init is None:
+            return _RuleReader(model, rules, self.seed)
+        return _ModuleInitReader(model, self.module_init, self.seed)
+
+
+class _RuleReader:
+    def __init__(self, model: nn.Module, rules: Callable[[str], InitRule], seed: int) -> None:
+        self.model, self.rules, self.seed = model, rules, seed
+
+    def describe(self) -> str:
+        return f"init rules of {type(self.model).__name__} (seed {self.seed})"
+
+    def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        for fqn in expected:
+            try:
+                rule = self.rules(fqn)
+            except Exception as err:  # a user rule: report which parameter it failed on
+                raise WeightsError(f"init rule for parameter {fqn!r} failed: {type(err).__name__}: {err}") from None
+            if not isinstance(rule, InitRule):
+                raise WeightsError(f"init rule for parameter {fqn!r} returned {rule!r}; expected autoshard.init."
+                                   "Normal, Uniform or Constant")
+
+    def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in wanted:
+            yield item.fqn, init_region(self.rules(item.fqn), self.seed, item.fqn, item.global_shape, item.region,
+                                        device)
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        value = dict(self.model.named_buffers()).get(fqn)
+        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+
+    def close(self) -> None:
+        pass
+
+
+class _OnlyOwnTensors(TorchDispatchMode):
+    """Refuses any op on a meta tensor while a module's init function runs (module docstring)."""
+
+    def __init__(self, module_name: str, module: nn.Module) -> None:
+        super().__init__()
+        self.module_name, self.module = module_name, module
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for value in tree_flatten((args, kwargs or {}))[0]:
+            if isinstance(value, torch.Tensor) and value.is_meta:
+                raise WeightsError(
+                    f"the init function of module {self.module_name or '<root>'!r} ({type(self.module).__name__}) "
+                    f"touches a tensor {list(value.shape)} that is not its own parameter or buffer ({func}); a "
+                    "sharded build initialises one module's own tensors at a time: give that module an init_rule or "
+                    "initialise each tensor from its own module")
+        return func(*args, **(kwargs or {}))
+
+
+class _ModuleInitReader:
+    def __init__(self, model: nn.Module, fn: Callable[[nn.Module], None] | None, seed: int) -> None:
+        self.model, self.fn, self.seed = model, fn, seed
+        self.buffers_: dict[str, torch.Tensor] = {}
+
+    def describe(self) -> str:
+        how = getattr(self.fn, "__name__", "init function") if self.fn else "reset_parameters"
+        return f"{how} of each module of {type(self.model).__name__} (seed {self.seed})"
+
+    def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        if self.fn is not None:
+            return
+        for name, module in self.model.named_modules():
+            own = [n for n, p in module.named_parameters(recurse=False)]
+            if own and not callable(getattr(module, "reset_parameters", None)):
+                raise WeightsError(
+                    f"parameter {(name + '.' if name else '') + own[0]!r} of module {name or '<root>'!r} "
+                    f"({type(module).__name__}) has no initialiser: the model has no init_rule and the module no "
+                    "reset_parameters; pass weights=Initialize(module_init=fn) or rules=, or a checkpoint")
+
+    def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """Module by module in ``apply`` order (children first); see the module docstring."""
+        by_name = {w.fqn: w for w in wanted}
+        twin = meta_twin(self.model)
+        canonical = {id(p): fqn for fqn, p in twin.named_parameters()}
+        owners: dict[int, int] = {}
+        for module in twin.modules():
+            for p in module.parameters(recurse=False):
+                owners[id(p)] = owners.get(id(p), 0) + 1
+        whole: dict[int, nn.Parameter] = {}  # id(meta param) → its whole materialised tensor while owners remain
+        torch.manual_seed(self.seed)
+        for name, module in _post_order(twin):
+            made = self._materialise(module, whole, device)
+            if self.fn is not None or callable(getattr(module, "reset_parameters", None)):
+                with torch.no_grad(), _OnlyOwnTensors(name, module):
+                    (self.fn or type(module).reset_parameters)(module)
+            for pname, meta_param in made:
+                owners[id(meta_param)] -= 1
+                if owners[id(meta_param)] == 0:
+                    full = whole.pop(id(meta_param))
+                    item = by_name.get(canonical[id(meta_param)])
+                    if item is not None:
+                        yield item.fqn, full.detach()[item.region].to(torch.float32, copy=True)
+                module._parameters[pname] = meta_param
+            for bname, value in module.named_buffers(recurse=False):
+                if not value.is_meta:
+                    self.buffers_[(name + "." if name else "") + bname] = value
+
+    @staticmethod
+    def _materialise(module: nn.Module, whole: dict, device: torch.device) -> list[tuple[str, nn.Parameter]]:
+        """Swap ``module``'s own meta parameters (and meta buffers) for whole fp32 tensors on ``device``.
+
+        A tied parameter keeps one whole tensor (``whole``, by the meta parameter's id) until its last owner ran.
+        """
+        made = []
+        for pname, meta_param in list(module._parameters.items()):
+            if meta_param is None:
+                continue
+            if id(meta_param) not in whole:
+                whole[id(meta_param)] = nn.Parameter(torch.empty(meta_param.shape, device=device, dtype=torch.float32),
+                                                     requires_grad=meta_param.requires_grad)
+            module._parameters[pname] = whole[id(meta_param)]
+            made.append((pname, meta_param))
+        for bname, buf in list(module._buffers.items()):
+            if buf is not None and buf.is_meta:
+                module._buffers[bname] = torch.empty(buf.shape, device=device, dtype=buf.dtype)
+        return made
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        value = self.buffers_.get(fqn)
+        if value is None:
+            value = dict(self.model.named_buffers()).get(fqn)
+        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+
+    def close(self) -> None:
+        self.buffers_.clear()
+
+
+def _post_order(module: nn.Module, prefix: str = "") -> Iterator[tuple[str, nn.Module]]:
+    """``(name, module)`` in ``Module.apply`` order: children first, then the module."""
+    for child_name, child in module.named_children():
+        yield from _post_order(child, f"{prefix}.{child_name}" if prefix else child_name)
+    yield prefix, module
+
+
+@dataclass(frozen=True)
+class Safetensors:
+    """A ``.safetensors`` file or a Hugging Face sharded directory; ``name_map``: model FQN → key in the files."""
+
+    path: str | os.PathLike
+    name_map: Mapping[str, str] | Callable[[str], str | None] | None = None
+    strict: bool = True
+
+    def bind(self, model: nn.Module) -> Any:
+        from autoshard.runtime._safetensors_source import SafetensorsSource
+
+        return _SafetensorsReader(SafetensorsSource(self.path, name_map=self.name_map, strict=self.strict), model)
+
+
+class _SafetensorsReader:
+    def __init__(self, source: Any, model: nn.Module) -> None:
+        self.source, self.model = source, model
+
+    def describe(self) -> str:
+        return self.source.describe()
+
+    def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        self.source.check(expected)
+
+    def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for item in wanted:
+            yield item.fqn, self.source.read(item.fqn, item.global_shape, item.region, device)
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        value = dict(self.model.named_buffers()).get(fqn)
+        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+
+    def close(self) -> None:
+        self.source.close()
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An autoshard DCP checkpoint directory (``runtime/checkpoint.py``), saved under any plan and world size."""
+
+    path: str | os.PathLike
+    model_fingerprint: str = ""
+
+    def bind(self, model: nn.Module) -> Any:
+        return _CheckpointReader(self, model)
+
+
+class _CheckpointReader:
+    GROUP_BYTES = 256 * 2**20  # fp32 bytes of regions loaded by one dcp.load call
+
+    def __init__(self, spec: Checkpoint, model: nn.Module) -> None:
+        from autoshard.runtime._checkpoint_files import read_info, resolve_checkpoint
+
+        self.directory = resolve_checkpoint(spec.path)
+        self.info = read_info(self.directory)
+        self.spec, self.model = spec, model
+        self.mesh = None  # the DeviceMesh the placements refer to (set by fill)
+
+    def describe(self) -> str:
+        return f"checkpoint {self.directory}"
+
+    def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        from autoshard.runtime._checkpoint_files import CheckpointError
+        from autoshard.runtime.checkpoint import MODEL_PREFIX, _check_fingerprint
+
+        _check_fingerprint(self.info, self.spec.model_fingerprint, self.directory)
+        saved = {k.removeprefix(MODEL_PREFIX): r for k, r in self.info.tensors.items() if k.startswith(MODEL_PREFIX)}
+        for fqn, shape in expected.items():
+            record = saved.get(fqn)
+            if record is None:
+                raise CheckpointError(f"checkpoint {self.directory} has no tensor for parameter {fqn!r}; it was "
+                                      "saved for another model (pass the checkpoint of this model)")
+            if tuple(record.shape) != tuple(shape):
+                raise CheckpointError(f"checkpoint {self.directory}: {fqn!r} is saved as {list(record.shape)}, the "
+                                      f"model has {list(shape)}; it was saved for another model configuration")
+        extra = sorted(set(saved) - set(expected))
+        if extra:
+            raise CheckpointError(f"checkpoint {self.directory} holds {len(extra)} tensor(s) the model does not have, "
+                                  f"e.g. {extra[:3]}; it was saved for another model")
+
+    def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        group, size = [], 0
+        for item in wanted:
+            group.append(item)
+            size += 4 * _numel(item.region)
+            if size >= self.GROUP_BYTES:
+                yield from self._load(group, device)
+                group, size = [], 0
+        if group:
+            yield from self._load(group, device)
+
+    def _load(self, group: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        import torch.distributed.checkpoint as dcp
+
+        from autoshard.runtime._checkpoint_files import SafeFileSystemReader, WeightsOnlyLoadPlanner, read_metadata_safely
+        from autoshard.runtime.checkpoint import MODEL_PREFIX, LocalShard, to_dtensor
+
+        locals_ = {w.fqn: torch.empty(tuple(s.stop - s.start for s in w.region), device=device) for w in group}
+        targets = {f"{MODEL_PREFIX}{w.fqn}": to_dtensor(LocalShard.of(locals_[w.fqn], w.placement), self.mesh)
+                   for w in group}
+        reader = SafeFileSystemReader(self.directory, read_metadata_safely(self.directory))
+        dcp.load(targets, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=True)
+        for w in group:
+            loaded = targets[f"{MODEL_PREFIX}{w.fqn}"].to_local()
+            if loaded.data_ptr() != locals_[w.fqn].data_ptr():
+                locals_[w.fqn].copy_(loaded)
+            yield w.fqn, locals_.pop(w.fqn)
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        value = dict(self.model.named_buffers()).get(fqn)
+        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+
+    def close(self) -> None:
+        pass
+
+
+def _numel(region: Region) -> int:
+    out = 1
+    for s in region:
+        out *= s.stop - s.start
+    return out
+
+
+# --------------------------------------------------------------------------- resolve and fill
+
+
+def bind_source(weights: Any, model: nn.Module, *, release: bool = False) -> Any:
+    """The reader for ``weights`` (``None``, a path, or a source object) over ``model`` (module docstring)."""
+    if weights is None:
+        return FromModule(model, release=release) if has_data(model) else Initialize().bind(model)
+    if isinstance(weights, (str, os.PathLike)):
+        from autoshard.runtime._checkpoint_files import SIDECAR
+
+        path = Path(weights)
+        weights = Checkpoint(path) if (path / SIDECAR).is_file() else Safetensors(path)
+    if isinstance(weights, FromModule):
+        return weights
+    if hasattr(weights, "bind"):
+        return weights.bind(model)
+    raise WeightsError(f"weights={weights!r}: expected None, a path (autoshard checkpoint directory, .safetensors file "
+                       "or Hugging Face safetensors directory) or autoshard.runtime.materialize.Initialize / "
+                       "Safetensors / Checkpoint / FromModule")
+
+
+def fill(reader: Any, wanted: list[Wanted], expected: Mapping[str, tuple[int, ...]],
+         buffers: Mapping[str, torch.Tensor], device: torch.device, write: Callable[[str, torch.Tensor], None]) -> None:
+    """Fill a program from ``reader``: check every parameter's global shape (``expected``, all of the model's),
+    copy ``buffers`` (``fqn → empty tensor``), then ``write(fqn, fp32 region)`` for each wanted, one at a time."""
+    try:
+        reader.check(expected)
+        missing = _copy_buffers(reader, buffers, device)  # the module-init fallback computes meta buffers on the way
+        for fqn, values in reader.regions(wanted, device):
+            write(fqn, values)
+            del values
+        for fqn in _copy_buffers(reader, {fqn: buffers[fqn] for fqn in missing}, device):
+            raise WeightsError(
+                f"buffer {fqn!r} {list(buffers[fqn].shape)} is on the meta device and {reader.describe()} does not "
+                "provide it; build the model with its buffers materialised (e.g. accelerate's "
+                "init_empty_weights(include_buffers=False)) or compute it in Initialize(module_init=...)")
+    finally:
+        reader.close()
+
+
+def _copy_buffers(reader: Any, buffers: Mapping[str, torch.Tensor], device: torch.device) -> list[str]:
+    """Copy each buffer ``reader`` provides into its target; the FQNs it does not provide."""
+    missing = []
+    for fqn, target in buffers.items():
+        value = reader.buffer(fqn, device)
+        if value is None:
+            missing.append(fqn)
+            continue
+        with torch.no_grad():
+            target.copy_(value)
+    return missing
+
+
+__all__ = ["Checkpoint", "FromModule", "Initialize", "Safetensors", "Wanted", "WeightsError", "bind_source", "fill",
+           "has_data", "meta_twin"]
