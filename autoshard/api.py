@@ -22,10 +22,14 @@ is used (``plan_reuse.train_of``), not the example inputs' shape. Any
 mismatch raises ``PlanError`` naming what differs.
 
 Under a process group, ``program`` is ``autoshard.runtime.build_program(model,
-graph, plan, cluster, train, device=...)`` on this rank's GPU when the group's
+graph, plan, cluster, train, device=..., weights=...)`` on this rank's GPU when the group's
 backend is NCCL (``cuda:<current device>``, which torchrun scripts set from
 ``LOCAL_RANK``), else on the CPU (gloo); an installation without that runtime stage logs
-a warning and returns the plan with ``program=None``.
+a warning and returns the plan with ``program=None``. Each rank allocates only
+its own shards (``runtime/materialize.py``): a model on the meta device is
+initialised shard by shard, or read from ``weights``; a model whose parameters
+hold data is read and then released (its parameters move to the meta device:
+keeping them would hold a whole model per rank beside the shards).
 
 The search is deterministic (fixed seed and worker count), so under torchrun
 every rank computes the same plan without communication.
@@ -97,6 +101,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     constraints: Constraints | None = None,
     time_limit_s: float = 30.0,
     name: str | None = None,
+    weights: Any = None,
 ) -> Compiled:
     """Capture ``model``, search (or load) a plan for ``cluster``, and build it.
 
@@ -116,6 +121,14 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         time_limit_s: wall-clock budget of the search.
         name: model name recorded in the plan (defaults to the class name);
             reusing a plan needs the name it was made with.
+        weights: where each rank's shards come from (``runtime/materialize.py``):
+            ``None`` = the model's own parameters when they hold data (each is
+            released to the meta device once read, so a model handed over on
+            the GPU is never held twice), else initialised on shards from the
+            meta device (the model's ``init_rule``, seed 0); a path (autoshard
+            checkpoint directory, ``.safetensors`` file, Hugging Face
+            safetensors directory); or ``Initialize(seed=...)``,
+            ``Safetensors(path, name_map=...)``, ``Checkpoint(path)``.
 
     Raises:
         PlanError: ``plan`` is unreadable or made for another model, cluster
@@ -139,7 +152,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         train = train or _default_train(example_inputs)
         chosen = _search(graph, resolved, train, constraints, time_limit_s)
     return Compiled(plan=chosen, graph=graph, cluster=resolved, train=train,
-                    program=_build_program(model, graph, chosen, resolved, train))
+                    program=_build_program(model, graph, chosen, resolved, train, weights))
 
 
 def _load_plan(plan: Plan | str | Path | None) -> Plan | None:
@@ -167,7 +180,8 @@ def _search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: 
     return solve(graph, cluster, train, constraints=constraints, time_limit_s=time_limit_s)
 
 
-def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -> Any:
+def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec,
+                   weights: Any = None) -> Any:
     """The per-rank program under an initialised process group; ``None`` in plan mode."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
@@ -178,7 +192,8 @@ def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluste
         log.warning("autoshard.compile: this installation has no autoshard.runtime.build_program; "
                     "returning the plan only (program=None)")
         return None
-    return build_program(model, graph, plan, cluster, train, device=program_device())
+    return build_program(model, graph, plan, cluster, train, device=program_device(), weights=weights,
+                         release_model=weights is None)
 
 
 def program_device() -> str:

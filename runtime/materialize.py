@@ -140,7 +140,17 @@ class FromModule:
             param = self.params[item.fqn]
             yield item.fqn, param.detach()[item.region].to(device, torch.float32, copy=True)
             if self.release:
-                param.data = torch.empty_like(param, device="meta")
+                self._release(param)
+                self.params[item.fqn] = torch.empty_like(param, device="meta")
+            del param
+
+    def _release(self, param: nn.Parameter) -> None:
+        """Put a meta stand-in wherever the model holds ``param`` (every owner of a tied one)."""
+        stand_in = nn.Parameter(torch.empty_like(param, device="meta"), requires_grad=param.requires_grad)
+        for module in self.model.modules():
+            for name, value in module._parameters.items():
+                if value is param:
+                    module._parameters[name] = stand_in
 
     def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
         value = self.buffers_.get(fqn)

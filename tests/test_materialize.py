@@ -99,6 +99,18 @@ def build_case(rank, world_size, spec, plan, weights=None, big=False, steps=0, t
     return out
 
 
+def compile_case(rank, world_size, on_meta):
+    """``autoshard.compile`` under the process group: a meta model is initialised on shards; a CPU model is
+    read, then released to the meta device."""
+    import autoshard
+
+    model = build(LLAMA, device="meta" if on_meta else "cpu")
+    compiled = autoshard.compile(model, "cpu:1x2", train=TRAIN, name=LLAMA, time_limit_s=20)
+    program = compiled.program
+    return {"regions": _regions(program), "shapes": {f: p.global_shape for f, p in program.param_placements.items()},
+            "released": all(p.is_meta for p in model.parameters())}
+
+
 def refused_case(rank, world_size, spec, plan, weights):
     """The error text of building from ``weights`` (every rank must refuse before reading a tensor)."""
     try:
@@ -188,6 +200,8 @@ def results2(files):
     jobs["from_file"] = functools.partial(build_case, spec=LLAMA, plan=zero3, weights=str(files / "model.safetensors"))
     jobs["from_hf_dir"] = functools.partial(build_case, spec=LLAMA, plan=_plan(LLAMA, Mesh(tp=2), _tp_sp),
                                             weights=Safetensors(files / "hf", name_map=_hf_key))
+    jobs["compile_meta"] = functools.partial(compile_case, on_meta=True)
+    jobs["compile_cpu"] = functools.partial(compile_case, on_meta=False)
     jobs["refuse_other_model"] = functools.partial(refused_case, spec=GPT, plan=_plan(GPT, Mesh(dp_shard=2), _replicate),
                                                    weights=Checkpoint(files / "ckpt"))
     jobs["refuse_shape"] = functools.partial(refused_case, spec=LLAMA, plan=zero3,
@@ -224,6 +238,15 @@ def test_meta_init_equals_single_device_world4(results4, name):
     ref = _single(spec)
     for fqn, value in full.items():
         assert torch.equal(value, ref[fqn]), fqn
+
+
+@pytest.mark.slow
+def test_compile_builds_from_meta_and_releases_a_materialised_model(results2):
+    ref = _single(LLAMA)
+    for name in ("compile_meta", "compile_cpu"):
+        for fqn, value in _assemble(results2[name]).items():
+            assert torch.equal(value, ref[fqn]), (name, fqn)
+    assert all(r["released"] for r in results2["compile_cpu"])  # the user's module now holds no data
 
 
 @pytest.mark.slow
