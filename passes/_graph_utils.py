@@ -87,10 +87,12 @@ def retarget_device(gm: fx.GraphModule, traced: torch.device, target: torch.devi
             return target
         return value
 
-    for node in gm.graph.nodes:
-        if node.op != "call_function":
+    for module in gm.modules():  # higher-order ops (autocast, no_grad regions) keep subgraphs as submodules
+        if not isinstance(module, fx.GraphModule):
             continue
-        node.args = tuple(swap(a) for a in node.args)
-        node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
-    gm.recompile()
+        for node in module.graph.nodes:
+            if node.op == "call_function":
+                node.args = tuple(swap(a) for a in node.args)
+                node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
+        module.recompile()
     return changed

@@ -483,6 +483,7 @@ def _copy_buffers(reader: Any, buffers: Mapping[str, torch.Tensor], device: torc
     """Copy each buffer ``reader`` provides into its target; the FQNs it does not provide."""
     missing = []
     for fqn, target in buffers.items():
+        assert not target.is_meta, f"program buffer {fqn!r} was not allocated (shard_parameters)"
         value = reader.buffer(fqn, device)
         if value is None:
             missing.append(fqn)
