@@ -189,11 +189,12 @@ class Predictions(Record):
     exposed_comm_s: float = at_least(0.0, 0)
     bubble_s: float = at_least(0.0, 0)
     optimizer_s: float = at_least(0.0, 0)
-    peak_memory_bytes: int = at_least(0, 0)
+    peak_memory_bytes: int = at_least(0, 0)  # max over ranks of max(step peak, build peak)
     memory_by_stage: tuple[int, ...] = ()
     memory_breakdown: dict[str, int] = field(default_factory=dict)
     tokens_per_s: float = at_least(0.0, 0)
     mfu: float = at_least(0.0, 0)
+    build_peak_bytes: int = at_least(0, 0)  # max over ranks of the build (materialization) peak; 0: not recorded
 
 
 @dataclass(frozen=True)

@@ -162,6 +162,8 @@ def _prediction_lines(plan: Plan) -> list[str]:
         f"optimizer {format_seconds(p.optimizer_s)}) | {p.tokens_per_s:,.0f} tokens/s | MFU {p.mfu:.1%}"
     )
     memory = f"predicted memory/rank peak {format_bytes(p.peak_memory_bytes)}"
+    if p.build_peak_bytes:
+        memory += f" (build {format_bytes(p.build_peak_bytes)})"
     if p.memory_by_stage:
         memory += " | by stage: " + ", ".join(
             f"{i}: {format_bytes(b)}" for i, b in enumerate(p.memory_by_stage)

@@ -364,7 +364,7 @@ class Checkpoint:
 
 
 class _CheckpointReader:
-    GROUP_BYTES = 256 * 2**20  # fp32 bytes of regions loaded by one dcp.load call
+    GROUP_BYTES = 0  # fp32 bytes of regions per dcp.load call: 0 = one parameter at a time (the priced transient)
 
     def __init__(self, spec: Checkpoint, model: nn.Module) -> None:
         from autoshard.runtime._checkpoint_files import read_info, resolve_checkpoint

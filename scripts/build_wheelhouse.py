@@ -12,7 +12,8 @@ plus autoshard's own wheel. Carry the folder over and install with::
 Dependencies are resolved here, recursively, from each wheel's
 ``Requires-Dist`` metadata (extras and markers for other platforms skipped),
 because ``pip download`` with deps would also fetch torch and the CUDA stack.
-Packages the target already has are named with ``--skip`` (defaults below).
+Packages the target already has are named with ``--skip`` (defaults below: a CUDA image's, plus
+what this project's GPU machine also has; ``--bare-image`` keeps only the former).
 
 Usage: scripts/build_wheelhouse.py --python-version 3.12 --out .whl [--baselines]
 """
@@ -31,11 +32,22 @@ CORE = ["ortools", "rich", "pyyaml", "networkx"]
 # Pinned to the versions measured in docs (PLATFORM_NOTES): newer ones may change APIs.
 BASELINES = ["megatron-core==0.16.1", "deepspeed==0.19.8"]
 # Present on the CUDA images this project runs on; never downloaded.
-DEFAULT_SKIP = {
+CUDA_IMAGE = {
     "torch", "triton", "numpy", "setuptools", "pip", "wheel", "typing-extensions", "filelock",
     "jinja2", "markupsafe", "sympy", "mpmath", "fsspec", "packaging", "psutil", "pynvml",
     "nvidia-ml-py", "torchvision", "pillow",
 }
+# Also in this project's GPU image ("cuda": torch 2.11, Python 3.12; its package list as read on
+# 2026-11-17): the Hugging Face stack (transformers 5.17, safetensors 0.8: benchmarks/hf_policy.py and
+# safetensors weights), three of CORE, and pandas with its needs (OR-Tools imports pandas). What it
+# lacks is OR-Tools itself and immutabledict; protobuf and absl-py are carried anyway (small, and
+# OR-Tools' generated code needs protobuf >= the version it was built with).
+# --bare-image downloads all of these, for an image that has only CUDA_IMAGE.
+PROJECT_GPU_IMAGE = {
+    "rich", "pyyaml", "networkx", "accelerate", "transformers", "safetensors", "huggingface-hub",
+    "tokenizers", "regex", "pandas", "python-dateutil", "tzdata", "six",
+}
+DEFAULT_SKIP = CUDA_IMAGE | PROJECT_GPU_IMAGE
 PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x86_64",
              "manylinux2014_x86_64", "manylinux1_x86_64", "manylinux_2_24_x86_64",
              "manylinux_2_31_x86_64", "manylinux_2_34_x86_64", "manylinux_2_35_x86_64"]
@@ -108,15 +120,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=".whl", type=Path)
     p.add_argument("--baselines", action="store_true", help="also megatron-core and deepspeed")
     p.add_argument("--skip", nargs="*", default=[], help="more packages the target already has")
+    p.add_argument("--bare-image", action="store_true",
+                   help="the target has only the CUDA image's packages: also download rich, pyyaml, networkx, "
+                        "pandas (PROJECT_GPU_IMAGE)")
     p.add_argument("--no-self", action="store_true", help="do not build autoshard's own wheel")
     args = p.parse_args(argv)
     roots = CORE + (BASELINES if args.baselines else [])
-    build(args.out, args.python_version, roots, DEFAULT_SKIP | {_norm(s) for s in args.skip})
+    skip = (CUDA_IMAGE if args.bare_image else DEFAULT_SKIP) | {_norm(s) for s in args.skip}
+    build(args.out, args.python_version, roots, skip)
     if not args.no_self:
         repo = Path(__file__).resolve().parent.parent
         subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "-w", str(args.out),
                         str(repo)], check=True)
-    print(f"wheelhouse: {args.out} ({len(list(args.out.glob('*.whl')))} wheels)")
+    wheels = list(args.out.glob("*.whl"))
+    size = sum(w.stat().st_size for w in wheels) / 2**20
+    print(f"wheelhouse: {args.out} ({len(wheels)} wheels, {size:.1f} MiB)")
     return 0
 
 

@@ -32,7 +32,10 @@ is ≤ the constrained minimum (weak duality); the time bound is the largest
 value over the rows and ``LAMBDA_GRID``. Both bounds are taken per global
 ``sp`` value, then the smaller (the plan picks one ``sp``). The memory bound
 is ``max_j need_j / j`` with ``need_j`` the smallest left side of row j: some
-rank among the first j needs at least that much.
+rank among the first j needs at least that much. The build rows (``build/stage<k>``: resident
+params and optimizer states R plus the largest build transient X of the rank) give a second
+memory bound the same way, ``Σ_{l∈L_j} min_s R_l + max_{c∈L_j} min_s X_c ≤ j·M``; the memory
+bound is the larger of the two (the time bound uses the step rows only).
 """
 
 from __future__ import annotations
@@ -122,6 +125,13 @@ def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int)
     return cost, static, act, chain
 
 
+def _build_need(options: Sequence[Sequence[Option]], rows: MemoryRows) -> np.ndarray:
+    """(R,) smallest left side of the summed build rows of ranks ``0…j−1`` (module docstring)."""
+    resident = np.array([min(o.build_resident_bytes for o in opts) for opts in options])  # (C,)
+    transient = np.array([min(o.build_transient_bytes for o in opts) for opts in options])  # (C,)
+    return rows.counts @ resident + np.where(rows.counts > 0, transient[None, :], 0.0).max(axis=1)
+
+
 def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, rows: MemoryRows,
                  mesh: Mesh, schedule: Schedule, cap_bytes: float) -> tuple[float, float]:
     """(step-time lower bound, per-rank memory lower bound) of the module docstring.
@@ -147,4 +157,6 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
                  + lam[:, :, None, None] * weighted[:, None])  # (R, Λ, C, S)
         dual = value.min(axis=3).sum(axis=2) + lam * (buffers - rows.ranks * cap_bytes)[:, None]  # (R, Λ)
         time_lb = min(time_lb, float(dual.max()))
+    if math.isfinite(mem_lb):
+        mem_lb = max(mem_lb, float(np.max(_build_need(options, rows) / rows.ranks)))
     return time_lb, mem_lb

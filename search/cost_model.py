@@ -143,8 +143,18 @@ or pipeline stages, the gradients of one micro-batch stay live under the next on
 and the sum stands. Measured on 2×H100 (compiled searched DP plans, m = 1), the sum
 over-predicted the peak by about the gradients' bytes (docs/cost-model.md, "Memory per rank").
 
-bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles the plan
-(pp = ep = cp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
+Building the rank's program (``search/memory.py``, "Build"; ``memory.build_peak_bytes``) holds
+the same params and device optimizer states, no gradients, activations or buffers, plus the
+largest parameter region being read, twice in fp32::
+
+    build_k = Σ (params + optimizer) + 8·max_w E(w)
+    rank k's peak = max(peak_k, build_k)        (``Predictions.memory_by_stage``; the search's limit)
+
+``Predictions.build_peak_bytes`` = max_k build_k; ``memory_breakdown["build_transient"]`` is the
+peak rank's ``8·max E``.
+
+Peaks are bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles
+the plan (pp = ep = cp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
 (``autoshard/calibrate_probe.py``, "Compiled activations"), block activations are scaled by it
 (``compiled_activation_scale``; ``predict`` only, the search keeps eager activations). The head's activations include the
 loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
@@ -172,7 +182,7 @@ from autoshard.search.layer_terms import (
     comm_bytes_per_element,
     usable_memory_bytes,
 )
-from autoshard.search.memory import MemoryBreakdown, rank_memory, state_bytes
+from autoshard.search.memory import MemoryBreakdown, build_peak_bytes, rank_memory, state_bytes
 from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank
 from autoshard.train import TrainSpec
 
@@ -193,7 +203,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "6"  # 6: gradients beside activations only with m > 1 or pp > 1; fused AdamW; loss 12 B/logit
+COST_MODEL_VERSION = "7"  # 7: a rank's peak is max(step peak, build peak); 6: grads beside activations if m or pp > 1
 
 
 @dataclass(frozen=True)
@@ -370,6 +380,7 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
         peak_memory_bytes=int(peak.peak_bytes(cluster)),
         memory_by_stage=tuple(int(r.peak_bytes(cluster)) for r in stages),
         memory_breakdown=peak.breakdown(cluster),
+        build_peak_bytes=int(max(r.build_bytes for r in stages)),
         tokens_per_s=train.global_batch * train.seq_len / step if step > 0 else 0.0,
         mfu=model_flops / (step * mesh.world_size * peak_flops) if step > 0 else 0.0,
     )
@@ -399,6 +410,7 @@ class _RankTotals:
     static: MemoryBreakdown  # params, grads, optimizer, host summed; buffers = the live gather buffers
     activations: float  # all in-flight micro-batches
     grads_beside_activations: bool = True  # False: one micro-batch on one stage (module docstring)
+    build_bytes: float = 0.0  # build (materialization) peak: search/memory.build_peak_bytes
 
     @property
     def micro_batch_s(self) -> float:
@@ -410,7 +422,8 @@ class _RankTotals:
         mine = [c for c, k in zip(costs, ranks) if k == rank]
         summed = sum((c.memory for c in mine), MemoryBreakdown())
         live_buffers = (1 + plan.schedule.prefetch) * max((c.memory.buffers for c in mine), default=0.0)
-        static = MemoryBreakdown(summed.params, summed.grads, summed.optimizer, 0.0, live_buffers, summed.host)
+        static = MemoryBreakdown(summed.params, summed.grads, summed.optimizer, 0.0, live_buffers, summed.host,
+                                 summed.build_transient)
         return cls(
             compute_s=sum(c.compute_s for c in mine),
             critical_comm_s=sum(c.critical_comm_s for c in mine),
@@ -420,11 +433,17 @@ class _RankTotals:
             static=static,
             activations=summed.activations * in_flight(plan.schedule, mesh.pp, rank),
             grads_beside_activations=plan.schedule.num_micro_batches > 1 or mesh.pp > 1,
+            build_bytes=build_peak_bytes(c.memory for c in mine),
         )
 
-    def allocated_bytes(self) -> float:
+    def step_bytes(self) -> float:
+        """Peak bytes of one training step (``memory.rank_memory``)."""
         return rank_memory(self.static.model_states, self.static.grads, self.static.buffers, self.activations,
                            self.grads_beside_activations)
+
+    def allocated_bytes(self) -> float:
+        """The rank's peak: the larger of the step's and the build's."""
+        return max(self.step_bytes(), self.build_bytes)
 
     def peak_bytes(self, cluster: Cluster) -> float:
         """Peak bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports); the allocator's
@@ -442,6 +461,7 @@ class _RankTotals:
             "headroom_fragmentation": int(self.allocated_bytes() * ALLOCATOR_FRAGMENTATION),  # not in the peak
             "headroom_reserved": int(layer_terms.reserved_bytes(cluster)),  # not in the peak
             "host": int(s.host),
+            "build_transient": int(s.build_transient),  # build peak = params + optimizer + this
         }
 
 

@@ -87,6 +87,12 @@ class _Builder:
     def g(self, o: Option) -> int:
         return int(math.ceil(o.buffer_bytes / KIB))
 
+    def r(self, o: Option) -> int:
+        return _kib(o.build_resident_bytes)
+
+    def x_build(self, o: Option) -> int:
+        return _kib(o.build_transient_bytes)
+
     def a_chain(self, o: Option) -> int:
         return int(math.ceil(o.chain_bytes / KIB))
 
@@ -94,25 +100,32 @@ class _Builder:
         return int(round(o.p2p_s / self.inp.unit_s))
 
     # -- buffer_max/<class>/stage<k>: G_k ≥ gather buffer of every class on rank k --------------
-    def add_buffer_max(self) -> None:
-        """G_k per rank (evaluate.py: the per-rank maximum). A class on every block bounds every G_k;
-        one riding on some blocks only (embedding, head) bounds G_k where its block sits."""
-        hi = max((self.g(o) for opts in self.inp.options for o in opts), default=0)
-        self.g_rank = [self.model.new_int_var(0, hi, f"G[{k}]") for k in range(self.pp)]
+    # -- build_max/<class>/stage<k>: X_k ≥ build transient of every class on rank k -------------
+    def add_buffer_max(self, build_rows: bool) -> None:
+        """G_k, and X_k with the build rows, per rank (evaluate.py: the per-rank maxima)."""
+        self.g_rank = self._rank_max(self.g, "G", "buffer_max")
+        self.x_rank = self._rank_max(self.x_build, "X", "build_max") if build_rows else None
+
+    def _rank_max(self, coef, name: str, family: str) -> list[cp_model.IntVar]:
+        """One variable per rank ≥ ``coef`` of every class on it. A class on every block bounds every
+        rank's; one riding on some blocks only (embedding, head) bounds it where its block sits."""
+        hi = max((coef(o) for opts in self.inp.options for o in opts), default=0)
+        out = [self.model.new_int_var(0, hi, f"{name}[{k}]") for k in range(self.pp)]
         everywhere = set.intersection(*(set(m) for m in self.inp.block_classes)) if self.inp.block_classes else set()
         for c, cls in enumerate(self.inp.classes):
-            expr = self.class_expr(c, self.g)
+            expr = self.class_expr(c, coef)
             if c in everywhere or not self.inp.block_classes:
-                for k, g_k in enumerate(self.g_rank):
-                    self.model.add(g_k >= expr).with_name(f"buffer_max/{cls.name}/stage{k}")
+                for k, var in enumerate(out):
+                    self.model.add(var >= expr).with_name(f"{family}/{cls.name}/stage{k}")
                 continue
             for b, members in enumerate(self.inp.block_classes):
                 if c not in members:
                     continue
                 for k, lit in self.y[b].items():
-                    row = self.model.add(self.g_rank[k] >= expr).with_name(f"buffer_max/{cls.name}/stage{k}")
+                    row = self.model.add(out[k] >= expr).with_name(f"{family}/{cls.name}/stage{k}")
                     if lit is not True:
                         row.only_enforce_if(lit)
+        return out
 
     # -- one_strategy/<class>, sp_consistent/<class> ----------------------------------------
     def add_strategy_choice(self) -> None:
@@ -129,8 +142,8 @@ class _Builder:
     def class_expr(self, c: int, coef) -> cp_model.LinearExpr:
         return sum(coef(o) * x for o, x in zip(self.inp.options[c], self.x[c]))
 
-    # -- per-block linear terms (one IntVar per distinct block composition) -------------------
-    def add_block_terms(self) -> None:
+    # -- per-block linear terms (one IntVar per distinct block composition): T, tail, S, A, R ----
+    def add_block_terms(self, build_rows: bool) -> None:
         self.block_terms: list[tuple] = []
         self.upper: dict[int, int] = {}
         self._full: dict[int, cp_model.IntVar] = {}
@@ -144,7 +157,8 @@ class _Builder:
                 cache[key] = (self._block_var(sorted_members, self.t, "T"),
                               self._block_var(sorted_members, self.tail, "tail"),
                               self._block_var(sorted_members, self.s, "S"),
-                              self._activation_var(tuple(members), tuple(chain)))
+                              self._activation_var(tuple(members), tuple(chain)),
+                              self._block_var(sorted_members, self.r, "R") if build_rows else None)
             self.block_terms.append(cache[key])
 
     def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
@@ -238,7 +252,7 @@ class _Builder:
     def _ub(self, var: cp_model.IntVar) -> int:
         return self.upper[var.index]
 
-    # -- stage_time/stage<k>, mem/stage<k>, step/stage<k>, objective ---------------------------
+    # -- stage_time/stage<k>, mem/stage<k>, build/stage<k>, step/stage<k>, objective -------------
     def add_stage_rows_and_objective(self) -> None:
         inp, m, p, v = self.inp, self.model, self.pp, self.v
         p2p = self.stage_p2p()
@@ -253,6 +267,13 @@ class _Builder:
             flight_v = int(round(in_flight(inp.schedule, p, k) * v))
             live_buffers = (1 + inp.schedule.prefetch) * v * self.g_rank[k]
             m.add(self._rank_sum(k, 2, scale_a=flight_v) + live_buffers <= cap_kib * v).with_name(f"mem/stage{k}")
+            # The build peak (Σ R + max X) is not implied by mem/stage<k>: that row adds gradients,
+            # buffers and activations to the same R, but X = 8 B × the largest region can exceed them
+            # (DDP in bf16: 2 B of gradient per element against 8 B of transient for a layer that
+            # is mostly one matrix; ZeRO-3 on one rank without prefetch: gΨ + (p + g)Ψ = 6Ψ < 8Ψ;
+            # a layer inside a fully recomputed block keeps no activation), so it has its own row.
+            if self.x_rank is not None:
+                m.add(self._rank_sum(k, 4) + self.x_rank[k] <= cap_kib).with_name(f"build/stage{k}")
             m.add(v * self.z >= slots_v * self.t_max + v * self._rank_sum(k, 1)).with_name(f"step/stage{k}")
         if inp.cutoff_s is not None:
             m.add(self.z <= max(int(math.floor(inp.cutoff_s / inp.unit_s)) - 1, 0)).with_name("cutoff")
@@ -322,16 +343,35 @@ def stage_windows(num_blocks: int, pp: int) -> list[tuple[int, int]]:
              min(sum(1 for c in centres if c - width <= b), b, p - 1)) for b in range(B)]
 
 
-def build(inp: ModelInput) -> _Builder:
-    """Build the full model for ``inp`` (families in the solver docstring)."""
+def build(inp: ModelInput, *, build_rows: bool = True) -> _Builder:
+    """Build the model for ``inp`` (families in the solver docstring); without the ``build/stage<k>``
+    rows (and their ``R`` terms and ``X_k``) when ``build_rows`` is False: a relaxation."""
     builder = _Builder(inp)
     builder.add_strategy_choice()
-    builder.add_block_terms()
+    builder.add_block_terms(build_rows)
     builder.add_stage_assignment()
-    builder.add_buffer_max()
+    builder.add_buffer_max(build_rows)
     builder.add_stage_rows_and_objective()
     builder.add_hints()
     return builder
+
+
+def _kib(nbytes: float) -> int:
+    """Bytes → KiB, rounded up (the cap is rounded down: rounding never admits an over-budget plan)."""
+    return int(math.ceil(nbytes / KIB))
+
+
+def fits_build_rows(inp: ModelInput, result: ModelResult) -> bool:
+    """Whether a decoded answer satisfies every ``build/stage<k>`` row, in the rows' KiB units."""
+    p, v = inp.mesh.pp, virtual_stages(inp.schedule)
+    resident, transient = [0] * p, [0] * p
+    for members, stage in zip(inp.block_classes, result.block_stage):
+        k = stage % p if v > 1 else stage
+        for c in members:
+            option = inp.options[c][result.choice[c]]
+            resident[k] += _kib(option.build_resident_bytes)
+            transient[k] = max(transient[k], _kib(option.build_transient_bytes))
+    return all(r + x <= inp.cap_bytes // KIB for r, x in zip(resident, transient))
 
 
 # Two workers run exactly these (``docs/search.md``, speed): CP-SAT's default two-worker portfolio has
@@ -340,9 +380,14 @@ def build(inp: ModelInput) -> _Builder:
 LP_SUBSOLVERS = ("default_lp", "max_lp")
 
 
-def solve_model(inp: ModelInput, *, time_limit_s: float, num_workers: int, seed: int = 0) -> ModelResult:
-    """Build and solve; ``status`` is the CP-SAT status name. ``num_workers == 2`` runs ``LP_SUBSOLVERS``."""
-    builder = build(inp)
+def solve_model(inp: ModelInput, *, time_limit_s: float, num_workers: int, seed: int = 0,
+                build_rows: bool = True) -> ModelResult:
+    """Build and solve; ``status`` is the CP-SAT status name. ``num_workers == 2`` runs ``LP_SUBSOLVERS``.
+    ``build_rows=False`` solves the relaxation without the ``build/stage<k>`` rows (``build``)."""
+    return _solve(build(inp, build_rows=build_rows), inp, time_limit_s, num_workers, seed)
+
+
+def _solve(builder: _Builder, inp: ModelInput, time_limit_s: float, num_workers: int, seed: int) -> ModelResult:
     solver = cp_model.CpSolver()
     params = solver.parameters
     params.max_time_in_seconds = max(time_limit_s, 0.01)

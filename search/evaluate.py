@@ -12,6 +12,8 @@ Per layer ``l`` with strategy ``s`` (``LayerCost`` of the cost function):
     tail_l = comm_exposed_s + optimizer_s        per optimizer step, seconds
     S_l    = params + grads + optimizer          bytes, static
     G_l    = buffers                             bytes, gather buffer of the layer
+    R_l    = params + optimizer                  bytes, what the build leaves resident
+    X_l    = build_transient                     bytes, largest parameter region being built
     A_l    = activations                         bytes, one micro-batch; A'_l when the layer
                                                  continues a checkpoint region (below)
     P_l    = send/recv of the layer's output     seconds per micro-batch, paid when a stage
@@ -21,7 +23,9 @@ Per pipeline rank ``r`` (layers of every virtual stage on ``r``), with ``m``
 micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
     T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
-    M_r   = Σ S_l + (1 + prefetch) · max_{l on r} G_l + f_r · Σ A_l
+    M_r   = Σ S_l + (1 + prefetch) · max_{l on r} G_l + f_r · Σ A_l      (step peak; ``memory.rank_memory``)
+    B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
+    peak_r = max(M_r, B_r)
     step  = max_r [ (m + (p − 1)/v) · max_r' T_r' + tail_r ]
 
 exactly ``cost_model.predict`` (stage-boundary send/recv, the per-rank buffer
@@ -89,6 +93,16 @@ class Option:
         return self.cost.memory.buffers
 
     @property
+    def build_resident_bytes(self) -> float:
+        """R: params + optimizer on the device (what the build leaves resident)."""
+        return self.cost.memory.build_resident
+
+    @property
+    def build_transient_bytes(self) -> float:
+        """X: the largest parameter region being built, read + fp32 copy."""
+        return self.cost.memory.build_transient
+
+    @property
     def activation_bytes(self) -> float:
         return self.cost.memory.activations
 
@@ -101,9 +115,12 @@ class Option:
     def full_recompute(self) -> bool:
         return self.strategy.recompute == "full"
 
-    def vector(self) -> tuple[float, ...]:
-        return (self.time_s, self.tail_s, self.static_bytes, self.buffer_bytes, self.activation_bytes,
-                self.chain_bytes, self.p2p_s, float(self.full_recompute))
+    def vector(self, build: bool = True) -> tuple[float, ...]:
+        """The numbers the objective and the memory rows read (``build``: the build rows' too)."""
+        step = (self.time_s, self.tail_s, self.static_bytes, self.buffer_bytes, self.activation_bytes,
+                self.chain_bytes, self.p2p_s)
+        build_numbers = (self.build_resident_bytes, self.build_transient_bytes) if build else ()
+        return step + build_numbers + (float(self.full_recompute),)
 
 
 @dataclass(frozen=True)
@@ -113,17 +130,18 @@ class Evaluation:
     step_s: float
     rank_time_s: tuple[float, ...]  # T_r, per micro-batch
     rank_tail_s: tuple[float, ...]
-    rank_memory_bytes: tuple[float, ...]  # M_r
+    rank_memory_bytes: tuple[float, ...]  # max(M_r, B_r): the rank's peak, step or build
     bubble_s: float
     compute_s: float  # m · max T_r
     critical_rank: int
+    rank_build_bytes: tuple[float, ...] = ()  # B_r
 
     @property
     def peak_memory_bytes(self) -> float:
         return max(self.rank_memory_bytes)
 
 
-def prune_dominated(options: Sequence[Option]) -> list[Option]:
+def prune_dominated(options: Sequence[Option], *, build: bool = True) -> list[Option]:
     """Drop options that another option of the same ``sp`` beats or ties on every number it reads.
 
     ``o`` is dropped when some ``o'`` has every number of ``Option.vector`` ≤
@@ -131,11 +149,12 @@ def prune_dominated(options: Sequence[Option]) -> list[Option]:
     order. The objective and the memory rows are monotone in these numbers, so
     no optimum is lost; ``sp`` is kept apart because it is coupled across
     classes, and full recompute only dominates full recompute (a successor's
-    checkpoint region depends on it: the last entry of the vector).
+    checkpoint region depends on it: the last entry of the vector). ``build=False`` leaves the build
+    rows' numbers out: the pruning of a model without them (the solver's relaxation).
     """
     if len(options) <= 1:
         return list(options)
-    values = np.array([o.vector() for o in options])  # (n, 8)
+    values = np.array([o.vector(build) for o in options])  # (n, 8 or 10)
     sps = np.array([(o.strategy.sp, o.full_recompute) for o in options])  # (n, 2)
     le = (values[:, None, :] <= values[None, :, :]).all(axis=2)  # le[j, i]: j ≤ i everywhere
     lt = (values[:, None, :] < values[None, :, :]).any(axis=2)
@@ -200,7 +219,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
     """
     pp = mesh.pp
-    t, tail, static, act, buf, grads = ([0.0] * pp for _ in range(6))
+    t, tail, static, act, buf, grads, resident, transient = ([0.0] * pp for _ in range(8))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
     for i, (option, r) in enumerate(zip(layer_options, ranks)):
@@ -212,8 +231,12 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
         grads[r] += option.cost.memory.grads
         act[r] += acts[i]
         buf[r] = max(buf[r], option.buffer_bytes)
-    memory = tuple(rank_memory(static[r], grads[r], (1 + schedule.prefetch) * buf[r], in_flight(schedule, pp, r) * act[r],
-                               schedule.num_micro_batches > 1 or pp > 1) for r in range(pp))
+        resident[r] += option.build_resident_bytes
+        transient[r] = max(transient[r], option.build_transient_bytes)
+    build = tuple(resident[r] + transient[r] for r in range(pp))  # memory.build_peak_bytes, from the sums
+    memory = tuple(max(rank_memory(static[r], grads[r], (1 + schedule.prefetch) * buf[r],
+                                   in_flight(schedule, pp, r) * act[r], schedule.num_micro_batches > 1 or pp > 1),
+                       build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
     per_rank = [slots * t_max + tail[r] for r in range(pp)]
@@ -221,7 +244,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     return Evaluation(
         step_s=per_rank[critical], rank_time_s=tuple(t), rank_tail_s=tuple(tail), rank_memory_bytes=memory,
         bubble_s=(pp - 1) / virtual_stages(schedule) * t_max, compute_s=schedule.num_micro_batches * t_max,
-        critical_rank=critical,
+        critical_rank=critical, rank_build_bytes=build,
     )
 
 
@@ -232,7 +255,8 @@ def fallback_predictions(graph: ModelGraph, layer_options: Sequence[Option], sta
     ev = evaluate(layer_options, stages, mesh, schedule, continues)
     acts = layer_activation_bytes(layer_options, continues)
     r = ev.critical_rank
-    breakdown: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "buffers": 0}
+    breakdown: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "buffers": 0,
+                                 "build_transient": 0}
     peak_rank = int(np.argmax(ev.rank_memory_bytes))
     mine = [(o, a) for o, a, stage in zip(layer_options, acts, stages) if rank_of(stage, mesh.pp, schedule) == peak_rank]
     for option, act in mine:
@@ -241,6 +265,7 @@ def fallback_predictions(graph: ModelGraph, layer_options: Sequence[Option], sta
             breakdown[key] += int(getattr(mem, key))
         breakdown["activations"] += int(in_flight(schedule, mesh.pp, peak_rank) * act)
     breakdown["buffers"] = int((1 + schedule.prefetch) * max((o.buffer_bytes for o, _ in mine), default=0.0))
+    breakdown["build_transient"] = int(max((o.build_transient_bytes for o, _ in mine), default=0.0))
     exposed = sum(o.cost.comm_exposed_s for o, s in zip(layer_options, stages) if rank_of(s, mesh.pp, schedule) == r)
     optimizer = sum(o.cost.optimizer_s for o, s in zip(layer_options, stages) if rank_of(s, mesh.pp, schedule) == r)
     tokens = train.global_batch * train.seq_len
@@ -252,6 +277,7 @@ def fallback_predictions(graph: ModelGraph, layer_options: Sequence[Option], sta
         memory_by_stage=tuple(int(math.ceil(m)) for m in ev.rank_memory_bytes), memory_breakdown=breakdown,
         tokens_per_s=tokens / ev.step_s if ev.step_s > 0 else 0.0,
         mfu=flops / (ev.step_s * peak) if ev.step_s > 0 and peak > 0 else 0.0,
+        build_peak_bytes=int(math.ceil(max(ev.rank_build_bytes))),
     )
 
 

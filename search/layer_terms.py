@@ -18,6 +18,8 @@ from autoshard.search.memory import (
     MemoryBreakdown,
     StateBytes,
     activation_bytes,
+    build_region_elements,
+    build_transient_bytes,
     model_state_memory,
     tp_shardable,
 )
@@ -516,7 +518,17 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
-    return states + MemoryBreakdown(activations=acts + loss_bytes(layer, sh))
+    build = build_transient_bytes(build_regions(layer, strategy, mesh))
+    return states + MemoryBreakdown(activations=acts + loss_bytes(layer, sh), build_transient=build)
+
+
+def build_regions(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) -> list[int]:
+    """Per parameter of ``layer``, the elements one rank reads at once while building
+    (``memory.build_region_elements``), with the ZeRO shard degree of its ``param_groups`` group."""
+    dense = (comm.dp_shard_group(mesh) if mesh.dp_replicate > 1 else comm.dp_group(mesh))[0]
+    expert = comm.expert_dp_group(mesh)[0] if strategy.ep and mesh.ep > 1 else dense
+    return [build_region_elements(p, strategy, mesh.tp, mesh.ep, expert if p.tp_role == "expert" else dense)
+            for p in layer.params]
 
 
 def loss_bytes(layer: LayerInfo, sh: Sharding) -> float:

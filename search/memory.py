@@ -42,17 +42,44 @@ priced alone (``region_entry=True``, the default) is its own region.
 
 Activation bytes are at the dtype the model was captured in (capture in the
 training dtype); dropout masks are counted by capture at 1 byte.
+
+Build (materialization) peak of one rank. The runtime builds a rank's program
+shard by shard (from the meta device, a checkpoint or safetensors files): it
+reads one parameter's region at a time, in the file's dtype (at most 4 bytes
+per element), makes its fp32 copy, and keeps only the compute-dtype shard and
+the optimizer states. With ``E(w)`` = elements of the rank's region of
+parameter ``w`` (``build_region_elements``: the tp/ep-local parameter for
+replicate, zero1, zero2 and offload layers; its ZeRO-3 chunk for zero3 ones,
+``⌈d₀/N⌉·d₁·…`` of the tp/ep-local shape, as ``torch.chunk`` on tensor dim 0
+gives the first rank)::
+
+    build_transient = BUILD_BYTES_PER_ELEMENT · max_w E(w)     (= 2 × 4 bytes: the region, its fp32 copy)
+    build_peak      = Σ params + Σ optimizer + build_transient  (over the rank's layers: every virtual
+                                                                 stage it runs, no other stage's)
+
+``params`` and ``optimizer`` are the table's device columns (offload's
+optimizer states are on the host); gradients, activations and gather buffers
+do not exist yet. Only one parameter is read at a time, so layers combine the
+transient by a max, never a sum (``MemoryBreakdown.__add__``). The rank's
+predicted peak is ``max(step peak, build peak)``.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Iterable
 
-from autoshard.graph import LayerInfo
+from autoshard.graph import LayerInfo, ParamInfo
 from autoshard.plan import LayerStrategy
 from autoshard.train import TrainSpec
 
 STATES = ("replicate", "zero1", "zero2", "zero3", "offload")
+# While building, one parameter region is live twice: as read (file dtype, at most 4 bytes/element)
+# and as its fp32 copy (4 bytes/element).
+BUILD_BYTES_PER_ELEMENT = 2 * 4
+# Tensor dim Megatron TP splits per role (the runtime's ``passes/context.TP_ROLE_DIM``); experts split dim 0 by ep.
+TP_ROLE_TENSOR_DIM = {"column": 0, "row": 1, "vocab": 0}
 
 
 @dataclass(frozen=True)
@@ -65,6 +92,7 @@ class MemoryBreakdown:
     activations: float = 0.0  # for ONE micro-batch in flight
     buffers: float = 0.0  # collective / gather buffers
     host: float = 0.0  # bytes in host memory (ZeRO-Offload optimizer states); not device memory
+    build_transient: float = 0.0  # while building: the largest parameter region, read + fp32 copy (a max)
 
     @property
     def total_static(self) -> float:
@@ -75,7 +103,13 @@ class MemoryBreakdown:
         """params + grads + optimizer on the device: the quantity of ZeRO's Table 1."""
         return self.params + self.grads + self.optimizer
 
+    @property
+    def build_resident(self) -> float:
+        """params + optimizer on the device: what the build leaves resident (module docstring)."""
+        return self.params + self.optimizer
+
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
+        """Field-wise sum, except ``build_transient``: one parameter is built at a time, so a max."""
         return MemoryBreakdown(
             params=self.params + other.params,
             grads=self.grads + other.grads,
@@ -83,6 +117,7 @@ class MemoryBreakdown:
             activations=self.activations + other.activations,
             buffers=self.buffers + other.buffers,
             host=self.host + other.host,
+            build_transient=max(self.build_transient, other.build_transient),
         )
 
 
@@ -164,3 +199,37 @@ def rank_memory(static: float, grads: float, buffers: float, activations: float,
     if grads_beside_activations:
         return static + buffers + activations
     return static - grads + buffers + max(grads, activations)
+
+
+def build_region_elements(param: ParamInfo, strategy: LayerStrategy, tp: int, ep: int, zero3_degree: int) -> int:
+    """Elements of ``param`` one rank reads at once while building (module docstring, ``E(w)``).
+
+    ``tp``/``ep`` are the mesh degrees: tp splits column/row/vocab parameters of a Megatron layer,
+    ep the expert dim of an EP layer's expert parameters (as ``search/layer_terms.param_groups``);
+    ``zero3_degree`` is the ZeRO shard degree ``N`` of the parameter's group, used only when the
+    layer is zero3: the largest ``torch.chunk`` of tensor dim 0 over ``N`` ranks.
+    """
+    shape = list(param.global_shape)
+    if param.tp_role == "expert":
+        split = (0, ep) if strategy.ep and ep > 1 and shape else None
+    else:
+        dim = TP_ROLE_TENSOR_DIM.get(param.tp_role)
+        split = (dim, tp) if strategy.tp == "megatron" and tp > 1 and dim is not None and dim < len(shape) else None
+    if split is not None:
+        shape[split[0]] = math.ceil(shape[split[0]] / split[1])
+    if strategy.state == "zero3" and zero3_degree > 1 and shape:
+        shape[0] = math.ceil(shape[0] / zero3_degree)
+    return math.prod(shape)
+
+
+def build_transient_bytes(region_elements: Iterable[int]) -> float:
+    """``BUILD_BYTES_PER_ELEMENT · max E(w)`` bytes over the regions a rank reads (0 for none)."""
+    return float(BUILD_BYTES_PER_ELEMENT * max(region_elements, default=0))
+
+
+def build_peak_bytes(layers: Iterable[MemoryBreakdown]) -> float:
+    """Build (materialization) peak of one rank, bytes: ``Σ params + Σ optimizer + max build_transient``
+    over the ``MemoryBreakdown`` of every layer the rank holds (module docstring). Device bytes only:
+    offload's host states, gradients, activations and buffers are not counted."""
+    total = sum(layers, MemoryBreakdown())
+    return total.build_resident + total.build_transient

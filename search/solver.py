@@ -31,11 +31,13 @@ n_{c,b} layers of class c riding on block b, ranks k:
     sp ∈ {0,1} (tp > 1)           Σ_{s: s.sp} x[c,s] = sp              sp_consistent/<c>      add_strategy_choice
     y[b,k] ∈ {0,1}, k ∈ W(b)      Σ_k y[b,k] = 1, st_b = Σ_k k·y[b,k]  stage_assign/<b>       add_stage_assignment
                                   st_b ≤ st_{b+1} ≤ st_b + 1           stage_contiguous/<b>   add_stage_assignment
-    X_b = Σ_c n_{c,b} Σ_s x[c,s]·X[c,s]  for X ∈ {t, tail, S, A}                              add_block_terms
+    V_b = Σ_c n_{c,b} Σ_s x[c,s]·V[c,s]  for V ∈ {t, tail, S, A, R}                           add_block_terms
     G_k ≥ Σ_s x[c,s]·G[c,s]  (c on rank k)                             buffer_max/<c>/stage<k> add_buffer_max
+    X_k ≥ Σ_s x[c,s]·X[c,s]  (c on rank k)                             build_max/<c>/stage<k>  add_buffer_max
     A_b −= Σ (A−A')[c,s]·z,  z ≤ x[c,s], z ≤ full(c_prev)             chain_region/<c>       add_block_terms
     T_max ≥ Σ_b y[b,k]·t_b + P_k                                       stage_time/stage<k>    add_stage_rows_and_objective
     Σ_b y[b,k]·(S_b + f_k·A_b) + (1+prefetch)·G_k ≤ M                 mem/stage<k>           add_stage_rows_and_objective
+    Σ_b y[b,k]·R_b + X_k ≤ M                                          build/stage<k>         add_stage_rows_and_objective
     Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective
     minimise  W·Z + Σ_{c,s} h(c,s)·x[c,s] + Σ_b g(b)·st_b
 
@@ -44,7 +46,11 @@ Products y·(linear in x) are linearised with one non-negative variable per
 is an upper bound, so the optimum sets them to the product. f_k is
 ``pipeline.in_flight`` (1F1B: min(p−k, m); GPipe: m; interleaved: Megatron's
 warm-up count / v; rows are multiplied by v to stay integral). M is the
-per-rank limit ``(max_memory_bytes or device memory) · (1 − headroom)``.
+per-rank limit ``(max_memory_bytes or device memory) · (1 − headroom)``. ``mem`` bounds the step
+peak, ``build`` the build peak (R = params + device optimizer states, X = the largest parameter
+region being built: ``search/memory.py``); the rank's peak is the larger, so both must fit. The
+build rows are added lazily (``_solve_lazily``): the model without them is solved first, and solved
+again with them only when its answer does not fit them.
 W(b) is a window: stage boundary k lies within ``max(2, ⌈B/p⌉)`` blocks of
 ``round(k·B/p)`` (so one stage may shrink or grow by a whole stage's worth to
 offset the embedding or the head); blocks outside every window are fixed.
@@ -83,7 +89,7 @@ from autoshard.errors import AutoshardError, InfeasibleError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions, Schedule, SolverStats
 from autoshard.search import bounds, cost_model, incumbent, layer_terms
-from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, solve_model
+from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, fits_build_rows, solve_model
 from autoshard.search.evaluate import (
     CostFn, CostTable, Option, anchor_blocks, chain_flags, evaluate, fallback_predictions, layer_stages,
     num_anchor_blocks, prune_dominated,
@@ -426,7 +432,7 @@ def _solve_candidate(search: _Search, cand: Candidate, options, hint: Plan | Non
         cutoff_s=cutoff, hint=_hint_strategies(search, hint),
         hint_block_stage=_hint_block_stages(search, hint, cand),
     )
-    result = solve_model(inp, time_limit_s=remaining, num_workers=num_workers)
+    result, options = _solve_lazily(inp, remaining, num_workers)
     search.solved_meshes.add(cand.mesh)
     search.statuses.append(result.status)
     if result.status in ("FEASIBLE", "UNKNOWN"):
@@ -436,6 +442,27 @@ def _solve_candidate(search: _Search, cand: Candidate, options, hint: Plan | Non
     step_s = _evaluate_result(search, cand, options, result)
     if step_s < best_s:
         search.best = (step_s, cand, result, options)
+
+
+def _solve_lazily(inp: ModelInput, time_limit_s: float, num_workers: int) -> tuple[ModelResult, tuple]:
+    """(CP-SAT answer, the options it indexes) with the build rows added lazily (module docstring).
+
+    First the relaxation: no ``build/stage<k>`` rows, options pruned without their numbers
+    (``prune_dominated(build=False)``: fewer survive, since ZeRO-3's smaller build transient no
+    longer keeps it beside an offload option that beats it in the step). Its optimum is an optimum
+    of the step-only problem over every option; when it fits the build rows it is the full model's
+    optimum too, and its bound and infeasibility hold for the full model. Otherwise the full model
+    is solved in the time left. The build rows rarely bind, and they cost as many linearisation
+    variables as the memory rows.
+    """
+    start = time.monotonic()
+    step_options = tuple(tuple(prune_dominated(opts, build=False)) for opts in inp.options)
+    relaxed_inp = dataclasses.replace(inp, options=step_options)
+    relaxed = solve_model(relaxed_inp, time_limit_s=time_limit_s, num_workers=num_workers, build_rows=False)
+    if relaxed.status not in ("OPTIMAL", "FEASIBLE") or fits_build_rows(relaxed_inp, relaxed):
+        return relaxed, step_options
+    remaining = time_limit_s - (time.monotonic() - start)
+    return solve_model(inp, time_limit_s=remaining, num_workers=num_workers), inp.options
 
 
 def _layer_options(search: _Search, options, result: ModelResult) -> list[Option]:
@@ -550,8 +577,9 @@ def _infeasible_error(search: _Search, constraints: Constraints) -> InfeasibleEr
     limit = (constraints.max_memory_bytes or search.cluster.device.memory_bytes) / GiB
     pins = f"; pins in effect: {dict(constraints.pin)}" if constraints.pin else ""
     return InfeasibleError(
-        f"no plan fits in memory: binding constraint family mem/stage*: the smallest per-rank memory any "
-        f"plan needs is at least {need_text} ({search.min_memory_where}), but the usable per-rank memory is "
-        f"{search.cap_bytes / GiB:.2f} GiB ({limit:.2f} GiB less allocator headroom){pins}; relax: more devices, recompute='full', "
-        "state='offload' or 'zero3', a smaller micro-batch or global batch, or a larger Constraints.max_memory_bytes"
+        f"no plan fits in memory: binding constraint family mem/stage* (step) or build/stage* (build): the "
+        f"smallest per-rank memory any plan needs is at least {need_text} ({search.min_memory_where}), but the "
+        f"usable per-rank memory is {search.cap_bytes / GiB:.2f} GiB ({limit:.2f} GiB less allocator headroom){pins}; "
+        "relax: more devices, recompute='full', state='offload' or 'zero3', a smaller micro-batch or global batch, "
+        "or a larger Constraints.max_memory_bytes"
     )

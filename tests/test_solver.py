@@ -114,6 +114,35 @@ def test_cp_sat_matches_brute_force(world, mesh, memory):
     assert plan.predictions.peak_memory_bytes <= memory + 1
 
 
+def build_heavy_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
+    """``hashed_cost`` plus a build transient (search/memory.py, build peak) large enough to bind:
+    20 MB per layer, a quarter of it under ZeRO-3."""
+    cost = hashed_cost(layer, s, mesh, cluster, train, schedule)
+    transient = 2e7 * (0.25 if s.state == "zero3" else 1.0) * (1 + 0.05 * _h("x", layer.class_id, s.state, mesh))
+    return dataclasses.replace(cost, memory=dataclasses.replace(cost.memory, build_transient=transient))
+
+
+@pytest.mark.parametrize("world, mesh, memory, binds", [
+    (2, {}, 40e6, False), (4, {"tp": 1}, 14e6, True), (2, {"pp": 2}, 20e6, True),
+])
+def test_cp_sat_matches_brute_force_with_build_peaks(world, mesh, memory, binds):
+    """The build/stage rows (added lazily) give the brute-force optimum of max(step, build) ≤ M,
+    whether the build peak binds (a slower plan, or none) or not."""
+    graph = _tiny_graph()
+    cluster, train = synthetic_cluster("cpu", world), TrainSpec(global_batch=4, seq_len=16)
+    constraints = Constraints(mesh=mesh, max_memory_bytes=int(memory), memory_headroom=0.0)
+    expected = _brute_force(graph, cluster, train, constraints, build_heavy_cost)
+    assert (expected > _brute_force(graph, cluster, train, constraints, hashed_cost)) == binds
+    if math.isinf(expected):
+        with pytest.raises(InfeasibleError, match="build/stage"):
+            solve(graph, cluster, train, constraints=constraints, cost_fn=build_heavy_cost, time_limit_s=60)
+        return
+    plan = solve(graph, cluster, train, constraints=constraints, cost_fn=build_heavy_cost, time_limit_s=60)
+    assert plan.solver.status == "OPTIMAL"
+    assert plan.solver.objective == pytest.approx(expected, rel=1e-5)
+    assert plan.predictions.build_peak_bytes <= plan.predictions.peak_memory_bytes <= memory + 1
+
+
 def test_memory_binding_moves_the_optimum():
     graph, cluster, train = _tiny_graph(), synthetic_cluster("cpu", 2), TrainSpec(global_batch=4, seq_len=16)
     loose = solve(graph, cluster, train, constraints=Constraints(max_memory_bytes=10**9, memory_headroom=0.0),

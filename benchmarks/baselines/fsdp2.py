@@ -21,6 +21,19 @@ What it builds (the torchtitan recipe, data parallel over the whole world):
 
 The step is ``common``'s: FSDP2 reduce-scatters gradients with a mean over
 the mesh, so the update equals the single-device update on the global batch.
+
+Meta build (``FSDP2Trainer(..., meta_model=MODEL)``, torchtitan's order; what
+``benchmarks/materialize_bench.py`` runs): ``MODEL`` is built on the meta device
+(any policy with the reference models' ``forward`` and an ``init_rule(fqn)``: the
+reference models, ``benchmarks/hf_policy.HFLlamaPolicy``); ``fully_shard`` it as
+above (blocks are ``model.blocks`` or, for a Hugging Face trunk,
+``model.model.layers``), ``to_empty(device)``, then ``init_local_shards``: each
+rank fills only its own shard of each parameter, with ``autoshard.init``'s
+counter-based values (``init_region`` at the shard's global offset), so the
+weights equal a single-device ``init_weights(seed)`` and autoshard's sharded
+initialisation; then the model's ``init_buffers()`` when it has one (a
+non-persistent buffer, such as a rotary table, is garbage after ``to_empty``).
+No rank ever holds a whole parameter. Not with ``offload``.
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import torch.distributed as dist
 from torch import nn
 
 from benchmarks.baselines.common import (
+    SEED,
     BaselineError,
     RunSpec,
     local_rows,
@@ -62,15 +76,20 @@ class FSDP2Trainer:
     """Data-parallel FSDP2 training of a reference policy (module docstring)."""
 
     def __init__(self, spec: RunSpec, device: torch.device, options: FSDP2Options = FSDP2Options(), *,
-                 name: str = "fsdp2"):
+                 name: str = "fsdp2", meta_model: nn.Module | None = None, seed: int = SEED):
+        """``meta_model``: shard this meta-device model and initialise its shards in place with
+        ``seed`` (module docstring, "Meta build") instead of copying the reference weights."""
         if not dist.is_initialized():
             raise BaselineError("FSDP2Trainer needs an initialised process group; launch under torchrun")
         from torch.distributed.device_mesh import init_device_mesh
 
         self.name, self.spec, self.device = name, spec, device
         self.mesh = init_device_mesh(device.type, (dist.get_world_size(),), mesh_dim_names=("dp",))
-        model = reference_model(spec, device)  # fully_shard moves offloaded shards to the host
-        self.model = _shard(model, self.mesh, spec, options)
+        if meta_model is not None:
+            self.model = _shard_meta(meta_model, self.mesh, spec, options, device, seed)
+        else:
+            model = reference_model(spec, device)  # fully_shard moves offloaded shards to the host
+            self.model = _shard(model, self.mesh, spec, options)
         self.params = list(self.model.parameters())
         fused = device.type == "cuda" and not options.offload
         self.optimizer = torch_optimizer(self.params, spec.optimizer, fused=fused)
@@ -115,10 +134,11 @@ def _shard(model: nn.Module, mesh, spec: RunSpec, options: FSDP2Options) -> nn.M
         kwargs["mp_policy"] = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     if options.offload:
         kwargs["offload_policy"] = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    blocks = _blocks(model)
     if options.compile:
-        for i, block in enumerate(model.blocks):
-            model.blocks[i] = torch.compile(block)
-    for block in model.blocks:
+        for i, block in enumerate(blocks):
+            blocks[i] = torch.compile(block)
+    for block in blocks:
         fully_shard(block, **kwargs)
     # The root's parameters (embedding, head) are used first and last: FSDP2 keeps the root
     # gathered from forward to backward whatever the flag says, so say so.
@@ -126,4 +146,51 @@ def _shard(model: nn.Module, mesh, spec: RunSpec, options: FSDP2Options) -> nn.M
     return model
 
 
-__all__ = ["FSDP2Options", "FSDP2Trainer"]
+def _blocks(model: nn.Module) -> nn.ModuleList:
+    """The repeated blocks: ``model.blocks`` (reference policies) or ``model.model.layers`` (a HF trunk)."""
+    blocks = getattr(model, "blocks", None)
+    if blocks is None:
+        blocks = getattr(getattr(model, "model", None), "layers", None)
+    if not isinstance(blocks, nn.ModuleList):
+        raise BaselineError(f"{type(model).__name__}: no block list at model.blocks or model.model.layers to shard")
+    return blocks
+
+
+def _shard_meta(model: nn.Module, mesh, spec: RunSpec, options: FSDP2Options, device: torch.device,
+                seed: int) -> nn.Module:
+    """``fully_shard`` a meta-device model, ``to_empty`` on ``device``, initialise the shards (module docstring)."""
+    if options.offload:
+        raise BaselineError("FSDP2 meta build with offload: not supported; build from the reference weights")
+    if any(not p.is_meta for p in model.parameters()):
+        raise BaselineError("FSDP2Trainer(meta_model=...) needs a model on the meta device")
+    if not callable(getattr(model, "init_rule", None)):
+        raise BaselineError(f"{type(model).__name__} has no init_rule(fqn); FSDP2's meta build initialises by it")
+    model = _shard(model, mesh, spec, options)
+    model.to_empty(device=device)
+    init_local_shards(model, seed)
+    return model
+
+
+@torch.no_grad()
+def init_local_shards(model: nn.Module, seed: int) -> None:
+    """Fill each parameter's local shard with ``model.init_rule``'s values for its global region, then buffers."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    from autoshard.init import init_region, init_tensor_
+
+    for name, param in model.named_parameters():
+        fqn = name.replace("._orig_mod", "")  # a torch.compile'd block keeps the block as _orig_mod
+        rule = model.init_rule(fqn)
+        if not isinstance(param, DTensor):
+            init_tensor_(param, rule, seed, fqn)
+            continue
+        local = param.to_local()
+        shape, offset = compute_local_shape_and_global_offset(param.shape, param.device_mesh, param.placements)
+        region = tuple(slice(o, o + n) for o, n in zip(offset, shape))
+        local.copy_(init_region(rule, seed, fqn, tuple(param.shape), region, local.device))
+    if callable(getattr(model, "init_buffers", None)):
+        model.init_buffers()
+
+
+__all__ = ["FSDP2Options", "FSDP2Trainer", "init_local_shards"]
