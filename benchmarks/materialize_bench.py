@@ -116,7 +116,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seq", type=int, default=1024, help="sequence length")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
-    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--lr", type=float, default=1e-5,
+                   help="AdamW learning rate (at 1e-4, run.py's default, llama:7b diverged on 2 GPUs: loss 12.8 -> "
+                        "980 by step 5, FSDP2 alike)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
                    help="build_program's compile_graph (auto: CUDA and a plan without ZeRO-3)")
@@ -414,7 +416,15 @@ def train(step, args, spec: RunSpec, vocab: int, device: torch.device, progress:
     batches = make_batches(vocab, spec, args.steps)
     reset_memory(device)
     progress(f"training {args.steps} steps ({args.warmup} warm-up)")
-    result = measure(step, batches, args.warmup, device)
+    done = [0]
+
+    def logged(tokens: torch.Tensor) -> float:
+        loss = step(tokens)  # a float: the step has finished on this rank
+        done[0] += 1
+        progress(f"step {done[0]}: loss {loss:.4f}")
+        return loss
+
+    result = measure(logged, batches, args.warmup, device)
     times_ms = [t * 1e3 for t in result.step_times_s]
     return {"losses": list(result.losses), "loss_first": result.losses[0], "loss_last": result.losses[-1],
             "step_ms_median": statistics.median(times_ms), "step_ms_min": min(times_ms),

@@ -16,12 +16,15 @@
 # h100-sxm:1x$NPROC (CLUSTER overrides). COMPILE (auto|on|off) goes to build_program's compile_graph.
 # Time: each run is killed after RUN_LIMIT seconds (default 240) and gets a "killed" row; a run starts
 # only while BUDGET_S (default 540, from the start: one 10-minute device call) leaves >= 60 s; the runs
-# not started are named at the end (pass them as RUNS to a second call). Estimate for 7B on 2 H100s
-# (from the code, not yet measured): start, imports, NCCL, capture and search ~25 s; build ~10-20 s
-# (meta) plus ~20-40 s to write the checkpoint (safetensors, first run of a model); torch.compile of a
-# non-ZeRO-3 plan ~40-60 s in the first step; 20 steps ~10 s.
+# not started are named at the end (pass them as RUNS to a second call). Measured for 7B on 2 H200s
+# (2026-11-26; no H100 came): start, imports, NCCL ~10 s; capture + search 3 s (llama) or 10-15 s
+# (hf-llama: every block exported); build 11-17 s (meta) or 29 s (safetensors, plus 13-20 s for rank
+# 0 to write 13.5 GB the first time); torch.compile in the first step (the searched ZeRO-1/2 plan)
+# ~60 s (llama) to ~90 s (hf-llama); 20 steps ~9 s. A run: fsdp2 ~45 s, llama meta ~100 s, hf-llama
+# meta ~155 s (COMPILE=off: llama meta 53 s, eager steps 1.3x slower); the whole matrix ~10 min.
 # BENCH replaces the script torchrun starts (default benchmarks/materialize_bench.py; e.g. a wrapper that
-# patches something first, with the same arguments). KEEP_WEIGHTS=1 keeps the written checkpoints (default: removed at the end).
+# patches something first, with the same arguments). Logs: $OUT/logs/<model>_<kind>.log (the summary in
+# $OUT/summary.md). KEEP_WEIGHTS=1 keeps the written checkpoints (default: removed at the end).
 # DRY=1 rehearses the shell logic on the CPU: tiny models (llama:tiny hf-llama:tiny), gloo, fp32, seq 16,
 # batch 4, 5 steps, cluster cpu:1x$NPROC.
 set -uo pipefail
@@ -39,7 +42,7 @@ if [[ $DRY != 1 ]]; then
   source "$ROOT/benchmarks/gpu_env.sh"  # the carried wheels (.whl) and the working tree as `autoshard`
 fi
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-mkdir -p "$OUT"
+mkdir -p "$OUT/logs"
 RESULTS="$OUT/materialize.jsonl"
 WEIGHTS_ROOT="${WEIGHTS_ROOT:-/tmp/autoshard_materialize}"
 SHAPE=(--seq "${SEQ:-1024}" --batch "${BATCH:-8}" --steps "${STEPS:-20}" --warmup "${WARMUP:-3}" --precision bf16)
@@ -79,7 +82,7 @@ for run in $RUNS; do
     fsdp2) args=(--baseline "${FSDP2:-fsdp2}"); config="${FSDP2:-fsdp2}"; kind=meta ;;
     *) echo "=== $run: unknown kind '$kind' (meta, safetensors, fsdp2)"; continue ;;
   esac
-  log="$OUT/${model/:/_}_${run##*:}.log"
+  log="$OUT/logs/${model/:/_}_${run##*:}.log"
   before=$(wc -l < "$RESULTS" 2>/dev/null || echo 0)
   echo "=== $run (limit ${limit}s) $(date -u +%H:%M:%S)"
   t0=$SECONDS

@@ -3,7 +3,7 @@
 The Hugging Face policy (``benchmarks/hf_policy.py``): builds on meta (buffers on the CPU) and on
 the CPU, computes what ``LlamaModel.forward`` computes, exports with a causal SDPA and no mask, and
 captures on meta. The bench: argument validation, the plan fields, the safetensors writer and
-its reuse, one world-1 run in this process. The summary printer on synthetic rows. Tests that
+its reuse, a world-1 run of each model family in this process. The summary printer on synthetic rows. Tests that
 need ``transformers`` or ``safetensors`` skip without them.
 """
 
@@ -202,8 +202,6 @@ def test_bench_runs_a_reference_model_in_a_world_of_one(tmp_path, monkeypatch):
     assert row["predicted_build_peak_gib"] > 0 and row["step_peak_gib"] is None  # no CUDA counter
 
 
-@pytest.mark.xfail(strict=False, reason="passes._graph_utils.retarget_device does not descend into the "
-                   "wrap_with_set_grad_enabled subgraph of HF's @torch.no_grad() rotary forward: it keeps device=meta")
 def test_bench_runs_the_hf_policy_in_a_world_of_one(hf, tmp_path, monkeypatch):
     row = _run_world_of_one(tmp_path, monkeypatch, "--model", "hf-llama:tiny")
     assert row["status"] == "ok", row["status"]
