@@ -45,8 +45,9 @@ transformers 5.17 and torch 2.13:
    unpadded training case. HF's SDPA integration then passes ``is_causal=True`` and no mask,
    in eager and in the export alike (flash on GPUs; capture prices it so). Every weight-holding
    module, and the attention and MLP code, is HF's; only the six-line loop of the trunk is
-   ours. ``use_cache=False`` keeps ``DynamicCache`` out (export cannot return it; training
-   has no use for it), ``attn_implementation="sdpa"`` keeps the attention one op.
+   ours. No cache is made (``use_cache=False`` in the config too: the issue tracker reports
+   that ``DynamicCache`` fails export; not re-tested, since this forward never creates one);
+   ``attn_implementation="sdpa"`` keeps the attention one op.
 4. Layers, kinds and TP roles come out of capture's heuristics without help (``model`` is a
    parameterless wrapper capture descends into): ``model.embed_tokens`` embedding,
    ``model.layers.i.{input_layernorm, self_attn, post_attention_layernorm, mlp}``,
@@ -55,6 +56,17 @@ transformers 5.17 and torch 2.13:
    Megatron TP rewrite, though, keys off the reference models' module names
    (``TP_ROLE_RULES``): plan this model data-parallel (ZeRO-1/2/3), as the search does for 7B
    on 2 and 4 H100s.
+5. Two things capture does differently here than for the reference models, both harmless:
+   the rotary table is made inside ``model.rotary_emb`` (a submodule, not the root), so its
+   saved cos/sin are charged to block 0's attention, whose ``class_id`` then differs from
+   blocks 1..L-1 (the solver decides it apart); and the block list is ``model.layers``, not a
+   child of the root, so the three-block export proxy (``passes/_capture_proxy.py``) does not
+   apply and every block is exported (7B: 13 s on the 2-core CPU, ``llama:7b`` 2-5 s).
+6. ``build_program`` exports a meta twin and points the graph's ``device=meta`` arguments at the
+   rank's device (``passes/_graph_utils.retarget_device``). HF's rotary ``forward`` runs under
+   ``@torch.no_grad()``, which export keeps as a ``wrap_with_set_grad_enabled`` subgraph;
+   ``retarget_device`` had to walk into it (fixed in the runtime on 2026-11-26; before, the
+   first step failed with "Tensor device mismatch! Expected: meta").
 """
 
 from __future__ import annotations
