@@ -42,7 +42,7 @@ first step, so FSDP2's count in its step peak, where autoshard's build already h
 nearest autoshard plan (ZeRO-3, or ZeRO-2 without resharding, on every layer).
 
 Row fields: ``model, config (autoshard | fsdp2...), weights, cluster, world_size, card, torch,
-transformers, date, seq, batch, steps, warmup, precision, plan (label), mesh, states (layer
+transformers, date, seq, batch, steps, warmup, precision, lr, compile, device, plan (label), mesh, states (layer
 count per state), state_runs (layer-order runs of one state), predicted_peak_gib,
 predicted_build_peak_gib, predicted_step_ms, build_peak_gib, step_peak_gib (max over ranks;
 the build peak of an autoshard run is its ``Program.memory_report().build_peak_bytes``, on CUDA
@@ -65,9 +65,9 @@ import statistics
 import sys
 import time
 import traceback
-from datetime import timedelta
 from collections.abc import Callable
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -505,7 +505,7 @@ def _meta(args: argparse.Namespace) -> dict[str, Any]:
             "transformers": hf_version,
             "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
             "seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,
-            "precision": args.precision, "device": args.device}
+            "precision": args.precision, "lr": args.lr, "compile": args.compile, "device": args.device}
 
 
 def _gib_or_none(value: int | None) -> float | None:

@@ -61,13 +61,16 @@ fi
 END=$((SECONDS + ${BUDGET_S:-540}))
 skipped=()
 
-killed_row() {  # killed_row MODEL CONFIG WEIGHTS RC SECONDS: a row for a run that wrote none
+killed_row() {  # killed_row MODEL CONFIG WEIGHTS RC SECONDS LOG: a row for a run that wrote none
   "$PYTHON" - "$RESULTS" "$@" "$NPROC" "$CLUSTER" <<'PY'
-import json, sys
-path, model, config, weights, rc, seconds, world, cluster = sys.argv[1:]
+import json, re, sys
+path, model, config, weights, rc, seconds, log, world, cluster = sys.argv[1:]
+# the first exception a rank printed (a rank that fails ends the job before rank 0 writes its row)
+errors = re.findall(r"^(?:torch\.)?\w*(?:Error|Exception)\b.*$", open(log, errors="replace").read(), re.M)
+reason = f": {errors[0][:200]}" if errors else ""
 with open(path, "a") as f:
     f.write(json.dumps({"model": model, "config": config, "weights": weights, "world_size": int(world),
-                        "cluster": cluster, "status": f"killed: exit {rc} after {seconds}s, no row written",
+                        "cluster": cluster, "status": f"killed: exit {rc} after {seconds}s, no row written{reason}",
                         "wall_s": float(seconds)}) + "\n")
 PY
 }
@@ -93,7 +96,7 @@ for run in $RUNS; do
   echo "=== $run rc=$rc in $((SECONDS - t0))s"
   grep '^\[materialize' "$log" | tail -n 12
   after=$(wc -l < "$RESULTS" 2>/dev/null || echo 0)
-  ((after > before)) || killed_row "$model" "$config" "$kind" "$rc" "$((SECONDS - t0))"
+  ((after > before)) || killed_row "$model" "$config" "$kind" "$rc" "$((SECONDS - t0))" "$log"
 done
 ((${#skipped[@]} == 0)) || echo "=== not started (budget): RUNS=\"${skipped[*]}\""
 [[ ${KEEP_WEIGHTS:-0} == 1 ]] || rm -rf "$WEIGHTS_ROOT"
