@@ -5,8 +5,10 @@ has none. ``LiveBytes`` is a ``TorchDispatchMode`` that sees every tensor an op
 returns while it is active, counts the bytes of each new storage once (views
 share their base's storage) and subtracts them when the storage is freed
 (``weakref.finalize`` on the storage's Python object, which torch keeps alive
-exactly as long as the storage). Storages created outside the mode (before it,
-or by C code such as a file reader) are not counted; their copies are.
+exactly as long as the storage). An output sharing an input's storage (views,
+in-place ops) allocates nothing and is not counted. Storages created outside
+the mode (before it, or by C code such as a file reader) are not counted;
+their copies are.
 """
 
 from __future__ import annotations
@@ -51,10 +53,20 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        # an output aliasing an input (a view, an in-place op) allocated nothing: never count an input's storage,
+        # or a tensor made before the mode would be counted the first time it passes through an op
+        inputs = {_key(v) for v in tree_flatten((args, kwargs or {}))[0] if isinstance(v, torch.Tensor)}
         for value in tree_flatten(out)[0]:
-            if isinstance(value, torch.Tensor):
+            if isinstance(value, torch.Tensor) and _key(value) not in inputs:
                 self._count(value)
         return out
+
+
+def _key(tensor: torch.Tensor) -> int | None:
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError):
+        return None
 
 
 __all__ = ["LiveBytes"]

@@ -29,9 +29,11 @@ ZeRO-1 and ZeRO-2 differ only in the quantized path.
 
 Update and re-gather overlap: the flat slots are updated one gather bucket at a time, and each
 bucket's all-gather is launched (``_buckets.all_gather_begin``: a side stream on CUDA) as soon
-as its masters are updated, so it runs under the update of the following buckets; the copies
-into the compute params wait for it (``write_back``). Same values as updating everything, then
-gathering. Offloaded slots (masters on the host) are updated with the rest and gathered after.
+as its masters are updated, so it runs under the update of the following buckets; at most
+``gathers_in_flight`` (2) gathers are alive, the oldest written into the compute params before
+the next launch, so the step never holds a second copy of the parameters. The unreduced
+``param.grad`` is freed as soon as the sync has reduced it. Same values as updating everything,
+then gathering. Offloaded slots (masters on the host) are updated with the rest and gathered after.
 
 Overlapped gradient sync (``enable_overlap``; ``Program`` turns it on with
 ``build_program(overlap_grad_sync=True)`` when pp = 1, off by default because it was measured
@@ -299,6 +301,7 @@ class ShardedOptimizer:
         self._next = 0  # position in _order of the next bucket to launch
         self.overlap_launches = 0  # buckets launched from backward, over the optimizer's life (tests)
         self.gather_under_update = True  # False: update every slot, then gather (module docstring; A/B runs)
+        self.gathers_in_flight = 2  # gathered buckets alive at once during the update (step)
 
     def enable_overlap(self) -> None:
         """Register the post-accumulate-grad hooks of the overlapped gradient sync (module docstring)."""
@@ -366,18 +369,25 @@ class ShardedOptimizer:
                 torch._foreach_mul_(grads, scale.to(grads[0].device) if grads else scale)
         # flat slots updated where they are gathered: bucket by bucket, each all-gather launched as soon as
         # its bucket is updated, so it runs under the update of the next ones (module docstring)
-        started, updated = {}, set()
+        # At most gathers_in_flight gathered buckets are alive: the oldest is written back before the next launch,
+        # so the step never holds a second copy of the parameters (tests/test_step_memory.py)
+        started, updated, written = {}, set(), set()
         for index, bucket in enumerate(self._gather_buckets if self.gather_under_update else ()):
             if all(s.master.device == s.param.device for s in bucket):
                 self._update(bucket, [s.grad for s in bucket])
                 updated.update(id(s) for s in bucket)
+                while len(started) >= self.gathers_in_flight:
+                    oldest = min(started)
+                    self._write_bucket(self._gather_buckets[oldest], _buckets.all_gather_end(started.pop(oldest)))
+                    written.add(oldest)
                 chunks = [s.master.to(s.param.dtype) for s in bucket]
                 started[index] = _buckets.all_gather_begin(chunks, self.ctx.size("dp"), self.ctx.group("dp"))
+                del chunks
         for slots, _replication in self._groups:
             rest = [s for s in slots if id(s) not in updated]
             if rest:
                 self._update(rest, [s.grad for s in rest])
-        self.write_back(started)
+        self.write_back(started, written)
         return float(norm)
 
     def sync_grads(self) -> None:
@@ -402,26 +412,35 @@ class ShardedOptimizer:
                 slot.set_grad(grad)
         for slot in self._unbucketed:
             slot.sync_grad()
+        for slot in self.slots.values():  # reduced into slot.grad: the unreduced gradient is no longer needed
+            slot.param.grad = None
 
-    def write_back(self, started: dict[int, tuple] | None = None) -> None:
+    def _write_bucket(self, bucket: list[_Slot], fulls: list[torch.Tensor]) -> None:
+        """Copy one gather bucket's gathered parameters into the compute params (one multi-tensor copy)."""
+        torch._foreach_copy_([s.param.data for s in bucket],
+                             [full[: s.numel].view_as(s.param) for s, full in zip(bucket, fulls, strict=True)])
+        for slot in bucket:
+            slot.param.grad = None
+            slot.grad = None
+
+    def write_back(self, started: dict[int, tuple] | None = None, written: set[int] = frozenset()) -> None:
         """Copy updated masters into the compute params: one all-gather per bucket of flat slots.
 
         ``started``: gather-bucket index → ``_buckets.all_gather_begin`` handle, for the buckets whose
-        gather ``step`` already launched; the other buckets are gathered here.
+        gather ``step`` already launched; ``written``: the buckets ``step`` already wrote back; the other
+        buckets are gathered here.
         """
+        started = started or {}
         for index, bucket in enumerate(self._gather_buckets):
-            handle = (started or {}).get(index)
+            if index in written:
+                continue
+            handle = started.get(index)
             if handle is not None:
                 fulls = _buckets.all_gather_end(handle)
             else:
                 chunks = [s.master.to(s.param.device, s.param.dtype) for s in bucket]
                 fulls = _buckets.all_gather(chunks, self.ctx.size("dp"), self.ctx.group("dp"))
-            # one multi-tensor copy per bucket (Slot.write_back's copy, without a launch per parameter)
-            torch._foreach_copy_([s.param.data for s in bucket],
-                                 [full[: s.numel].view_as(s.param) for s, full in zip(bucket, fulls, strict=True)])
-            for slot in bucket:
-                slot.param.grad = None
-                slot.grad = None
+            self._write_bucket(bucket, fulls)
         direct = [s for s in self.slots.values() if not s.flat and s.master.device == s.param.device]
         if direct:  # one multi-tensor copy (with the cast to the compute dtype) instead of one per parameter
             torch._foreach_copy_([s.param.data for s in direct], [s.master for s in direct])
