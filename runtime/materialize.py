@@ -39,9 +39,10 @@ for a moment (the largest module's, e.g. an embedding). A function that
 touches a tensor other than its module's own parameters and buffers raises
 ``WeightsError`` naming the module (it would silently read meta tensors).
 
-Buffers are replicated: each comes whole from the source's file when it has
-the key, else from the model (where it holds data), else the module-init
-fallback; a buffer no one provides is an error naming it.
+Buffers are replicated: each comes whole from the model where it holds data
+(meta parameters with real buffers is what ``accelerate.init_empty_weights()``
+gives), else from the module-init fallback; a buffer no one provides is an
+error naming it.
 
 The user's module (decision): ``build_program`` never changes it.
 ``autoshard.compile`` builds with ``FromModule(model, release=True)``: each
@@ -114,13 +115,28 @@ def has_data(model: nn.Module) -> bool:
 # --------------------------------------------------------------------------- sources
 
 
-class FromModule:
+class _Reader:
+    """What the readers share: a buffer comes from the model where it holds data; nothing to close."""
+
+    model: nn.Module
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        return _copy(dict(self.model.named_buffers()).get(fqn), device)
+
+    def close(self) -> None:
+        pass
+
+
+def _copy(value: torch.Tensor | None, device: torch.device) -> torch.Tensor | None:
+    return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+
+
+class FromModule(_Reader):
     """Regions sliced from the model's own parameters (module docstring); ``release``: free each after reading."""
 
     def __init__(self, model: nn.Module, *, release: bool = False) -> None:
         self.model, self.release = model, release
         self.params = dict(model.named_parameters())
-        self.buffers_ = dict(model.named_buffers())
 
     def describe(self) -> str:
         return f"the parameters of {type(self.model).__name__}"
@@ -152,10 +168,6 @@ class FromModule:
                 if value is param:
                     module._parameters[name] = stand_in
 
-    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
-        value = self.buffers_.get(fqn)
-        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
-
     def close(self) -> None:
         if self.release:
             self.model.to("meta")
@@ -183,7 +195,7 @@ class Initialize:
         return _ModuleInitReader(model, self.module_init, self.seed)
 
 
-class _RuleReader:
+class _RuleReader(_Reader):
     def __init__(self, model: nn.Module, rules: Callable[[str], InitRule], seed: int) -> None:
         self.model, self.rules, self.seed = model, rules, seed
 
@@ -205,12 +217,6 @@ class _RuleReader:
             yield item.fqn, init_region(self.rules(item.fqn), self.seed, item.fqn, item.global_shape, item.region,
                                         device)
 
-    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
-        value = dict(self.model.named_buffers()).get(fqn)
-        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
-
-    def close(self) -> None:
-        pass
 
 
 class _OnlyOwnTensors(TorchDispatchMode):
@@ -231,7 +237,7 @@ class _OnlyOwnTensors(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-class _ModuleInitReader:
+class _ModuleInitReader(_Reader):
     def __init__(self, model: nn.Module, fn: Callable[[nn.Module], None] | None, seed: int) -> None:
         self.model, self.fn, self.seed = model, fn, seed
         self.buffers_: dict[str, torch.Tensor] = {}
@@ -300,10 +306,7 @@ class _ModuleInitReader:
         return made
 
     def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
-        value = self.buffers_.get(fqn)
-        if value is None:
-            value = dict(self.model.named_buffers()).get(fqn)
-        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
+        return _copy(self.buffers_.get(fqn), device) or super().buffer(fqn, device)
 
     def close(self) -> None:
         self.buffers_.clear()
@@ -330,7 +333,7 @@ class Safetensors:
         return _SafetensorsReader(SafetensorsSource(self.path, name_map=self.name_map, strict=self.strict), model)
 
 
-class _SafetensorsReader:
+class _SafetensorsReader(_Reader):
     def __init__(self, source: Any, model: nn.Module) -> None:
         self.source, self.model = source, model
 
@@ -343,10 +346,6 @@ class _SafetensorsReader:
     def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         for item in wanted:
             yield item.fqn, self.source.read(item.fqn, item.global_shape, item.region, device)
-
-    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
-        value = dict(self.model.named_buffers()).get(fqn)
-        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
 
     def close(self) -> None:
         self.source.close()
@@ -363,7 +362,7 @@ class Checkpoint:
         return _CheckpointReader(self, model)
 
 
-class _CheckpointReader:
+class _CheckpointReader(_Reader):
     GROUP_BYTES = 0  # fp32 bytes of regions per dcp.load call: 0 = one parameter at a time (the priced transient)
 
     def __init__(self, spec: Checkpoint, model: nn.Module) -> None:
@@ -423,13 +422,6 @@ class _CheckpointReader:
             if loaded.data_ptr() != locals_[w.fqn].data_ptr():
                 locals_[w.fqn].copy_(loaded)
             yield w.fqn, locals_.pop(w.fqn)
-
-    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
-        value = dict(self.model.named_buffers()).get(fqn)
-        return None if value is None or value.is_meta else value.detach().to(device, copy=True)
-
-    def close(self) -> None:
-        pass
 
 
 def _numel(region: Region) -> int:
