@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from _harness import CaseFailedError, run_gloo_cases
+from _harness import run_gloo_cases
 from _runtime_cases import BATCH, SEQ, batches, loss_fn
 from autoshard.init import WORKSPACE_BYTES, Normal, full_region, init_region
 from autoshard.models import build

@@ -10,7 +10,6 @@ from __future__ import annotations
 import functools
 
 import pytest
-import torch
 
 from _harness import run_gloo_cases
 from _runtime_cases import BATCH, SEQ, batches, loss_fn
