@@ -363,8 +363,6 @@ class Checkpoint:
 
 
 class _CheckpointReader(_Reader):
-    GROUP_BYTES = 0  # fp32 bytes of regions per dcp.load call: 0 = one parameter at a time (the priced transient)
-
     def __init__(self, spec: Checkpoint, model: nn.Module) -> None:
         from autoshard.runtime._checkpoint_files import read_info, resolve_checkpoint
 
@@ -396,39 +394,22 @@ class _CheckpointReader(_Reader):
                                   f"e.g. {extra[:3]}; it was saved for another model")
 
     def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
-        group, size = [], 0
-        for item in wanted:
-            group.append(item)
-            size += 4 * _numel(item.region)
-            if size >= self.GROUP_BYTES:
-                yield from self._load(group, device)
-                group, size = [], 0
-        if group:
-            yield from self._load(group, device)
-
-    def _load(self, group: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """One ``dcp.load`` per parameter (no collective): only one region, and the saved chunks it overlaps, live."""
         import torch.distributed.checkpoint as dcp
 
         from autoshard.runtime._checkpoint_files import SafeFileSystemReader, WeightsOnlyLoadPlanner, read_metadata_safely
         from autoshard.runtime.checkpoint import MODEL_PREFIX, LocalShard, to_dtensor
 
-        locals_ = {w.fqn: torch.empty(tuple(s.stop - s.start for s in w.region), device=device) for w in group}
-        targets = {f"{MODEL_PREFIX}{w.fqn}": to_dtensor(LocalShard.of(locals_[w.fqn], w.placement), self.mesh)
-                   for w in group}
-        reader = SafeFileSystemReader(self.directory, read_metadata_safely(self.directory))
-        dcp.load(targets, storage_reader=reader, planner=WeightsOnlyLoadPlanner(), no_dist=True)
-        for w in group:
-            loaded = targets[f"{MODEL_PREFIX}{w.fqn}"].to_local()
-            if loaded.data_ptr() != locals_[w.fqn].data_ptr():
-                locals_[w.fqn].copy_(loaded)
-            yield w.fqn, locals_.pop(w.fqn)
-
-
-def _numel(region: Region) -> int:
-    out = 1
-    for s in region:
-        out *= s.stop - s.start
-    return out
+        metadata = read_metadata_safely(self.directory)
+        for item in wanted:
+            local = torch.empty(tuple(s.stop - s.start for s in item.region), device=device)
+            target = to_dtensor(LocalShard.of(local, item.placement), self.mesh)
+            dcp.load({f"{MODEL_PREFIX}{item.fqn}": target}, storage_reader=SafeFileSystemReader(self.directory, metadata),
+                     planner=WeightsOnlyLoadPlanner(), no_dist=True)
+            loaded = target.to_local()
+            if loaded.data_ptr() != local.data_ptr():
+                local.copy_(loaded)
+            yield item.fqn, local
 
 
 # --------------------------------------------------------------------------- resolve and fill

@@ -219,25 +219,23 @@ def results4():
     return run_gloo_cases(jobs, 4, timeout_s=600)
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CASES_2))
-def test_meta_init_equals_single_device_world2(results2, name):
-    spec = CASES_2[name][0]
-    full = _assemble(results2[name])
-    ref = _single(spec)
+def _check_single_device(per_rank: list[dict], spec: str) -> None:
+    full, ref = _assemble(per_rank), _single(spec)
     assert set(full) == set(ref)
     for fqn, value in full.items():
         assert torch.equal(value, ref[fqn]), fqn
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("name", list(CASES_2))
+def test_meta_init_equals_single_device_world2(results2, name):
+    _check_single_device(results2[name], CASES_2[name][0])
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CASES_4))
 def test_meta_init_equals_single_device_world4(results4, name):
-    spec = CASES_4[name][0]
-    full = _assemble(results4[name])
-    ref = _single(spec)
-    for fqn, value in full.items():
-        assert torch.equal(value, ref[fqn]), fqn
+    _check_single_device(results4[name], CASES_4[name][0])
 
 
 @pytest.mark.slow
