@@ -333,10 +333,10 @@ class Plan(Record):
     def compilable(self) -> bool:
         """Whether the runtime's default compiles this plan's per-rank graph on a GPU
         (``runtime.compile_allowed``; the cost model's ``compiled_activation_scale``): pp = ep = cp = 1
-        (expert routing and context parallelism are untested compiled) and no ZeRO-3 layer (its
-        re-gather runs as saved-tensor hooks around the graph)."""
+        (pipeline stages run eager; expert routing and context parallelism are untested compiled).
+        ZeRO-3 layers compile: their gathers and re-gathers are graph nodes (``passes/_zero3.py``)."""
         mesh = self.mesh
-        return mesh.pp == 1 and mesh.ep == 1 and mesh.cp == 1 and not any(s.state == "zero3" for s in self.layers)
+        return mesh.pp == 1 and mesh.ep == 1 and mesh.cp == 1
 
     def strategy(self, layer: str) -> LayerStrategy:
         """The strategy of layer ``layer`` (``KeyError`` if the plan has none)."""

@@ -7,6 +7,13 @@ Under torchrun, one process per GPU (docs/benchmarks.md)::
 
 On the CPU (gloo, tiny sizes; what CI runs): ``--device cpu --model gpt:tiny --batch 4 --seq 16``.
 
+``--model`` is a reference spec (``autoshard models``) or a Hugging Face Llama of
+``benchmarks/hf_policy.py`` (``hf-llama:7b``, Llama-2-7B's shapes; ``hf-llama:tiny`` for the CPU),
+random weights, nothing read from a hub. Every config runs it as it runs a reference model:
+captured on the meta device in the compute dtype, each trainer built from the seeded fp32
+weights (``common.reference_model``). Without ``transformers`` every row of an ``hf-llama``
+run is ``skipped: transformers not installed`` (the files are still written).
+
 Steps, in one process group:
 
 1. ``Cluster.detect()`` describes the machine; ``--calibration FILE`` (written by
@@ -30,6 +37,14 @@ plans and predicts for that cluster at its world size (a memory check before a G
 
     python benchmarks/run.py --device cpu --list-plans --cluster h100-sxm:1x4 --model gpt:1.3b \
         --batch 16 --seq 1024 --configs autoshard,fsdp2,megatron-tp,deepspeed-z3 --out /tmp/plans
+
+``--cluster PRESET:1xN`` on a measured run plans and predicts for that cluster instead of this
+machine (its world size must be torchrun's): ``h100-sxm:1x2`` gives the plan for 80 GB cards also
+on H200s (141 GB). MFU then uses the preset's peak FLOP/s (H100 and H200: the same bf16 peak).
+
+``--graph-cache DIR`` keeps the captured graph as a pickle in DIR (one file per model, sequence
+length, dtype and overrides) and reuses it: one process per config captures a model once per
+session (``hf-llama:7b``: 13-17 s, every block exported).
 
 ``--variants tp4,tp4-sp`` measures the best plan plus only the named forced variants
 (``baselines/plans.py``), e.g. autoshard's TP plan next to the Megatron-Core rows.
@@ -91,14 +106,15 @@ from benchmarks.baselines.common import (  # noqa: E402
     synchronize,
 )
 from benchmarks.baselines.plans import MODES, broadcast_plans, search_plans  # noqa: E402
+from benchmarks.hf_policy import is_hf_spec  # noqa: E402
 
 log = logging.getLogger("benchmarks.run")
 
-BASELINES = ("fsdp2", "fsdp2-noreshard", "fsdp2-noreshard-compiled", "megatron-tp", "megatron-tp-sp", "deepspeed-z2",
-             "deepspeed-z3")
+BASELINES = ("fsdp2", "fsdp2-noreshard", "fsdp2-compiled", "fsdp2-noreshard-compiled", "megatron-tp", "megatron-tp-sp",
+             "deepspeed-z2", "deepspeed-z3")
 CONFIGS = ("autoshard", *BASELINES)
 # Nearest autoshard plan of each baseline: (state, Megatron TP over the world).
-EQUIVALENT = {"fsdp2": ("zero3", False), "fsdp2-noreshard": ("zero2", False),
+EQUIVALENT = {"fsdp2": ("zero3", False), "fsdp2-noreshard": ("zero2", False), "fsdp2-compiled": ("zero3", False),
               "fsdp2-noreshard-compiled": ("zero2", False), "megatron-tp": ("replicate", True),
               "megatron-tp-sp": ("replicate", True), "deepspeed-z2": ("zero2", False),
               "deepspeed-z3": ("zero3", False)}
@@ -107,7 +123,8 @@ EQUIVALENT = {"fsdp2": ("zero3", False), "fsdp2-noreshard": ("zero2", False),
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", default="llama:350m", help="reference model spec (see `autoshard models`)")
+    p.add_argument("--model", default="llama:350m",
+                   help="reference model spec (see `autoshard models`) or hf-llama:SIZE (benchmarks/hf_policy.py)")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step (baselines)")
@@ -117,8 +134,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-plans", type=int, default=12, help="cap on autoshard plans with --plans forced")
     p.add_argument("--variants", help="comma-separated forced variants measured after the best plan, e.g. tp4,tp4-sp "
                                       "(baselines/plans.py; implies --plans forced)")
-    p.add_argument("--cluster", help="with --list-plans: plan and predict for this cluster (e.g. h100-sxm:1x4) "
-                                     "instead of this machine, at its world size")
+    p.add_argument("--cluster", help="plan and predict for this cluster (e.g. h100-sxm:1x4) instead of this machine: "
+                                     "with --list-plans at its world size, in a measured run at torchrun's")
+    p.add_argument("--graph-cache", type=Path, help="folder of captured graphs reused across processes")
     p.add_argument("--steps", type=int, default=12, help="steps per config, warm-up included")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per config")
     p.add_argument("--precision", choices=("bf16", "fp32"), default="bf16")
@@ -155,8 +173,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.variants is not None:
         args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         args.plans = "forced"
-    if args.cluster and not args.list_plans:
-        p.error("--cluster needs --list-plans: a measured run plans for the machine it runs on")
+    if args.attn is not None and is_hf_spec(args.model):
+        p.error(f"--attn with {args.model}: the Hugging Face policy runs SDPA (benchmarks/hf_policy.py)")
     return args
 
 
@@ -174,24 +192,66 @@ def _init_distributed(device: str) -> bool:
     return True
 
 
-def _capture(spec: RunSpec):
-    """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls."""
-    return _capture_cached(spec.model, spec.seq_len, spec.compute_dtype, tuple(sorted(spec.model_overrides.items())))
+def _capture(spec: RunSpec, cache_dir: Path | None = None):
+    """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls,
+    and in ``cache_dir`` (``--graph-cache``) across processes."""
+    key = (spec.model, spec.seq_len, spec.compute_dtype, tuple(sorted(spec.model_overrides.items())))
+    if cache_dir is None:
+        return _capture_cached(*key)
+    return _capture_file(cache_dir, key)
+
+
+def _capture_file(cache_dir: Path, key: tuple):
+    """Load the pickled graph of ``key`` from ``cache_dir``, else capture it and (rank 0) write it atomically."""
+    import pickle
+
+    model, seq_len, dtype, overrides = key
+    extra = "".join(f"_{k}-{v}" for k, v in overrides)
+    path = cache_dir / f"{model.replace(':', '_')}_s{seq_len}_{str(dtype).rsplit('.', 1)[-1]}{extra}.pkl"
+    if path.exists():
+        try:
+            return pickle.loads(path.read_bytes())
+        except Exception as err:  # noqa: BLE001 - a stale or torn file: capture again
+            log.warning("graph cache %s unreadable (%s): capturing", path, err)
+    graph = _capture_cached(*key)
+    if not dist.is_initialized() or dist.get_rank() == 0:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_bytes(pickle.dumps(graph))
+        tmp.replace(path)
+    return graph
 
 
 @functools.lru_cache(maxsize=4)
 def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, overrides: tuple = ()):
+    seq_lens = (max(2, seq_len // 2), seq_len)
+    if is_hf_spec(model):  # a Hugging Face trunk on meta, buffers on the CPU (benchmarks/hf_policy.py)
+        from autoshard.passes.capture import capture
+        from benchmarks.baselines.common import hf_overrides
+        from benchmarks.hf_policy import build_hf_policy
+
+        return capture(build_hf_policy(model, device="meta", dtype=dtype, **hf_overrides(dict(overrides))),
+                       name=model, seq_lens=seq_lens)
     from autoshard.passes.capture import capture_reference
 
-    return capture_reference(model, seq_lens=(max(2, seq_len // 2), seq_len), dtype=dtype, **dict(overrides))
+    return capture_reference(model, seq_lens=seq_lens, dtype=dtype, **dict(overrides))
+
+
+def hf_available() -> bool:
+    """Whether ``transformers`` imports here (``hf-llama`` models need it)."""
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
 
 
 def _baseline_factory(name: str) -> Callable[..., Any]:
     """``factory(spec, device)`` for a baseline config (imports its package lazily)."""
     if name.startswith("fsdp2"):
-        from benchmarks.baselines.fsdp2 import FSDP2Options, FSDP2Trainer
+        from benchmarks.baselines.fsdp2 import FSDP2Trainer
 
-        options = FSDP2Options(reshard_after_forward=name == "fsdp2", compile=name.endswith("-compiled"))
+        options = fsdp2_options(name)
         return lambda spec, device: FSDP2Trainer(spec, device, options, name=name)
     if name.startswith("megatron"):
         from benchmarks.baselines.megatron import MegatronOptions, MegatronTPTrainer
@@ -201,6 +261,14 @@ def _baseline_factory(name: str) -> Callable[..., Any]:
     from benchmarks.baselines.deepspeed_zero import DeepSpeedTrainer
 
     return lambda spec, device: DeepSpeedTrainer(spec, device, stage=int(name[-1]), name=name)
+
+
+def fsdp2_options(name: str):
+    """``FSDP2Options`` of an ``fsdp2*`` config: ``-noreshard`` keeps gathered weights to backward,
+    ``-compiled`` compiles each block (torchtitan's per-block ``torch.compile``)."""
+    from benchmarks.baselines.fsdp2 import FSDP2Options
+
+    return FSDP2Options(reshard_after_forward="noreshard" not in name, compile=name.endswith("-compiled"))
 
 
 def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, stop_on_error: bool,
@@ -376,8 +444,14 @@ def _benchmark(args: argparse.Namespace) -> None:
                    attn_impl=args.attn,
                    precision=args.precision, optimizer=OptimizerConfig(name=args.optimizer, lr=args.lr), device=args.device)
     detected = Cluster.load(args.cluster) if args.cluster else Cluster.detect()
+    if args.cluster and not args.list_plans and detected.world_size != world:
+        raise AutoshardError(f"--cluster {args.cluster} has {detected.world_size} devices but torchrun started {world} "
+                             f"processes; use --nproc-per-node {detected.world_size}")
     calibrated = detected.with_calibration(args.calibration) if args.calibration else None
-    graph = _capture(spec)
+    if is_hf_spec(spec.model) and not hf_available():
+        _skip_all(args, spec, detected, world, rank, "skipped: transformers not installed")
+        return
+    graph = _capture(spec, args.graph_cache)
     if args.list_plans:
         world = detected.world_size if args.cluster else world
         _list_plans(graph, _plans(graph, calibrated or detected, spec, args, world, rank), detected, calibrated,
@@ -408,6 +482,15 @@ def _benchmark(args: argparse.Namespace) -> None:
                        args.memory_snapshot)
         record(row, _equivalent_plan(name, graph, spec, world))
     if rank == 0:
+        print(report.markdown(meta, rows))
+
+
+def _skip_all(args: argparse.Namespace, spec: RunSpec, cluster: Cluster, world: int, rank: int, status: str) -> None:
+    """Write a row with ``status`` for every config (nothing is captured or built)."""
+    meta = report.run_meta(args, spec, cluster, world, float("nan"))
+    rows = [report.finish_row({"config": name, "status": status}, meta) for name in args.configs]
+    if rank == 0:
+        report.write(args.out, meta, rows)
         print(report.markdown(meta, rows))
 
 

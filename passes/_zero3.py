@@ -53,13 +53,26 @@ So layer k's reduce-scatter runs during layer k−1's backward instead of
 blocking the compute stream, as FSDP2 does. The sink is drained after every
 backward (``Regather.reset``), before clipping reads a gradient. Same values.
 
+[Note: compiled gather]
+Under ``torch.compile`` (the program is compiled: ``RankContext.compiled``)
+``forward`` takes neither fused Function nor hook: it traces copy-in, the
+functional all-gather of ``runtime/traced_collectives.py`` and the copy-out as
+plain graph nodes, so AOT autograd puts the gather in the forward graph and its
+reduce-scatter in the backward graph, where inductor schedules both. With
+``reshard_after_forward`` (the default: ZeRO-3 keeps no full weight between
+forward and backward) the gather runs under ``recompute_in_backward``: the
+partitioner saves only the shards and the backward graph re-gathers what it
+needs, as nodes inductor can prefetch. Off, the gathered weights are saved
+(FSDP's ``reshard_after_forward=False``: no re-gather, more memory). Same
+layout and values as the eager paths; quantized layers trace their
+``autoshard::quantized_all_gather`` op (opaque to inductor) the same way.
+
 ``regather`` (installed by the ``recompute`` pass) is told about every copy-out
 tensor so that backward can re-gather instead of keeping it (``passes/recompute.py``).
 """
 
 from __future__ import annotations
 
-import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -68,7 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.runtime import async_collectives, collectives, quantized_collectives
+from autoshard.runtime import async_collectives, collectives, quantized_collectives, traced_collectives
 
 
 @dataclass(frozen=True)
@@ -96,14 +109,13 @@ class GatherSpec:
     def flat_sizes(self) -> list[int]:
         return list(self._flat)
 
-    @functools.cached_property
-    def _padded(self) -> tuple[int, ...]:
-        return tuple(-(-int(d) // self.num_ranks) for d in self.global_dim0)
-
-    @functools.cached_property
-    def _flat(self) -> tuple[int, ...]:
-        # computed once: the gathers ask for it several times per layer per step (host time)
-        return tuple(c * math.prod(int(r) for r in rest) for c, rest in zip(self._padded, self.rest_shapes))
+    def __post_init__(self) -> None:
+        # computed once: the gathers ask for them several times per layer per step (host time); set here
+        # rather than cached on first use, which dynamo cannot trace (the cache's lock breaks the graph)
+        padded = tuple(-(-int(d) // self.num_ranks) for d in self.global_dim0)
+        object.__setattr__(self, "_padded", padded)
+        object.__setattr__(self, "_flat", tuple(c * math.prod(int(r) for r in rest)
+                                                for c, rest in zip(padded, self.rest_shapes)))
 
 
 class _CopyOut(torch.autograd.Function):
@@ -246,6 +258,21 @@ class Zero3Gather(nn.Module):
         self.spec = spec
         self.on_gather = on_gather
         self.grad_sink: GradSink | None = None  # set by schedule_overlap: backward reduce-scatters go asynchronous
+        self.reshard_after_forward = True  # compiled: re-gather in backward rather than keep (note "compiled gather")
+        self._traced_gather: traced_collectives.TracedAllGather | None = None
+        if torch.distributed.is_initialized():  # its group is live: look its backend up now, not while tracing
+            try:
+                self.traced_gather
+            except collectives.CollectiveError:
+                pass  # a group of a context built by hand (tests): looked up if a compiled program ever runs it
+
+    @property
+    def traced_gather(self) -> traced_collectives.TracedAllGather:
+        """The functional all-gather a compiled program traces (built where the group is live, before tracing)."""
+        if self._traced_gather is None:
+            spec = self.spec
+            self._traced_gather = traced_collectives.traced_all_gather(spec.group_name, spec.num_ranks, spec.grad_op)
+        return self._traced_gather
 
     def gather_roots(self, shards: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
         """Padded full tensors (n·c_i, *rest_i), fresh storage each: one all-gather."""
@@ -293,8 +320,27 @@ class Zero3Gather(nn.Module):
         )
 
     def forward(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if torch.compiler.is_compiling():  # note "compiled gather"
+            if self.reshard_after_forward:
+                return traced_collectives.recompute_in_backward(self._traced, *shards)
+            return self._traced(*shards)
         roots = self.gather_roots(shards)
         if self.on_gather is not None:
             self.on_gather(self, shards, roots)
+        return self._narrow(roots)
+
+    def _narrow(self, roots: list[torch.Tensor]) -> tuple[torch.Tensor, ...]:
         # no narrow without padding: its backward (slice_backward) would allocate and copy a zero-padded grad
         return tuple(root if root.shape[0] == d else root.narrow(0, 0, d) for root, d in zip(roots, self.spec.global_dim0))
+
+    def _traced(self, *shards: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """The gather as ``torch.compile`` traces it: copy-in, functional all-gather, copy-out (note)."""
+        spec = self.spec
+        flat = self.copy_in(shards)
+        if spec.quantized:
+            flat = self._all_gather(flat)
+        else:
+            flat = self.traced_gather(flat)
+        rows = flat.view(spec.num_ranks, -1).split(spec.flat_sizes(), 1)
+        return self._narrow([r.reshape(spec.num_ranks * spec.padded_dim0(i), *spec.rest_shapes[i])
+                             for i, r in enumerate(rows)])

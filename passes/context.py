@@ -65,6 +65,9 @@ class RankContext:
         (dp_replicate × dp_shard) and ``"world"``.
     device: where compute runs ("cpu", "cuda:0").
     compute_dtype: dtype of the compute copies of parameters and activations.
+    compiled: the runtime will run the program through ``torch.compile``; passes emit the forms it
+        traces as one joint graph (``passes/_zero3.py`` note "compiled gather") instead of the eager
+        runtime's hooks and side-stream collectives.
     """
 
     rank: int
@@ -74,6 +77,7 @@ class RankContext:
     group_names: dict[str, str] = field(default_factory=dict)
     device: str = "cpu"
     compute_dtype: torch.dtype = torch.float32
+    compiled: bool = False
 
     def size(self, axis: str) -> int:
         """Degree of mesh axis ``axis`` (``"dp"`` = dp_replicate × dp_shard; ``"edp"`` = dp / ep)."""

@@ -1,7 +1,8 @@
 """Pass ``recompute``: activation-checkpoint regions (selective / full) and ZeRO-3 re-gather in backward.
 
 Pre-conditions: ``insert_collectives`` ran. Post-conditions: (1) when the graph
-has ``Zero3Gather`` modules, a ``Regather`` submodule ``autoshard_regather``
+has ``Zero3Gather`` modules and the program runs eager (not ``ctx.compiled``),
+a ``Regather`` submodule ``autoshard_regather``
 exists and every gather reports its outputs to it; the runtime runs the graph
 inside ``torch.autograd.graph.saved_tensors_hooks(regather.pack,
 regather.unpack)`` (``Program.forward``). (2) every checkpoint region of the
@@ -200,8 +201,12 @@ class CheckpointRegion(nn.Module):
 
 
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
-    """Install ZeRO-3 re-gather, then outline checkpoint regions (module docstring)."""
-    out = _install_regather(gm)
+    """Install ZeRO-3 re-gather, then outline checkpoint regions (module docstring).
+
+    A compiled program (``ctx.compiled``) gets no ``Regather``: its gathers re-gather in the backward
+    graph (``passes/_zero3.py`` note "compiled gather").
+    """
+    out = gm if ctx.compiled else _install_regather(gm)
     if all(s.recompute == "none" for s in plan.layers):
         return out
     if out is gm:

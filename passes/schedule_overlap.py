@@ -100,8 +100,55 @@ class GatherWait(nn.Module):
         return tuple(root if root.shape[0] == d else root.narrow(0, 0, d) for root, d in zip(roots, spec.global_dim0))
 
 
+# [Note: compiled programs]
+# A program run through ``torch.compile`` (``ctx.compiled``) keeps its gathers blocking at first use
+# in the FX graph: the compiled gather is the functional all-gather of
+# ``runtime/traced_collectives.py``, whose start inductor issues asynchronously and whose wait it
+# places itself. Moving it here would be undone by AOT autograd's re-tracing. Instead this pass
+# records, in ``gm.meta["autoshard"]["compile_options"]``, the inductor passes that overlap them,
+# chosen from the plan (``compile_options``); ``Program`` compiles with them. Modes:
+#   "scheduler": inductor's overlap scheduler (``aten_distributed_optimizations``): it estimates
+#       each collective's and each kernel's time, moves gathers (forward and the backward
+#       re-gathers) and reduce-scatters to hide under compute within a memory bound, and buckets
+#       collectives that stay exposed;
+#   "reorder": the scheduler-IR passes (``reorder_for_compute_comm_overlap``: raise
+#       communication, sink waits, preserving peak memory);
+#   "none": inductor's default order (a gather's wait still waits only where it is used).
+# ``prefetch = 0`` selects "none" (the A/B switch, as for eager programs), as does a CPU device. Options a torch
+# version does not know are dropped (``Program``); the GPU comparison that picked the default
+# is linked from docs/runtime.md.
+COMPILE_OVERLAP = ("scheduler", "reorder", "none")
+DEFAULT_COMPILE_OVERLAP = "scheduler"
+_OVERLAP_OPTIONS = {
+    "scheduler": {"aten_distributed_optimizations.enable_overlap_scheduling": True,
+                  "aten_distributed_optimizations.collective_bucketing": True},
+    "reorder": {"reorder_for_compute_comm_overlap": True,
+                "reorder_for_compute_comm_overlap_passes": [
+                    "reorder_communication_preserving_peak_memory", "sink_waits_iterative",
+                    "reorder_communication_preserving_peak_memory"]},
+    "none": {},
+}
+
+
+def compile_options(plan: Plan, device: str, mode: str | None = None) -> dict:
+    """Inductor options for a compiled program of ``plan`` on ``device`` (note "compiled programs")."""
+    mode = mode or DEFAULT_COMPILE_OVERLAP
+    if mode not in COMPILE_OVERLAP:
+        raise ValueError(f"compile overlap mode {mode!r}: allowed {list(COMPILE_OVERLAP)}")
+    if plan.schedule.prefetch <= 0 or torch.device(device).type != "cuda":
+        mode = "none"  # on a CPU gloo runs each collective to completion: nothing to overlap
+    return {"overlap": mode, "inductor": dict(_OVERLAP_OPTIONS[mode])}
+
+
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
-    """Split ZeRO-3 gathers into start + wait and start them ``plan.schedule.prefetch`` layers ahead."""
+    """Split ZeRO-3 gathers into start + wait and start them ``plan.schedule.prefetch`` layers ahead.
+
+    Compiled programs: record the inductor overlap options instead (note "compiled programs").
+    """
+    if ctx.compiled:
+        out = copy_module(gm)
+        out.meta[META_KEY]["compile_options"] = compile_options(plan, ctx.device)
+        return out
     prefetch = plan.schedule.prefetch
     if prefetch <= 0:
         return gm

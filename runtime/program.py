@@ -23,8 +23,8 @@ each micro-batch's ``loss_fn(outputs, micro_tokens)`` (a mean over the
 micro-batch) is divided by the number of micro-batches and backpropagated; the
 optimizer then averages gradients over dp (the mean of per-rank losses equals
 the single-device loss on the global batch when slices are equal), clips and
-updates. The graph runs inside the ZeRO-3 re-gather hooks when present
-(``passes/recompute.py``).
+updates. Eager, the graph runs inside the ZeRO-3 re-gather hooks when present
+(``passes/recompute.py``); compiled, the re-gathers are nodes of the backward graph.
 
 Pipeline parallelism (pp > 1, ``runtime/pipeline.py``): ``step`` runs the
 plan's schedule (GPipe / 1F1B / interleaved 1F1B) over the same
@@ -37,6 +37,7 @@ stages in order without autograd and returns the full outputs on every rank.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -49,6 +50,7 @@ from autoshard.graph import ModelGraph
 from autoshard.passes import run_passes
 from autoshard.passes._graph_utils import META_KEY, retarget_device
 from autoshard.passes.context import ParamPlacement, RankContext
+from autoshard.passes.schedule_overlap import compile_options
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.runtime import collectives
@@ -75,8 +77,8 @@ class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
-                 *, overlap_grad_sync: bool = False, compile_graph: bool | str = False,
-                 compile_regions: str = "stem"):
+                 *, overlap_grad_sync: bool = False, compile_regions: str = "stem", compile_overlap: str | None = None,
+                 compile_backend: str | Callable = "inductor"):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         self.build_memory = BuildMemory(torch.device(ctx.device))  # build_program replaces it with the measured one
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
@@ -86,21 +88,19 @@ class Program:
         if self.pipeline is None and overlap_grad_sync:
             optimizer.enable_overlap()  # DP gradient buckets reduce under the last micro-batch's backward
         self._run = self.gm
+        self.compile_options: dict | None = None  # what the compiled program was compiled with (None: eager)
         if compile_regions not in REGIONS:
             raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
-        if compile_graph == "auto":
-            compile_graph = compile_allowed(plan, ctx.device) and self.pipeline is None and self.regather is None
-        if compile_graph:
-            if self.pipeline is not None or self.regather is not None:
-                raise PlanError(
-                    "compile_graph needs pp = 1 and no ZeRO-3 layer (the ZeRO-3 re-gather runs as saved-tensor "
-                    "hooks outside a compiled graph); run this plan without compile_graph, or choose such a plan"
-                )
+        if ctx.compiled:
             if compile_regions != "graph":  # runtime/compile_regions.py
                 insert_region_breaks(self.gm, compile_regions)
-            # one compiled graph per region and input shape (training shapes are fixed); the autoshard::
-            # collectives are registered ops with fake kernels, so they stay in the graph as opaque calls
-            self._run = torch.compile(self.gm, dynamic=False)
+            self.compile_options = gm.meta[META_KEY].get("compile_options") or compile_options(plan, ctx.device)
+            if compile_overlap is not None:
+                self.compile_options = compile_options(plan, ctx.device, compile_overlap)
+            inductor = _known_inductor_options(self.compile_options["inductor"]) if compile_backend == "inductor" else None
+            # one compiled graph per region and input shape (training shapes are fixed); the ZeRO-3 gathers
+            # are functional collectives inductor schedules, the other autoshard:: collectives opaque calls
+            self._run = torch.compile(self.gm, dynamic=False, backend=compile_backend, options=inductor or None)
 
     def forward(self, tokens: torch.Tensor) -> Any:
         """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them).
@@ -186,6 +186,8 @@ def build_program(
     overlap_grad_sync: bool = False,
     compile_graph: bool | str = "auto",
     compile_regions: str = "stem",
+    compile_overlap: str | None = None,
+    compile_backend: str | Callable = "inductor",
     weights: Any = None,
     release_model: bool = False,
     track_memory: bool = False,
@@ -203,13 +205,19 @@ def build_program(
     ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
     (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
     it made the searched DP plans slower (docs/runtime.md, "Overlapped gradient sync").
-    ``compile_graph``: run the rewritten per-rank graph through ``torch.compile`` (inductor fuses
-    its elementwise chains; pp = 1 and no ZeRO-3 layer, else ``PlanError``). ``"auto"`` (the
-    default) compiles exactly when ``compile_allowed``: a CUDA device and such a plan with
-    ep = cp = 1. On the CPU the graph stays eager (inductor's CPU backend needs a C++ compiler and
-    gains little for the gloo tests). ``compile_regions``: ``"stem"`` (default) compiles the
-    prologue and the blocks onward as two graphs, ``"block"`` each block as its own, ``"graph"``
-    the whole program as one (``runtime/compile_regions.py``).
+    ``compile_graph``: trace forward and backward of the per-rank graph jointly with
+    ``torch.compile`` (pp = 1, else ``PlanError``). The passes then emit the traced forms
+    (``RankContext.compiled``): ZeRO-3 gathers, their re-gathers in backward and their
+    reduce-scatters are functional-collective nodes of the joint graph that inductor schedules
+    (``passes/_zero3.py`` note "compiled gather"; no saved-tensor hooks), with the overlap passes
+    ``schedule_overlap`` chose from the plan (``compile_overlap`` overrides: "scheduler",
+    "reorder", "none"). ``"auto"`` (the default) compiles exactly when ``compile_allowed``: a CUDA
+    device and a plan with pp = ep = cp = 1. On the CPU the graph stays eager by default (the gloo
+    suite's speed). ``compile_backend``: ``torch.compile``'s backend ("inductor"; the CPU tests also
+    use "aot_eager", the same joint graph and partition without code generation).
+    ``compile_regions``: ``"stem"`` (default) compiles the prologue and the blocks onward as two
+    graphs, ``"block"`` each block as its own, ``"graph"`` the whole program as one
+    (``runtime/compile_regions.py``).
     """
     precision = train.precision if train is not None else plan.precision
     _check_plan(plan, graph)
@@ -217,6 +225,7 @@ def build_program(
     device_mesh = None
     if ctx is None:
         ctx, device_mesh = build_rank_context(plan.mesh, device=device, compute_dtype=_DTYPES[precision])
+    ctx = dataclasses.replace(ctx, compiled=_compiles(compile_graph, plan, ctx.device))
     build_memory = BuildMemory(torch.device(ctx.device), track_memory)
     with build_memory:
         reader = bind_source(weights, model, release=release_model)
@@ -234,16 +243,38 @@ def build_program(
         expected = {fqn: placement.global_shape for fqn, placement in placements.items()}
         fill(reader, wanted, expected, _program_buffers(gm), torch.device(ctx.device),
              lambda fqn, values: sharded.slots[fqn].load_master(values))
-    program = Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_graph=compile_graph,
-                      compile_regions=compile_regions)
+    program = Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_regions=compile_regions,
+                      compile_overlap=compile_overlap, compile_backend=compile_backend)
     program.build_memory = build_memory
     return program
 
 
 def compile_allowed(plan: Plan, device: Any) -> bool:
     """Whether ``compile_graph="auto"`` compiles ``plan`` on ``device``: CUDA and ``plan.compilable``
-    (pp = ep = cp = 1, no ZeRO-3 layer; ``compile_graph=True`` still compiles ep/cp plans)."""
+    (pp = ep = cp = 1; ``compile_graph=True`` still compiles ep/cp plans)."""
     return torch.device(device).type == "cuda" and plan.compilable
+
+
+def _compiles(compile_graph: bool | str, plan: Plan, device: Any) -> bool:
+    """Resolve ``build_program``'s ``compile_graph`` for ``plan`` (``PlanError`` where it cannot)."""
+    if compile_graph not in (True, False, "auto"):
+        raise PlanError(f"compile_graph={compile_graph!r}: allowed True, False, 'auto'")
+    if compile_graph == "auto":
+        return compile_allowed(plan, device)
+    if compile_graph and plan.mesh.pp > 1:
+        raise PlanError(
+            "compile_graph needs pp = 1 (pipeline stages run eager under torch.distributed.pipelining); "
+            "run this plan with compile_graph=False, or choose a plan with pp = 1"
+        )
+    return bool(compile_graph)
+
+
+def _known_inductor_options(options: dict) -> dict:
+    """``options`` without the keys this torch's inductor does not have (older versions lack some passes)."""
+    import torch._inductor.config as inductor_config
+
+    known = inductor_config.get_config_copy()
+    return {k: v for k, v in options.items() if k in known}
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:

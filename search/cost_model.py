@@ -388,10 +388,9 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
 
 def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -> float:
     """Scale of block activations in ``predict``: the calibration's ``compiled_saved_scale`` when the
-    runtime compiles ``plan`` (pp = ep = cp = 1, no ZeRO-3 layer: ``runtime.compile_allowed`` on a GPU; the
+    runtime compiles ``plan`` (pp = ep = cp = 1: ``runtime.compile_allowed`` on a GPU; the
     calibration carries the scale only for GPU runs) and the scale was measured for this model;
-    else 1. The search keeps the eager activations (a conservative bound: one ZeRO-3 layer makes
-    the whole plan run eager, which a per-layer cost cannot see)."""
+    else 1. The search keeps the eager activations (a conservative bound)."""
     scale = cluster.calibration.get(COMPILED_SAVED_SCALE_KEY)
     if scale is None or not plan.compilable or cluster.calibration.get("layer_times.model") != graph.model_name:
         return 1.0

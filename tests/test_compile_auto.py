@@ -1,7 +1,7 @@
 """``compile_allowed``: what ``build_program(compile_graph="auto")`` (the default) compiles.
 
-CUDA devices with pp = ep = cp = 1 and no ZeRO-3 layer compile; the CPU, pipelines, expert and
-context parallelism and ZeRO-3 plans stay eager. The compiled path itself is tested in ``test_compile_program.py``.
+CUDA devices with pp = ep = cp = 1 compile, ZeRO-3 and mixed plans included; the CPU, pipelines,
+expert and context parallelism stay eager. The compiled path itself is tested in ``test_compile_program.py``.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ SPEC = "llama:tiny"
     (Mesh(dp_shard=2), "zero2", "cuda", True),
     (Mesh(dp_shard=2), "zero2", "cuda:1", True),
     (Mesh(dp_shard=2), "zero2", "cpu", False),
-    (Mesh(dp_shard=2), "zero3", "cuda", False),
+    (Mesh(dp_shard=2), "zero3", "cuda", True),
+    (Mesh(dp_shard=2), "zero3", "cpu", False),
     (Mesh(dp_shard=2), "offload", "cuda", True),
     (Mesh(pp=2), "replicate", "cuda", False),
     (Mesh(dp_shard=2, ep=2), "replicate", "cuda", False),
@@ -30,6 +31,6 @@ def test_compile_allowed(mesh, state, device, expected):
     assert compile_allowed(plan, device) is expected
 
 
-def test_one_zero3_layer_keeps_the_graph_eager():
+def test_mixed_zero3_plan_compiles():
     plan = make_plan(SPEC, Mesh(dp_shard=2), lambda name: {"state": "zero3" if name.endswith("mlp") else "zero1"})
-    assert not compile_allowed(plan, "cuda")
+    assert compile_allowed(plan, "cuda")

@@ -7,7 +7,12 @@ The plans compile with the default regions (``"stem"``); the DP plan also as one
 (``compile_regions="graph"``). Per-block regions
 give gradients block by block: when the head's gradient is accumulated, the first
 block's is not there yet, as in eager; the whole graph hands them all over at once.
-A ZeRO-3 plan is refused with a ``PlanError`` (its re-gather runs as saved-tensor hooks).
+ZeRO-3 plans compile as one joint forward+backward graph (``passes/_zero3.py`` note "compiled
+gather"): an all-ZeRO-3 plan and a mixed one (ZeRO-3 MLPs with full recompute, ZeRO-2 attention with
+selective recompute, replicated norms, int8 weight gathers on the head) train as eager. Their AOT
+graphs are inspected: the forward keeps no gathered weight for backward, the backward graph
+re-gathers (functional all-gathers) and reduce-scatters; with ``reshard_after_forward`` off the
+weights are kept and backward gathers nothing. A pp > 1 plan with ``compile_graph=True`` is refused.
 """
 
 from __future__ import annotations
@@ -39,7 +44,19 @@ PLANS = {
             if name.endswith(("attn", "mlp")) else {"state": "replicate"}),
     # sequence parallel: the residual stream is seq-sharded, SP all-gathers/reduce-scatters in the graph
     "tp2_sp": (Mesh(tp=2), lambda _name: {"state": "replicate", "tp": "megatron", "sp": True}),
+    "zero3": (Mesh(dp_shard=2), lambda _name: {"state": "zero3"}),
+    "mixed": (Mesh(dp_shard=2), lambda name: _mixed(name)),
 }
+
+
+def _mixed(name: str) -> dict:
+    if name.endswith("mlp"):
+        return {"state": "zero3", "recompute": "full"}
+    if name.endswith("attn"):
+        return {"state": "zero2", "recompute": "selective"}
+    if name == "head":
+        return {"state": "zero3", "weight_comm": "int8"}
+    return {"state": "replicate" if "norm" in name else "zero3"}
 
 
 @pytest.fixture(scope="module")
@@ -56,8 +73,10 @@ def results():
                                                   compile_regions="graph")
     for mode in ("eager", "stem", "block", "graph"):
         jobs[f"order_{mode}"] = functools.partial(_gradient_order, mode=mode)
-    jobs["zero3_refused"] = _zero3_refusal
-    return run_gloo_cases(jobs, 2, timeout_s=900)
+    jobs["pp_refused"] = _pp_refusal
+    for keep in (False, True):
+        jobs[f"graphs_keep{keep}"] = functools.partial(_zero3_graphs, keep=keep)
+    return run_gloo_cases(jobs, 2, timeout_s=1200)
 
 
 @pytest.mark.parametrize("name", list(PLANS))
@@ -98,8 +117,8 @@ def test_block_regions_hand_over_gradients_block_by_block(results, mode, increme
     assert all(r == [incremental] for r in results[f"order_{mode}"])
 
 
-def _zero3_refusal(rank, world_size):
-    plan = make_plan(SPEC, Mesh(dp_shard=2), lambda _name: {"state": "zero3"})
+def _pp_refusal(rank, world_size):
+    plan = make_plan(SPEC, Mesh(pp=2), lambda name: {"state": "replicate", "stage": 0 if name in ("embed",) else 1})
     try:
         build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
                       compile_graph=True)
@@ -108,8 +127,76 @@ def _zero3_refusal(rank, world_size):
     return None
 
 
-def test_zero3_plan_is_refused(results):
-    assert all("compile_graph needs pp = 1 and no ZeRO-3 layer" in (r or "") for r in results["zero3_refused"])
+def test_pipeline_plan_is_refused_compiled(results):
+    assert all("compile_graph needs pp = 1" in (r or "") for r in results["pp_refused"])
+
+
+class _RecordGraphs:
+    """A ``torch.compile`` backend: AOT autograd with inductor's partitioner, graphs kept, run eager."""
+
+    def __init__(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self.forward, self.backward = [], []
+
+        def keep(into):
+            def compiler(gm, _inputs):
+                into.append(gm)
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
+                                    partition_fn=min_cut_rematerialization_partition)
+
+
+def _functional_ops(gm) -> dict[str, int]:
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and "_c10d_functional" in str(node.target):
+            name = str(node.target).split(".")[1]
+            counts[name] = counts.get(name, 0) + 1
+    return counts
+
+
+def _zero3_graphs(rank, world_size, keep):
+    """One ZeRO-3 forward/backward through AOT autograd: collective counts and the shapes forward saves."""
+    from autoshard.passes._zero3 import Zero3Gather
+
+    plan = make_plan(SPEC, Mesh(dp_shard=2), lambda _name: {"state": "zero3"})
+    graphs = _RecordGraphs()
+    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
+                            compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
+    gathers = [m for m in program.gm.modules() if isinstance(m, Zero3Gather)]
+    for m in gathers:
+        m.reshard_after_forward = not keep
+    tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(rank))
+    program.forward(tokens)[0].float().pow(2).mean().backward()
+    full_shapes = {tuple(p.global_shape) for p in program.param_placements.values()}
+    shard_shapes = {tuple(p.local_shape) for p in program.param_placements.values()}
+    (fw,), (bw,) = graphs.forward, graphs.backward
+    saved = [n.meta["val"] for n in next(n for n in fw.graph.nodes if n.op == "output").args[0][1:]
+             if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
+    return {"layers": len(gathers), "forward": _functional_ops(fw), "backward": _functional_ops(bw),
+            "saved_full": sum(tuple(t.shape) in full_shapes - shard_shapes for t in saved)}
+
+
+def test_zero3_regathers_in_the_backward_graph(results):
+    for r in results["graphs_keepFalse"]:
+        assert r["forward"].get("all_gather_into_tensor") == r["layers"]
+        assert r["backward"].get("reduce_scatter_tensor") == r["layers"]
+        # every layer but the embedding (its backward needs no weight) is gathered again in backward
+        assert r["backward"].get("all_gather_into_tensor") == r["layers"] - 1
+        assert r["saved_full"] == 0
+
+
+def test_zero3_without_reshard_keeps_gathered_weights(results):
+    for r in results["graphs_keepTrue"]:
+        assert r["forward"].get("all_gather_into_tensor") == r["layers"]
+        assert r["backward"].get("reduce_scatter_tensor") == r["layers"]
+        assert "all_gather_into_tensor" not in r["backward"]
+        assert r["saved_full"] > 0
 
 
 @pytest.mark.parametrize("name", list(PLANS))

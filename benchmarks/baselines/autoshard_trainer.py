@@ -78,14 +78,16 @@ class AutoshardTrainer:
         train = train_spec(spec, micro_batch=plan.schedule.micro_batch)
         # AUTOSHARD_OVERLAP_GRAD_SYNC=1: DP gradient buckets under backward (off by default; A/B measurements)
         overlap = os.environ.get("AUTOSHARD_OVERLAP_GRAD_SYNC", "0") == "1"
-        # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when pp = 1 and no
-        # ZeRO-3 layer, build_program's default), 1 (always; such a plan's row fails otherwise), 0 (eager)
+        # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when pp = ep = cp = 1,
+        # build_program's default), 1 (always; a pp > 1 plan's row fails otherwise), 0 (eager)
         compile_graph = {"0": False, "1": True}.get(os.environ.get("AUTOSHARD_COMPILE", "auto"), "auto")
         # AUTOSHARD_COMPILE_REGIONS: stem (default), block or graph (runtime/compile_regions.py)
         regions = os.environ.get("AUTOSHARD_COMPILE_REGIONS", "stem")
+        # AUTOSHARD_COMPILE_OVERLAP: scheduler, reorder or none (passes/schedule_overlap.py; A/B runs)
+        overlap_mode = os.environ.get("AUTOSHARD_COMPILE_OVERLAP") or None
         self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
                                      device=str(device), overlap_grad_sync=overlap, compile_graph=compile_graph,
-                                     compile_regions=regions)
+                                     compile_regions=regions, compile_overlap=overlap_mode)
         # AUTOSHARD_GATHER_UNDER_UPDATE=0: update every slot, then all-gather (runtime/optimizer.py; A/B runs)
         self.program.optimizer.gather_under_update = os.environ.get("AUTOSHARD_GATHER_UNDER_UPDATE", "1") == "1"
         self.last_grad_norm = float("nan")

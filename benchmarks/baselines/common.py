@@ -17,8 +17,10 @@ differs from another only by how the step is parallelised):
   reported loss is the mean over micro-batches and data-parallel ranks (what
   ``Program.step`` reports).
 - **Weights**: every trainer starts from ``build(spec, seed=SEED)`` in fp32 (the
-  reference initialisation, on the run's device kind, cached per process:
-  ``reference_model``), so step-1 losses agree across configs.
+  reference initialisation on the run's device kind: ``reference_model``, cached
+  per process on the CPU, built on the device on GPUs), so step-1 losses agree
+  across configs. A Hugging Face spec (``hf-llama:SIZE``, ``benchmarks/hf_policy.py``)
+  is built the same way by ``build_hf_policy``, on the rank's device.
 - **Optimizer**: ``OptimizerConfig`` of the runtime; baselines build the
   matching ``torch.optim.AdamW`` (decoupled decay, as the runtime's) or
   ``torch.optim.SGD`` (plain ``p -= lr·g``; weight decay must be 0 there, since
@@ -150,25 +152,37 @@ def make_batches(vocab: int, spec: RunSpec, steps: int, *, seed: int = DATA_SEED
 def reference_model(spec: RunSpec, device: torch.device | str) -> nn.Module:
     """The reference policy in fp32 on ``device``, initialised with ``SEED`` (identical on every rank).
 
-    Initialised once per process on ``spec.device``'s kind, then cached on the CPU:
-    on the CPU ``init_weights`` takes 15-30 s for a 1.3B model on one thread
-    (torchrun's default) and a run builds the model once per config; on GPUs the
-    seeded CUDA generator initialises in milliseconds, with the same values on every
-    rank (the same seed, device type and sizes). Each call materialises a fresh
-    module on ``device`` (``to_empty``, ties restored) and copies the cached
-    weights into it.
+    On the CPU, initialised once per process, then cached: ``init_weights`` takes 15-30 s
+    for a 1.3B model on one thread (torchrun's default) and a run builds the model once
+    per config; each call materialises a fresh module (``to_empty``, ties restored) and
+    copies the cached weights into it. On GPUs each call builds and initialises the model
+    on ``device`` directly: the counter-based init (``autoshard.init``, 2²²-element chunks
+    on a GPU) gives the same values, bit for bit, on every rank and in every process, where
+    a CPU cache of a 7B model would cost 27 GB of host memory per rank and two 27 GB copies
+    per config. A Hugging Face spec (``hf-llama:SIZE``) is built by
+    ``hf_policy.build_hf_policy`` on ``device`` likewise, on the CPU too (only its tiny
+    size runs there).
     """
+    if is_hf_spec(spec.model):
+        from benchmarks.hf_policy import build_hf_policy
+
+        return build_hf_policy(spec.model, device=device, dtype=torch.float32, seed=SEED,
+                               **hf_overrides(spec.model_overrides))
     from autoshard.models import build
 
+    if torch.device(device).type == "cuda":
+        return build(spec.model, device=device, dtype=torch.float32, seed=SEED, **spec.model_overrides)
     model = build(spec.model, device="meta", dtype=torch.float32, **spec.model_overrides).to_empty(device=device)
     model.tie_weights()
-    model.load_state_dict(_reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu", spec.num_layers))
+    model.load_state_dict(_reference_state(spec.model, "cpu", spec.num_layers))
     return model
 
 
 def prepare_reference(spec: RunSpec) -> None:
-    """Initialise ``reference_model``'s cached weights now, outside any config's memory peak."""
-    _reference_state(spec.model, "cuda" if spec.device == "cuda" else "cpu", spec.num_layers)
+    """Initialise ``reference_model``'s CPU cache now, outside any config's memory peak (nothing on GPUs)."""
+    if is_hf_spec(spec.model) or spec.device == "cuda":
+        return
+    _reference_state(spec.model, "cpu", spec.num_layers)
 
 
 @functools.lru_cache(maxsize=1)
@@ -179,6 +193,26 @@ def _reference_state(model: str, init_device: str, num_layers: int | None = None
     depth = {} if num_layers is None else {"num_layers": num_layers}
     built = build(model, device=device, dtype=torch.float32, seed=SEED, **depth)
     return {name: value.detach().cpu() for name, value in built.state_dict().items()}
+
+
+def is_hf_spec(model: str) -> bool:
+    """Whether ``model`` names a Hugging Face policy of ``benchmarks/hf_policy.py`` (``hf-llama:SIZE``)."""
+    from benchmarks.hf_policy import is_hf_spec as hf_spec
+
+    return hf_spec(model)
+
+
+def hf_overrides(overrides: dict[str, object]) -> dict[str, object]:
+    """``RunSpec.model_overrides`` as ``LlamaConfig`` fields: ``num_layers`` → ``num_hidden_layers``.
+
+    ``attn_impl`` other than SDPA is refused: the policy runs HF's SDPA attention.
+    """
+    out = dict(overrides)
+    if out.pop("attn_impl", "sdpa") != "sdpa":
+        raise BaselineError(f"attn_impl={overrides['attn_impl']!r}: the Hugging Face policy runs 'sdpa' only")
+    if "num_layers" in out:
+        out["num_hidden_layers"] = out.pop("num_layers")
+    return out
 
 
 def local_rows(global_tokens: torch.Tensor, dp_size: int, dp_rank: int) -> torch.Tensor:
@@ -316,6 +350,8 @@ __all__ = [
     "Measurement",
     "RunSpec",
     "Trainer",
+    "hf_overrides",
+    "is_hf_spec",
     "local_rows",
     "make_batches",
     "mean_over",

@@ -13,7 +13,7 @@ What it builds (the torchtitan recipe, data parallel over the whole world):
   reduce_dtype=fp32)`` over fp32 sharded parameters (so the optimizer updates
   fp32 masters); ``fp32``: no policy;
 - ``offload=True``: ``CPUOffloadPolicy(pin_memory=...)`` (pinned only with CUDA);
-- ``compile=True`` (config ``fsdp2-noreshard-compiled``): each block replaced by
+- ``compile=True`` (configs ``fsdp2-compiled``, ``fsdp2-noreshard-compiled``): each block replaced by
   ``torch.compile(block)`` before ``fully_shard``, as torchtitan does, so FSDP2's hooks stay
   outside the compiled forward; the counterpart of autoshard's ``compile_graph``;
 - the optimizer of ``common.torch_optimizer`` over the sharded (DTensor)
