@@ -18,9 +18,11 @@
 # under torch.profiler after the timed ones (so their timing is untouched) gives rank 0's GPU idle fraction.
 # Round 1 so that a session cut short still has it.
 # Time: a process starts only while BUDGET_S (default 560, from the start: one 10-minute device call with
-# the wheel install and the summary) leaves >= MIN_START s (60), and gets min(RUN_LIMIT (300), what is left);
-# one killed at its limit is a row "killed at its limit". The rest is named at the end (run it in another
-# call with MODELS/ROUNDS; sharded_summary.py takes several session folders and pools their processes).
+# the wheel install and the summary) leaves MIN_START s (60) or, once the same model and config ran in this
+# call, the seconds that process took (round 1 compiles cold: an over-estimate of later rounds); it gets
+# min(RUN_LIMIT (300), what is left); one killed at its limit is a row "killed at its limit". The rest is
+# named at the end (run it in another call with MODELS/ROUNDS; sharded_summary.py takes several session
+# folders and pools their processes).
 # Configs whose package is missing are recorded as skipped without starting a process (deepspeed for
 # deepspeed-*, transformers for hf-llama:*).
 # Compile cache: Inductor's default on-disk cache (/tmp/torchinductor_$USER; FX graph and AOTAutograd
@@ -31,8 +33,9 @@
 # device tool returns only files <= 2 folders down); $OUT/summary.md (benchmarks/sharded_summary.py) and
 # $OUT/session.log. AUTOSHARD_COMPILE & co. pass through to the autoshard rows (baselines/autoshard_trainer.py).
 # DRY=1 rehearses on the CPU: gloo, fp32, MODELS llama:tiny hf-llama:tiny, CONFIGS autoshard,fsdp2,
-# deepspeed-z3 (compiled rows left out: minutes of C++ builds on 2 cores), 2 rounds, seq 16, 2 sequences
-# per rank, 4 steps (2 warm-up), cluster cpu:1x$NPROC, the tree in $OUT/sharded.
+# deepspeed-z3 (8 processes of ~10 s on 2 idle cores; CONFIGS=...,fsdp2-compiled adds the compiled rows, which
+# also run there), 2 rounds, seq 16, 2 sequences per rank, 4 steps (2 warm-up), cluster cpu:1x$NPROC, the
+# tree in $OUT/sharded.
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -41,6 +44,7 @@ DRY="${DRY:-0}"
 cd "$ROOT"
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/session.log") 2>&1
+TEE_PID=$!
 if [[ $DRY == 1 ]]; then
   NPROC="${NPROC:-2}"
   MODELS="${MODELS:-llama:tiny hf-llama:tiny}"
@@ -61,13 +65,14 @@ else
   source "$ROOT/benchmarks/gpu_env.sh"  # the carried wheels (.whl) and the working tree as `autoshard`
 fi
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
-END=$((SECONDS + ${BUDGET_S:-560}))
+END=${BUDGET_S:-560}  # on $SECONDS, which counts from the script's start (the wheel install included)
 PROFILE_ROUND="${PROFILE_ROUND:-1}"
 mkdir -p "$WORK"
 not_started=()
 procs=0
+declare -A took  # seconds of the last process of each model:config in this call
 
-per_gpu() {  # per_gpu MODEL: sequences per GPU of a step (header)
+per_gpu() {  # per_gpu MODEL: sequences per GPU in a step (the header says which)
   if [[ -n ${BATCH_PER_GPU:-} ]]; then echo "$BATCH_PER_GPU"; return; fi
   case "$1" in
     *:7b) echo 2 ;;
@@ -103,14 +108,14 @@ run_one() {  # run_one MODEL CONFIG ROUND: one torchrun of run.py (or a skipped 
   local dir="$WORK/$group/${config}_r$round"
   local common=("\"model\": \"$model\"" "\"config\": \"$config\"" "\"round\": $round" "\"nproc\": $NPROC"
     "\"started\": $(date +%s)")
+  local left=$((END - SECONDS)) need=${took[$model:$config]:-${MIN_START:-60}}
+  if ((left < need)); then not_started+=("$model:$config:r$round"); return; fi
   local why; why="$(missing "$model" "$config")"
   if [[ -n $why ]]; then
     record "$dir" "${common[@]}" "\"status\": \"$why\""
     echo "=== $group $config r$round: $why"
     return
   fi
-  local left=$((END - SECONDS))
-  if ((left < ${MIN_START:-60})); then not_started+=("$model:$config:r$round"); return; fi
   local limit=$(( left < ${RUN_LIMIT:-300} ? left : ${RUN_LIMIT:-300} ))
   local profile=() batch=$(( $(per_gpu "$model") * NPROC ))
   [[ $round == "$PROFILE_ROUND" ]] && profile=(--profile)
@@ -122,7 +127,7 @@ run_one() {  # run_one MODEL CONFIG ROUND: one torchrun of run.py (or a skipped 
     "${SHAPE[@]}" --lr "${LR:-1e-5}" --optimizer adamw --cluster "$CLUSTER" --graph-cache "$WORK/graphs" \
     ${profile[@]+"${profile[@]}"} --out "$dir" > "$dir.log" 2>&1
   local rc=$? wall=$((SECONDS - t0))
-  procs=$((procs + 1))
+  procs=$((procs + 1)); took[$model:$config]=$(( wall > ${MIN_START:-60} ? wall : ${MIN_START:-60} ))
   record "$dir" "${common[@]}" "\"rc\": $rc" "\"wall_s\": $wall" "\"limit_s\": $limit" \
     "\"profiled\": $([[ ${#profile[@]} -gt 0 ]] && echo true || echo false)"
   echo "=== $group $config r$round rc=$rc in ${wall}s"
@@ -140,9 +145,13 @@ for model in $MODELS; do
     done
   done
 done
-echo "=== $procs processes in ${SECONDS}s; Inductor cache: $(du -sh "${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}" 2>/dev/null | cut -f1)"
-((${#not_started[@]} == 0)) || echo "=== not started (budget): ${not_started[*]}"
+CACHE="${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(id -un)}"
+echo "=== $procs processes in ${SECONDS}s; Inductor cache $CACHE: $(du -sh "$CACHE" 2>/dev/null | cut -f1)"
+((${#not_started[@]} == 0)) || echo "=== not started (budget): ${not_started[*]} (another call: MODELS and" \
+  "ROUNDS for these, then benchmarks/sharded_summary.py over both trees)"
 "$PYTHON" benchmarks/sharded_summary.py "$WORK" > "$OUT/summary.md"
 cp "$OUT/summary.md" "$WORK/summary.md" 2>/dev/null
 pack
 cat "$OUT/summary.md"
+exec >&- 2>&-
+wait "$TEE_PID"  # session.log complete before the call returns

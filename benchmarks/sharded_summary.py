@@ -125,7 +125,15 @@ def config_stats(rows: list[dict[str, Any]]) -> dict[str, Any]:
             "peak_gib": max(peaks) / GIB if peaks else None,
             "idle": statistics.median(idle) if idle else None, "idle_n": len(idle),
             "plan": next((r.get("plan") for r in ok if r.get("plan")), ""),
-            "status": "ok" if ok else "; ".join(sorted({r.get("status", "?") for r in rows}))}
+            "status": _status(ok, rows)}
+
+
+def _status(ok: list[dict[str, Any]], rows: list[dict[str, Any]]) -> str:
+    """``ok``, ``ok; 1 lost: <why>`` when some processes gave no row, or the distinct failures."""
+    lost = sorted({r.get("status", "?") for r in rows if r not in ok})
+    if not ok:
+        return "; ".join(lost)
+    return "ok" if not lost else f"ok; {len(rows) - len(ok)} lost: " + "; ".join(lost)
 
 
 def best_baseline(stats: dict[str, dict[str, Any]]) -> str | None:
@@ -157,7 +165,8 @@ def table(group: str, configs: dict[str, list[dict[str, Any]]]) -> list[str]:
              "processes | status |", "|---|---|---|---|---|---|---|---|---|---|"]
     for config, s in stats.items():
         if s["tokens_per_s"] is None:
-            lines.append(f"| {config} | | – | – | – | – | – | – | 0/{s['attempted']} | {_cell(s['status'])} |")
+            lines.append(f"| {config} | | – | – | – | – | – | – | 0/{s['attempted']} | "
+                         f"{_cell(s['status'])} |")
             continue
         ratio = "best baseline" if config == best else (
             f"{s['tokens_per_s'] / stats[best]['tokens_per_s']:.2f}×" if best else "–")
@@ -165,7 +174,7 @@ def table(group: str, configs: dict[str, list[dict[str, Any]]]) -> list[str]:
         idle = "–" if s["idle"] is None else f"{s['idle'] * 100:.1f}%"
         lines.append(f"| {config} | {s['plan']} | {s['tokens_per_s']:,.0f} | {s['tokens_min']:,.0f}–"
                      f"{s['tokens_max']:,.0f} | {_pct(s['mfu'])} | {peak} | {idle} | {ratio} | "
-                     f"{s['measured']}/{s['attempted']} | ok |")
+                     f"{s['measured']}/{s['attempted']} | {_cell(s['status'])} |")
     if any(s["peak_gib"] and s["peak_gib"] > CARD_GIB for s in stats.values()):
         lines += ["", f"† above {CARD_GIB:.2f} GiB: would not fit an 80 GB H100."]
     return lines + [""]

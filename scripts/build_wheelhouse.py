@@ -15,7 +15,13 @@ because ``pip download`` with deps would also fetch torch and the CUDA stack.
 Packages the target already has are named with ``--skip`` (defaults below: a CUDA image's, plus
 what this project's GPU machine also has; ``--bare-image`` keeps only the former).
 
-Usage: scripts/build_wheelhouse.py --python-version 3.12 --out .whl [--baselines]
+``--hf`` also carries the Hugging Face stack that ``benchmarks/hf_policy.py`` (the ``hf-llama``
+models of ``benchmarks/run.py``, ``materialize_bench.py``) and safetensors weights need:
+transformers and safetensors at the versions measured, with whatever of their dependencies
+the target lacks (the project's GPU image has them all: not needed there; about 24 MiB, of the
+device tool's 64 MiB carry limit).
+
+Usage: scripts/build_wheelhouse.py --python-version 3.12 --out .whl [--baselines] [--hf]
 """
 
 from __future__ import annotations
@@ -31,6 +37,10 @@ from pathlib import Path
 CORE = ["ortools", "rich", "pyyaml", "networkx"]
 # Pinned to the versions measured in docs (PLATFORM_NOTES): newer ones may change APIs.
 BASELINES = ["megatron-core==0.16.1", "deepspeed==0.19.8"]
+# The Hugging Face policy of the benchmarks (--hf), at the versions of the 2026-11-26 GPU runs.
+HF = ["transformers==5.17.0", "safetensors==0.8.0"]
+# What --hf stops skipping: the stack itself (its other needs are on the CUDA image or not skipped).
+HF_STACK = {"transformers", "safetensors", "huggingface-hub", "tokenizers", "regex"}
 # Present on the CUDA images this project runs on; never downloaded.
 CUDA_IMAGE = {
     "torch", "triton", "numpy", "setuptools", "pip", "wheel", "typing-extensions", "filelock",
@@ -119,14 +129,17 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--python-version", default="3.12")
     p.add_argument("--out", default=".whl", type=Path)
     p.add_argument("--baselines", action="store_true", help="also megatron-core and deepspeed")
+    p.add_argument("--hf", action="store_true",
+                   help="also transformers and safetensors (HF) and their needs, for a target without them")
     p.add_argument("--skip", nargs="*", default=[], help="more packages the target already has")
     p.add_argument("--bare-image", action="store_true",
                    help="the target has only the CUDA image's packages: also download rich, pyyaml, networkx, "
                         "pandas (PROJECT_GPU_IMAGE)")
     p.add_argument("--no-self", action="store_true", help="do not build autoshard's own wheel")
     args = p.parse_args(argv)
-    roots = CORE + (BASELINES if args.baselines else [])
-    skip = (CUDA_IMAGE if args.bare_image else DEFAULT_SKIP) | {_norm(s) for s in args.skip}
+    roots = CORE + (BASELINES if args.baselines else []) + (HF if args.hf else [])
+    skip = CUDA_IMAGE if args.bare_image else DEFAULT_SKIP
+    skip = (skip - HF_STACK if args.hf else skip) | {_norm(s) for s in args.skip}
     build(args.out, args.python_version, roots, skip)
     if not args.no_self:
         repo = Path(__file__).resolve().parent.parent
