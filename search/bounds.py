@@ -20,9 +20,11 @@ rows ``j < p`` see the first stages, which hold up to ``min(p, m)``
 micro-batches of activations (1F1B), so deep pipelines do not look roomier
 than they are. ``Â_l = min(A_l, A'_l)`` for a layer that continues its block
 and ``A_l`` for the first layer of a block (which keeps its input even under
-full recompute, so fully recomputed blocks still cost activations). Every row
-is implied by the CP-SAT memory rows (strategies are shared by all stages;
-every term is non-negative).
+full recompute, so fully recomputed blocks still cost activations). With one
+micro-batch on one stage ``S_l`` leaves out the gradients (``Option.static_floor``):
+the CP-SAT row there is ``Σ(S − Gr) + max(ΣGr, ΣA)``. Every row is implied by
+the CP-SAT memory rows (strategies are shared by all stages; every term is
+non-negative).
 
 Lagrangian. For a row and any λ ≥ 0,
 
@@ -109,8 +111,10 @@ def memory_rows(class_of_layer: Sequence[int], anchors: Sequence[int], continues
     return MemoryRows(np.array(ranks, dtype=float), flight, counts, chained)
 
 
-def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int):
-    """(cost, static, activation) arrays (C, S) of the options with ``sp``; cost +inf where padded."""
+def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int, grads_apart: bool = False):
+    """(cost, static, activation) arrays (C, S) of the options with ``sp``; cost +inf where padded.
+
+    ``grads_apart`` (pp = m = 1): static without gradients (``Option.static_floor``)."""
     mine = [[o for o in opts if o.strategy.sp == sp] for opts in options]
     if any(not m for m in mine):
         return None
@@ -119,7 +123,7 @@ def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int)
     static, act, chain = (np.zeros((len(mine), width)) for _ in range(3))
     for c, opts in enumerate(mine):
         cost[c, :len(opts)] = [(slots * o.time_s + o.tail_s) / p for o in opts]
-        static[c, :len(opts)] = [o.static_bytes for o in opts]
+        static[c, :len(opts)] = [o.static_floor(grads_apart) for o in opts]
         act[c, :len(opts)] = [o.activation_bytes for o in opts]
         chain[c, :len(opts)] = [min(o.activation_bytes, o.chain_bytes) for o in opts]
     return cost, static, act, chain
@@ -144,7 +148,7 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
     buffers = (1 + schedule.prefetch) * np.where(rows.counts > 0, min_buffer[None, :], 0.0).max(axis=1)  # (R,)
     time_lb, mem_lb = math.inf, math.inf
     for sp in (False, True):
-        padded = _padded(options, sp, slots, p)
+        padded = _padded(options, sp, slots, p, p == 1 and schedule.num_micro_batches == 1)
         if padded is None:
             continue
         cost, static, act, chain = padded

@@ -70,6 +70,8 @@ class _Builder:
         self.pp = inp.mesh.pp
         self.v = virtual_stages(inp.schedule)
         self.num_blocks = len(inp.block_classes)
+        # one micro-batch on one stage: gradients and activations are not live at once (memory.rank_memory)
+        self.grads_apart = self.pp == 1 and inp.schedule.num_micro_batches == 1
 
     # -- scaled coefficients ---------------------------------------------------------------
     def t(self, o: Option) -> int:
@@ -86,6 +88,9 @@ class _Builder:
 
     def g(self, o: Option) -> int:
         return int(math.ceil(o.buffer_bytes / KIB))
+
+    def gr(self, o: Option) -> int:
+        return int(math.ceil(o.cost.memory.grads / KIB))
 
     def r(self, o: Option) -> int:
         return _kib(o.build_resident_bytes)
@@ -158,7 +163,8 @@ class _Builder:
                               self._block_var(sorted_members, self.tail, "tail"),
                               self._block_var(sorted_members, self.s, "S"),
                               self._activation_var(tuple(members), tuple(chain)),
-                              self._block_var(sorted_members, self.r, "R") if build_rows else None)
+                              self._block_var(sorted_members, self.r, "R") if build_rows else None,
+                              self._block_var(sorted_members, self.gr, "Gr") if self.grads_apart else None)
             self.block_terms.append(cache[key])
 
     def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
@@ -266,7 +272,16 @@ class _Builder:
             m.add(self.t_max >= self._rank_sum(k, 0) + p2p[k][0]).with_name(f"stage_time/stage{k}")
             flight_v = int(round(in_flight(inp.schedule, p, k) * v))
             live_buffers = (1 + inp.schedule.prefetch) * v * self.g_rank[k]
-            m.add(self._rank_sum(k, 2, scale_a=flight_v) + live_buffers <= cap_kib * v).with_name(f"mem/stage{k}")
+            if self.grads_apart:  # S − Gr + buffers + max(Gr, A) ≤ M, exact: the max is convex
+                grads, acts = self._rank_sum(k, 5), self._rank_sum(k, 3)
+                peak_hi = max(sum(self._ub(t[5]) for t in self.block_terms),
+                              flight_v * sum(self._ub(t[3]) for t in self.block_terms))
+                top = m.new_int_var(0, peak_hi, f"max_grads_acts[{k}]")
+                m.add(top >= grads).with_name(f"mem/stage{k}")
+                m.add(top >= flight_v * acts).with_name(f"mem/stage{k}")
+                m.add(self._rank_sum(k, 2) - grads + top + live_buffers <= cap_kib).with_name(f"mem/stage{k}")
+            else:
+                m.add(self._rank_sum(k, 2, scale_a=flight_v) + live_buffers <= cap_kib * v).with_name(f"mem/stage{k}")
             # The build peak (Σ R + max X) is not implied by mem/stage<k>: that row adds gradients,
             # buffers and activations to the same R, but X = 8 B × the largest region can exceed them
             # (DDP in bf16: 2 B of gradient per element against 8 B of transient for a layer that

@@ -92,6 +92,12 @@ class Option:
     def buffer_bytes(self) -> float:
         return self.cost.memory.buffers
 
+    def static_floor(self, grads_apart: bool) -> float:
+        """What of ``static_bytes`` a memory lower bound may add to the activations: all of it, or
+        without the gradients when they are not live beside the activations (one micro-batch on one
+        stage, ``memory.rank_memory``: ``S − Gr + max(Gr, A) ≥ S − Gr + A``)."""
+        return self.static_bytes - self.cost.memory.grads if grads_apart else self.static_bytes
+
     @property
     def build_resident_bytes(self) -> float:
         """R: params + optimizer on the device (what the build leaves resident)."""

@@ -194,8 +194,9 @@ def rank_memory(static: float, grads: float, buffers: float, activations: float,
     """Peak bytes of one rank: ``static`` (params + grads + optimizer) + buffers + activations, except
     with one micro-batch on one stage (``grads_beside_activations`` False), where gradients and
     activations are not live at once: ``static − grads + buffers + max(grads, activations)``
-    (``search/cost_model.py``, "Memory per rank"). The CP-SAT memory rows keep the sum, a bound
-    this never exceeds: a plan the solver admits fits here too."""
+    (``search/cost_model.py``, "Memory per rank"). The CP-SAT memory row takes the same form
+    (``search/cpsat_model.py``: a variable bounded below by both terms), so the solver admits
+    exactly the plans this admits."""
     if grads_beside_activations:
         return static + buffers + activations
     return static - grads + buffers + max(grads, activations)

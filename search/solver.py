@@ -37,6 +37,7 @@ n_{c,b} layers of class c riding on block b, ranks k:
     A_b −= Σ (A−A')[c,s]·z,  z ≤ x[c,s], z ≤ full(c_prev)             chain_region/<c>       add_block_terms
     T_max ≥ Σ_b y[b,k]·t_b + P_k                                       stage_time/stage<k>    add_stage_rows_and_objective
     Σ_b y[b,k]·(S_b + f_k·A_b) + (1+prefetch)·G_k ≤ M                 mem/stage<k>           add_stage_rows_and_objective
+      (pp = m = 1: Σ_b (S_b − Gr_b) + max(Σ Gr_b, f·Σ A_b) + (1+prefetch)·G ≤ M; Gr = gradients)
     Σ_b y[b,k]·R_b + X_k ≤ M                                          build/stage<k>         add_stage_rows_and_objective
     Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective
     minimise  W·Z + Σ_{c,s} h(c,s)·x[c,s] + Σ_b g(b)·st_b
@@ -389,7 +390,8 @@ def _probe_memory(search: _Search, cand: Candidate) -> float:
             sharded = [s for s in frugal if s.state in ("zero3", "offload")] or frugal
             probes = {s.state: s for s in sorted(sharded, key=strategy_key, reverse=True)}.values()
             options = [search.table.option(c.representative, s, cand.mesh, cand.schedule) for s in probes]
-            static = np.array([[o.static_bytes for o in options]])  # (1, n_probes)
+            apart = cand.mesh.pp == 1 and cand.schedule.num_micro_batches == 1  # Option.static_floor
+            static = np.array([[o.static_floor(apart) for o in options]])  # (1, n_probes)
             act = np.array([[o.activation_bytes for o in options]])
             chain = np.minimum(act, [[o.chain_bytes for o in options]])
             frugal_bytes.append(rows.weighted(static, act, chain)[:, index, :].min(axis=1))  # (R,)

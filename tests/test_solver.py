@@ -114,6 +114,29 @@ def test_cp_sat_matches_brute_force(world, mesh, memory):
     assert plan.predictions.peak_memory_bytes <= memory + 1
 
 
+def grads_heavy_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
+    """``hashed_cost`` plus 2 MB of gradient per layer (halved under ZeRO-2/3): gradients large enough
+    that a plan fits only because, with one micro-batch on one stage, they are not live beside the
+    activations (``memory.rank_memory``)."""
+    cost = hashed_cost(layer, s, mesh, cluster, train, schedule)
+    extra = 2e6 / (2 if s.state in ("zero2", "zero3") else 1)
+    return dataclasses.replace(cost, memory=dataclasses.replace(cost.memory, grads=cost.memory.grads + extra))
+
+
+@pytest.mark.parametrize("memory", [26e6, 32e6])
+def test_cp_sat_admits_plans_whose_gradients_and_activations_do_not_coexist(memory):
+    """pp = m = 1: the mem/stage row takes ``max(gradients, activations)`` as ``predict`` does, so the
+    solver reaches the brute-force optimum that a row adding both would exclude (faster here)."""
+    graph = _tiny_graph()
+    cluster, train = synthetic_cluster("cpu", 2), TrainSpec(global_batch=4, seq_len=16)
+    constraints = Constraints(max_memory_bytes=int(memory), memory_headroom=0.0)
+    expected = _brute_force(graph, cluster, train, constraints, grads_heavy_cost)
+    plan = solve(graph, cluster, train, constraints=constraints, cost_fn=grads_heavy_cost, time_limit_s=60)
+    assert plan.solver.objective == pytest.approx(expected, rel=1e-5)
+    assert plan.schedule.num_micro_batches == 1 and plan.mesh.pp == 1
+    assert plan.predictions.peak_memory_bytes <= memory + 1
+
+
 def build_heavy_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
     """``hashed_cost`` plus a build transient (search/memory.py, build peak) large enough to bind:
     20 MB per layer, a quarter of it under ZeRO-3."""
