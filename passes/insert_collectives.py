@@ -81,7 +81,7 @@ import copy
 import operator
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, rebuild, tag
@@ -89,7 +89,7 @@ from autoshard.passes._expert_parallel import insert_expert_parallel
 from autoshard.passes._zero3 import GatherSpec, Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.plan import Plan
-from autoshard.runtime import collectives
+from autoshard.runtime import collectives, traced_collectives
 
 NAME = "insert_collectives"
 aten = torch.ops.aten
@@ -160,10 +160,56 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         _TPRewriter(graph, placements, roles, ctx, sp_layers).run()
     insert_expert_parallel(graph, placements, ctx, NAME)
     modules = _insert_zero3_gathers(graph, placements, ctx)
+    synced = _insert_grad_syncs(graph, placements, ctx, plan, modules)
     graph.lint()
     out = rebuild(gm, graph, modules)
+    out.meta[META_KEY]["grads_reduced_in_graph"] = synced
     out.recompile()
     return out
+
+
+class GradSync(nn.Module):
+    """Graph module: a parameter, unchanged; its gradient all-reduced (mean over dp) in backward.
+
+    ``runtime/traced_collectives.py`` note "gradient sync". The collective is looked up at
+    construction (the group is live), not while ``torch.compile`` traces.
+    """
+
+    def __init__(self, group_name: str, num_ranks: int) -> None:
+        super().__init__()
+        self.sync = traced_collectives.traced_grad_sync(group_name, num_ranks)
+
+    def forward(self, param: torch.Tensor) -> torch.Tensor:
+        return self.sync(param)
+
+
+IN_GRAPH_SYNC_STATES = ("replicate", "zero1", "zero2")
+
+
+def _insert_grad_syncs(graph: fx.Graph, placements: dict, ctx: RankContext, plan: Plan, modules: dict) -> tuple[str, ...]:
+    """Compiled programs with one micro-batch on one stage: the DDP / ZeRO-1/2 gradient all-reduce as a
+    backward graph node per parameter (``GradSync``), so it overlaps the rest of the backward. The
+    optimizer then takes these gradients as reduced (``runtime/optimizer.py``). Quantized gradient
+    wires, offload, expert and ZeRO-3 parameters keep the optimizer's sync. Returns the FQNs."""
+    if not ctx.compiled or ctx.size("dp") == 1 or plan.mesh.pp > 1 or plan.schedule.num_micro_batches > 1:
+        return ()
+    strategies = {s.layer: s for s in plan.layers}
+    synced = []
+    for node in list(graph.nodes):
+        p = placements.get(node.target) if node.op == "get_attr" else None
+        if p is None or not node.users or p.dp_dim is not None or p.ep_dim is not None:
+            continue
+        strategy = strategies.get(p.layer)
+        if strategy is None or strategy.state not in IN_GRAPH_SYNC_STATES or strategy.grad_comm != "bf16":
+            continue
+        target = "autoshard_gradsync_" + node.target.replace(".", "_")
+        modules[target] = GradSync(ctx.group("dp"), ctx.size("dp"))
+        with graph.inserting_after(node):
+            call = tag(graph.call_module(target, (node,)), NAME, "DP gradient all-reduce in backward", param=node.target,
+                       layer=p.layer)
+        node.replace_all_uses_with(call, delete_user_cb=lambda u: u is not call)
+        synced.append(node.target)
+    return tuple(synced)
 
 
 class _TPRewriter:

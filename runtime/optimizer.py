@@ -14,6 +14,12 @@ per-rank losses):
 | replicate + EP experts | the ep shard [E/ep, ...] | all-reduce(sum) over edp (dp ranks holding the same experts), ÷ D | copy master → compute param |
 | offload | flat chunk 1/D on the host | reduce-scatter(avg), copy the chunk to the host | update on host, copy up, all-gather |
 
+In-graph sync: a compiled program with one micro-batch on one stage all-reduces (mean over dp)
+the gradients of its replicate / zero1 / zero2 parameters (unquantized wire) in its backward
+graph, where they overlap the rest of the backward (``runtime/traced_collectives.py`` note
+"gradient sync"); those slots take the gradient as reduced (flat slots keep their chunk) and
+join no bucket. Same values as the reduce-scatter / all-reduce after backward.
+
 Buckets (``runtime/_buckets.py``): the syncs above are not issued per
 parameter. Slots with the same collective, group, op, dtype, device and an
 unquantized wire ("none"/"fp32") are packed into flat buckets of about
@@ -89,7 +95,7 @@ step instead of about ten per parameter, which made the step host-bound on GPUs
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -127,10 +133,12 @@ class _Slot:
     """One parameter's optimizer state and gradient reduction (module docstring table)."""
 
     def __init__(self, param: nn.Parameter, placement: ParamPlacement, master_local: torch.Tensor | None,
-                 ctx: RankContext, grad_comm: str = "none"):
+                 ctx: RankContext, grad_comm: str = "none", reduced_in_graph: bool = False):
         """``master_local``: the fp32 values at the parameter's local shape; ``None`` allocates the master
-        uninitialised (``load_master`` fills it: sharded materialisation, ``runtime/materialize.py``)."""
+        uninitialised (``load_master`` fills it: sharded materialisation, ``runtime/materialize.py``).
+        ``reduced_in_graph``: the compiled graph all-reduces this gradient (mean over dp) in backward."""
         self.param, self.placement, self.ctx = param, placement, ctx
+        self.reduced_in_graph = reduced_in_graph
         self.grad_comm = grad_comm  # wire dtype of the gradient sync (module docstring)
         self.flat = placement.state in FLAT_STATES and ctx.size("dp") > 1
         self.host = "cpu" if placement.state == "offload" else param.device
@@ -173,7 +181,7 @@ class _Slot:
     def bucket_key(self) -> tuple | None:
         """Key of the gradient bucket this slot joins (``_buckets.assign``); None: synced on its own."""
         reduction = self.reduction()
-        if reduction is None or self.grad_comm not in _buckets.BUCKETED_WIRES:
+        if reduction is None or self.reduced_in_graph or self.grad_comm not in _buckets.BUCKETED_WIRES:
             return None
         return (*reduction, self.grad_comm, self.param.dtype, self.param.device)
 
@@ -194,6 +202,9 @@ class _Slot:
     def sync_grad(self) -> None:
         """Reduce ``param.grad`` into ``self.grad`` with a collective of its own (any ``grad_comm``)."""
         ctx, grad, wire = self.ctx, self.local_grad(), self.grad_comm
+        if self.reduced_in_graph:  # already the mean over dp: flat slots keep their own chunk
+            self.set_grad(self._own_chunk(grad.reshape(-1)) if self.flat else grad)
+            return
         if self.flat:
             flat = F.pad(grad.reshape(-1), (0, self.chunk * ctx.size("dp") - self.numel))
             if self.placement.state == "zero1":
@@ -256,6 +267,7 @@ class ShardedOptimizer:
         config: OptimizerConfig,
         grad_comm: dict[str, str] | None = None,
         bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        reduced_in_graph: Iterable[str] = (),
     ) -> None:
         """``masters``: fqn → fp32 values at the local shape; ``None``: masters allocated uninitialised, filled
         afterwards through each slot's ``load_master`` (``runtime/materialize.py``).
@@ -264,13 +276,17 @@ class ShardedOptimizer:
 
         ``bucket_bytes``: target payload of one bucketed collective
         (``plan.schedule.bucket_bytes``); 0 = one collective per parameter.
+
+        ``reduced_in_graph``: FQNs whose gradient the compiled graph already all-reduced (mean over dp)
+        in backward (``passes/insert_collectives.py``, ``_insert_grad_syncs``): taken as reduced.
         """
         if bucket_bytes < 0:
             raise AutoshardError(f"bucket_bytes={bucket_bytes!r}: must be >= 0 (0 disables bucketing); "
                                  f"set Schedule.bucket_bytes to e.g. {DEFAULT_BUCKET_BYTES}")
         self.ctx, self.config, self.bucket_bytes = ctx, config, bucket_bytes
-        wire = grad_comm or {}
-        self.slots = {fqn: _Slot(p, placements[fqn], None if masters is None else masters[fqn], ctx, wire.get(fqn, "none"))
+        wire, in_graph = grad_comm or {}, frozenset(reduced_in_graph)
+        self.slots = {fqn: _Slot(p, placements[fqn], None if masters is None else masters[fqn], ctx, wire.get(fqn, "none"),
+                                 fqn in in_graph)
                       for fqn, p in params.items()}
         self.steps = 0
         slots = list(self.slots.values())

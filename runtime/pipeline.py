@@ -60,13 +60,14 @@ class _StageForward(nn.Module):
         super().__init__()
         self.stage = stage
         self.regather = [regather]  # a list: not a registered child (it is not this stage's module)
+        self.run: list[Callable] = [stage]  # what forward calls: the stage or its compiled form (a list, as above)
 
     def forward(self, *args: torch.Tensor, **kwargs: torch.Tensor) -> Any:
-        regather = self.regather[0]
+        regather, run = self.regather[0], self.run[0]
         if regather is None:
-            return self.stage(*args, **kwargs)
+            return run(*args, **kwargs)
         with regather.hooks():
-            return self.stage(*args, **kwargs)
+            return run(*args, **kwargs)
 
 
 class PipelineEngine:
@@ -81,6 +82,14 @@ class PipelineEngine:
         self.group = collectives._group(ctx.group("pp"))
         self.stages = {k: _StageForward(split.stage(k), regather) for k in self.layout.local_stages}
         self._schedules: dict[tuple, Any] = {}
+
+    def compile(self, compile_fn: Callable[[nn.Module], Callable]) -> None:
+        """Run every local stage as ``compile_fn(stage)`` (``torch.compile``; module docstring)."""
+        if self.regather is not None:
+            raise RuntimeError("compiled stages run without re-gather hooks: build the program with ctx.compiled")
+        for wrapper in self.stages.values():
+            wrapper.run[0] = compile_fn(wrapper.stage)
+        self._schedules.clear()
 
     @property
     def is_last(self) -> bool:

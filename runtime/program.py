@@ -92,15 +92,24 @@ class Program:
         if compile_regions not in REGIONS:
             raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
         if ctx.compiled:
+            # pp > 1: each local stage compiles on its own (runtime/pipeline.py)
+            modules = [gm.stage(k) for k in gm.layout.local_stages] if self.pipeline is not None else [self.gm]
             if compile_regions != "graph":  # runtime/compile_regions.py
-                insert_region_breaks(self.gm, compile_regions)
+                for module in modules:
+                    insert_region_breaks(module, compile_regions)
             self.compile_options = gm.meta[META_KEY].get("compile_options") or compile_options(plan, ctx.device)
             if compile_overlap is not None:
                 self.compile_options = compile_options(plan, ctx.device, compile_overlap)
             inductor = _known_inductor_options(self.compile_options["inductor"]) if compile_backend == "inductor" else None
             # one compiled graph per region and input shape (training shapes are fixed); the ZeRO-3 gathers
             # are functional collectives inductor schedules, the other autoshard:: collectives opaque calls
-            self._run = torch.compile(self.gm, dynamic=False, backend=compile_backend, options=inductor or None)
+            def compile_fn(module: nn.Module) -> Callable:
+                return torch.compile(module, dynamic=False, backend=compile_backend, options=inductor or None)
+
+            if self.pipeline is not None:
+                self.pipeline.compile(compile_fn)
+            else:
+                self._run = compile_fn(self.gm)
 
     def forward(self, tokens: torch.Tensor) -> Any:
         """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them).
@@ -235,7 +244,8 @@ def build_program(
         config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
         grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
         sharded = ShardedOptimizer(params, placements, None, ctx, config, grad_comm,
-                                   bucket_bytes=plan.schedule.bucket_bytes)
+                                   bucket_bytes=plan.schedule.bucket_bytes,
+                                   reduced_in_graph=gm.meta[META_KEY].get("grads_reduced_in_graph", ()))
         if hasattr(reader, "mesh"):  # a DCP checkpoint reads through DTensors over the plan's mesh
             reader.mesh = device_mesh or build_device_mesh(plan.mesh, torch.device(ctx.device).type)
         wanted = [Wanted(fqn, placements[fqn].global_shape, placements[fqn].region(ctx), placements[fqn])
@@ -261,12 +271,7 @@ def _compiles(compile_graph: bool | str, plan: Plan, device: Any) -> bool:
         raise PlanError(f"compile_graph={compile_graph!r}: allowed True, False, 'auto'")
     if compile_graph == "auto":
         return compile_allowed(plan, device)
-    if compile_graph and plan.mesh.pp > 1:
-        raise PlanError(
-            "compile_graph needs pp = 1 (pipeline stages run eager under torch.distributed.pipelining); "
-            "run this plan with compile_graph=False, or choose a plan with pp = 1"
-        )
-    return bool(compile_graph)
+    return bool(compile_graph)  # pp > 1: every local stage compiles (runtime/pipeline.py)
 
 
 def _known_inductor_options(options: dict) -> dict:

@@ -12,6 +12,15 @@ its ZeRO-3 gathers through ``traced_all_gather`` below: forward an
 convention is that of ``autoshard::all_gather`` (per-rank losses; ``grad_op``
 "avg" differentiates their mean). gloo has no AVG: there the sum is divided.
 
+[Note: gradient sync]
+``traced_grad_sync`` puts the data-parallel gradient reduction of a replicated
+(DDP) or ZeRO-1/2 parameter into the backward graph: identity forward, an
+``all_reduce`` (mean over dp) of the parameter's gradient in backward, issued
+as soon as autograd has the gradient, so inductor overlaps it with the rest of
+the backward instead of the optimizer running it after the step's backward
+(``passes/insert_collectives.py``, ``_insert_grad_syncs``: compiled programs
+with one micro-batch; with several the gradient is accumulated first).
+
 [Note: re-gather in backward without hooks]
 ``recompute_in_backward(fn, *args)`` runs ``fn`` under selective activation
 checkpointing with every op marked ``MUST_RECOMPUTE``. Under ``torch.compile``
@@ -86,6 +95,39 @@ def traced_all_gather(group_name: str, num_ranks: int, grad_op: str = "avg") -> 
     return TracedAllGather(group_name, num_ranks, *_backend_reduce(group_name, grad_op))
 
 
+class _GradAllReduce(torch.autograd.Function):
+    """Identity forward; backward all-reduces the gradient over the group (module note "gradient sync")."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, sync: "TracedGradSync") -> Tensor:
+        ctx.sync = sync
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor):
+        s = ctx.sync
+        out = _functional.wait_tensor(_functional.all_reduce(grad.contiguous(), s.reduce_op, s.group_name))
+        return (out / s.num_ranks if s.divide else out), None
+
+
+@dataclass(frozen=True)
+class TracedGradSync:
+    """A parameter's data-parallel gradient all-reduce (avg) as a backward graph node (module note)."""
+
+    group_name: str
+    num_ranks: int
+    reduce_op: str
+    divide: bool
+
+    def __call__(self, param: Tensor) -> Tensor:
+        return _GradAllReduce.apply(param, self)
+
+
+def traced_grad_sync(group_name: str, num_ranks: int) -> TracedGradSync:
+    """The gradient all-reduce (mean over ``group_name``) a compiled program traces (module note)."""
+    return TracedGradSync(group_name, num_ranks, *_backend_reduce(group_name, "avg"))
+
+
 def _must_recompute(ctx, func, *args, **kwargs) -> CheckpointPolicy:
     return CheckpointPolicy.MUST_RECOMPUTE
 
@@ -99,4 +141,4 @@ def recompute_in_backward(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_contexts, preserve_rng_state=False)
 
 
-__all__ = ["TracedAllGather", "recompute_in_backward", "traced_all_gather"]
+__all__ = ["TracedAllGather", "TracedGradSync", "recompute_in_backward", "traced_all_gather", "traced_grad_sync"]

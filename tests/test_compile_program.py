@@ -12,11 +12,14 @@ gather"): an all-ZeRO-3 plan and a mixed one (ZeRO-3 MLPs with full recompute, Z
 selective recompute, replicated norms, int8 weight gathers on the head) train as eager. Their AOT
 graphs are inspected: the forward keeps no gathered weight for backward, the backward graph
 re-gathers (functional all-gathers) and reduce-scatters; with ``reshard_after_forward`` off the
-weights are kept and backward gathers nothing. A pp > 1 plan with ``compile_graph=True`` is refused.
+weights are kept and backward gathers nothing. With one micro-batch, a compiled DP plan (replicate,
+ZeRO-1, ZeRO-2) all-reduces its gradients in the backward graph and trains as eager.
+A pp > 1 plan with ``compile_graph=True`` is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import shutil
@@ -73,6 +76,10 @@ def results():
                                                   compile_regions="graph")
     for mode in ("eager", "stem", "block", "graph"):
         jobs[f"order_{mode}"] = functools.partial(_gradient_order, mode=mode)
+    one = _one_micro_batch(make_plan(SPEC, Mesh(dp_shard=2), _dp_states))
+    jobs["dp_m1_eager"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=one)
+    jobs["dp_m1_compiled"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=one, compile_graph=True)
+    jobs["dp_m1_graphs"] = _grad_sync_graphs
     jobs["pp_refused"] = _pp_refusal
     for keep in (False, True):
         jobs[f"graphs_keep{keep}"] = functools.partial(_zero3_graphs, keep=keep)
@@ -115,6 +122,49 @@ def _gradient_order(rank, world_size, mode):
 @pytest.mark.parametrize("mode, incremental", [("eager", True), ("block", True), ("stem", False), ("graph", False)])
 def test_block_regions_hand_over_gradients_block_by_block(results, mode, incremental):
     assert all(r == [incremental] for r in results[f"order_{mode}"])
+
+
+def _dp_states(name: str) -> dict:
+    """replicate norms, ZeRO-1 attention, ZeRO-2 MLPs and the rest (embedding, head, value head)."""
+    if name.endswith("attn"):
+        return {"state": "zero1"}
+    if name.endswith("mlp"):
+        return {"state": "zero2"}
+    return {"state": "replicate" if "norm" in name else "zero2"}
+
+
+def _one_micro_batch(plan):
+    return dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, num_micro_batches=1))
+
+
+def _grad_sync_graphs(rank, world_size):
+    """One micro-batch, compiled: the DDP / ZeRO-1/2 gradient all-reduces are backward graph nodes."""
+    plan = _one_micro_batch(make_plan(SPEC, Mesh(dp_shard=2), _dp_states))
+    graphs = _RecordGraphs()
+    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
+                            compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
+    tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(rank))
+    program.forward(tokens)[0].float().pow(2).mean().backward()
+    (fw,), (bw,) = graphs.forward, graphs.backward
+    in_graph = {fqn for fqn, slot in program.optimizer.slots.items() if slot.reduced_in_graph}
+    return {"params": len(program.optimizer.slots), "in_graph": len(in_graph), "forward": _functional_ops(fw),
+            "backward": _functional_ops(bw)}
+
+
+def test_one_micro_batch_reduces_gradients_in_the_backward_graph(results):
+    for r in results["dp_m1_graphs"]:
+        assert r["in_graph"] == r["params"]  # every parameter: replicate / zero1 / zero2, unquantized
+        assert "all_reduce" not in r["forward"]
+        assert r["backward"].get("all_reduce") == r["in_graph"]
+
+
+def test_one_micro_batch_compiled_trains_as_eager(results):
+    for a, b in zip(results["dp_m1_compiled"], results["dp_m1_eager"]):
+        torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
+        for fqn in b["shards"]:
+            torch.testing.assert_close(a["shards"][fqn], b["shards"][fqn], rtol=1e-5, atol=1e-6,
+                                       msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+    assert all(r["compiled"] for r in results["dp_m1_compiled"])
 
 
 def _pp_refusal(rank, world_size):
