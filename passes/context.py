@@ -188,9 +188,14 @@ def _chunk_len(size: int, num_chunks: int, index: int) -> int:
 
 
 def placement_for(
-    fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext
+    fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext,
+    gathered_in_graph: bool = False,
 ) -> ParamPlacement:
     """The placement of parameter ``fqn`` under its layer's ``strategy`` on ``ctx``'s rank.
+
+    ``gathered_in_graph`` (``gathers_in_graph``): a ZeRO-1/2 layer of a compiled program is held
+    as ZeRO-3's dim-0 shard and gathered in the forward graph (``passes/_zero3.py`` note
+    "compiled gather").
 
     Raises ``PlanError`` when tp does not divide the split dimension (uneven
     Megatron shards would change the model's head/vocab arithmetic).
@@ -205,7 +210,8 @@ def placement_for(
                 f"not divisible by tp={tp}; choose a tp degree that divides it or tp='none' for this layer"
             )
         local[tp_dim] //= tp
-    dp_dim = 0 if strategy.state == "zero3" and ctx.size("dp_shard") > 1 and global_shape else None
+    sharded = strategy.state == "zero3" or gathered_in_graph
+    dp_dim = 0 if sharded and ctx.size("dp_shard") > 1 and global_shape else None
     if dp_dim is not None:
         local[0] = _chunk_len(local[0], ctx.size("dp_shard"), ctx.coord("dp_shard"))
     ep_dim = _expert_dim(fqn, global_shape, tp_role, strategy, ctx)
@@ -230,6 +236,28 @@ def placement_for(
         dp_dim=dp_dim,
         ep_dim=ep_dim,
     )
+
+
+def gathers_in_graph(strategy: LayerStrategy, ctx: RankContext, num_micro_batches: int) -> bool:
+    """Whether a ZeRO-1/2 layer runs as a gather in the compiled forward graph, kept for backward.
+
+    [Note: compiled ZeRO-1/2]
+    Eager, ZeRO-1/2 hold the full parameter, reduce-scatter its gradient after the backward and
+    all-gather the updated chunks after the optimizer step: both collectives sit outside any
+    graph, and the post-step gather is exposed (measured: ~190 ms of a 470 ms 7B step on 4 GPUs,
+    ``benchmarks/results/sharded_h200x4_2026-11-27``). A compiled program with one micro-batch on
+    one stage holds such a layer as ZeRO-3's shard instead and gathers it in the forward graph
+    *without* resharding (``Zero3Gather.reshard_after_forward`` off): the gathered weights are kept
+    for the backward, whose graph reduce-scatters the gradient (FSDP's
+    ``reshard_after_forward=False``). The same bytes move — one all-gather, one reduce-scatter
+    per step — but both are graph nodes inductor overlaps with compute, as the cost model prices
+    ZeRO-2 (gradient reduction under the backward, parameter gather under the next forward). The
+    optimizer state stays sharded over dp; parameters are whole only from forward to backward.
+    Only where the shard group is the whole dp group (dp_replicate = 1) and the wire is unquantized.
+    """
+    return (ctx.compiled and strategy.state in ("zero1", "zero2") and num_micro_batches == 1
+            and ctx.size("pp") == 1 and ctx.size("dp_replicate") == 1 and ctx.size("dp_shard") > 1
+            and strategy.grad_comm == "bf16" and strategy.weight_comm == "bf16" and not strategy.ep)
 
 
 def _expert_dim(fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext) -> int | None:

@@ -395,6 +395,8 @@ def _insert_zero3_gathers(graph: fx.Graph, placements: dict, ctx: RankContext) -
         )
         target = "autoshard_gather_" + layer.replace(".", "_")
         modules[target] = Zero3Gather(spec)
+        # compiled ZeRO-1/2 (passes/context.py note): gathered in forward, kept for the backward
+        modules[target].reshard_after_forward = placements[attrs[0].target].state == "zero3"
         first_use = min((u for n in attrs for u in n.users), key=_order(graph))
         with graph.inserting_before(first_use):
             call = tag(graph.call_module(target, tuple(attrs)), NAME, "ZeRO-3: all-gather the layer's parameters", layer=layer)

@@ -29,7 +29,7 @@ from torch import fx, nn
 from autoshard.errors import PlanError
 from autoshard.passes import split_pipeline
 from autoshard.passes._graph_utils import META_KEY, rebuild
-from autoshard.passes.context import ParamPlacement, RankContext, placement_for
+from autoshard.passes.context import ParamPlacement, RankContext, gathers_in_graph, placement_for
 from autoshard.plan import Plan
 
 NAME = "shard_parameters"
@@ -53,7 +53,8 @@ def param_placements(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> dict[s
                 f"plan for model {plan.model_name!r} has no layer {layer!r} (owner of {fqn!r}); "
                 "search a plan for this model"
             ) from None
-        out[fqn] = placement_for(fqn, tuple(param.shape), role, strategy, ctx)
+        in_graph = gathers_in_graph(strategy, ctx, plan.schedule.num_micro_batches)
+        out[fqn] = placement_for(fqn, tuple(param.shape), role, strategy, ctx, gathered_in_graph=in_graph)
     return out
 
 

@@ -140,7 +140,8 @@ class _Slot:
         self.param, self.placement, self.ctx = param, placement, ctx
         self.reduced_in_graph = reduced_in_graph
         self.grad_comm = grad_comm  # wire dtype of the gradient sync (module docstring)
-        self.flat = placement.state in FLAT_STATES and ctx.size("dp") > 1
+        # a compiled ZeRO-1/2 layer held as a dim-0 shard (passes/context.py, gathers_in_graph) syncs as ZeRO-3
+        self.flat = placement.state in FLAT_STATES and ctx.size("dp") > 1 and placement.dp_dim is None
         self.host = "cpu" if placement.state == "offload" else param.device
         self.numel = param.numel()
         if self.flat:

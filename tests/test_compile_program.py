@@ -12,8 +12,9 @@ gather"): an all-ZeRO-3 plan and a mixed one (ZeRO-3 MLPs with full recompute, Z
 selective recompute, replicated norms, int8 weight gathers on the head) train as eager. Their AOT
 graphs are inspected: the forward keeps no gathered weight for backward, the backward graph
 re-gathers (functional all-gathers) and reduce-scatters; with ``reshard_after_forward`` off the
-weights are kept and backward gathers nothing. With one micro-batch, a compiled DP plan (replicate,
-ZeRO-1, ZeRO-2) all-reduces its gradients in the backward graph and trains as eager.
+weights are kept and backward gathers nothing. With one micro-batch, a compiled DP plan all-reduces its replicated
+parameters' gradients in the backward graph and gathers its ZeRO-1/2 layers in the forward graph
+(kept for backward, gradients reduce-scattered there), and trains as eager.
 A pp > 1 plan with ``compile_graph=True`` is refused.
 """
 
@@ -28,7 +29,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
-from _runtime_cases import graph_of, make_plan, train_case
+from _runtime_cases import graph_of, make_plan, reassemble, train_case
 from autoshard.errors import PlanError
 from autoshard.models import build
 from autoshard.plan import Mesh
@@ -146,25 +147,38 @@ def _grad_sync_graphs(rank, world_size):
     tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(rank))
     program.forward(tokens)[0].float().pow(2).mean().backward()
     (fw,), (bw,) = graphs.forward, graphs.backward
-    in_graph = {fqn for fqn, slot in program.optimizer.slots.items() if slot.reduced_in_graph}
-    return {"params": len(program.optimizer.slots), "in_graph": len(in_graph), "forward": _functional_ops(fw),
-            "backward": _functional_ops(bw)}
+    placements = program.param_placements
+    replicated = [fqn for fqn, p in placements.items() if p.state == "replicate"]
+    gathered = {p.layer for p in placements.values() if p.state in ("zero1", "zero2")}
+    return {"replicated": len(replicated), "gathered_layers": len(gathered),
+            "in_graph": sorted(f for f, s in program.optimizer.slots.items() if s.reduced_in_graph),
+            "sharded": all(placements[f].dp_dim == 0 for f in placements if placements[f].state != "replicate"),
+            "forward": _functional_ops(fw), "backward": _functional_ops(bw)}
 
 
 def test_one_micro_batch_reduces_gradients_in_the_backward_graph(results):
     for r in results["dp_m1_graphs"]:
-        assert r["in_graph"] == r["params"]  # every parameter: replicate / zero1 / zero2, unquantized
+        # replicated (DDP) parameters: one all-reduce each in backward
+        assert len(r["in_graph"]) == r["replicated"] > 0
         assert "all_reduce" not in r["forward"]
-        assert r["backward"].get("all_reduce") == r["in_graph"]
+        assert r["backward"].get("all_reduce") == r["replicated"]
+        # ZeRO-1/2 layers (passes/context.py note "compiled ZeRO-1/2"): held as shards, gathered once in
+        # forward and kept, their gradients reduce-scattered in backward
+        assert r["sharded"]
+        assert r["forward"].get("all_gather_into_tensor") == r["gathered_layers"]
+        assert "all_gather_into_tensor" not in r["backward"]
+        assert r["backward"].get("reduce_scatter_tensor") == r["gathered_layers"]
 
 
 def test_one_micro_batch_compiled_trains_as_eager(results):
-    for a, b in zip(results["dp_m1_compiled"], results["dp_m1_eager"]):
+    """Same losses and trained parameters (reassembled: the compiled ZeRO-1/2 layers are dim-0 shards)."""
+    compiled, eager = results["dp_m1_compiled"], results["dp_m1_eager"]
+    for a, b in zip(compiled, eager):
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
-        for fqn in b["shards"]:
-            torch.testing.assert_close(a["shards"][fqn], b["shards"][fqn], rtol=1e-5, atol=1e-6,
-                                       msg=lambda m, fqn=fqn: f"{fqn}: {m}")
-    assert all(r["compiled"] for r in results["dp_m1_compiled"])
+    full_a, full_b = reassemble(compiled, Mesh(dp_shard=2)), reassemble(eager, Mesh(dp_shard=2))
+    for fqn in full_b:
+        torch.testing.assert_close(full_a[fqn], full_b[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
+    assert all(r["compiled"] for r in compiled)
 
 
 def _pp_refusal(rank, world_size):
