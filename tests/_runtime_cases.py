@@ -84,7 +84,7 @@ class CountCollectives(TorchDispatchMode):
 
 
 def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=True,
-               compile_graph=False, compile_regions="stem"):
+               compile_graph=False, compile_regions="stem", compile_backend="inductor"):
     """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1).
 
     ``counts`` counts the ``autoshard::`` ops of step 1; ``overlap_launches`` the gradient buckets
@@ -93,7 +93,8 @@ def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32
     model = build(spec)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
     program = build_program(model, graph, plan, None, train, optimizer=OPT, overlap_grad_sync=overlap_grad_sync,
-                            compile_graph=compile_graph, compile_regions=compile_regions)
+                            compile_graph=compile_graph, compile_regions=compile_regions,
+                            compile_backend=compile_backend)
     losses, counts, launches = [], None, None
     for i, toks in enumerate(batches()):
         if count and i == 0:
