@@ -332,11 +332,12 @@ class Plan(Record):
     @property
     def compilable(self) -> bool:
         """Whether the runtime's default compiles this plan's per-rank graph on a GPU
-        (``runtime.compile_allowed``; the cost model's ``compiled_activation_scale``): pp = ep = cp = 1
-        (pipeline stages run eager; expert routing and context parallelism are untested compiled).
-        ZeRO-3 layers compile: their gathers and re-gathers are graph nodes (``passes/_zero3.py``)."""
+        (``runtime.compile_allowed``; the cost model's ``compiled_activation_scale``): ep = cp = 1
+        (expert routing and context parallelism are untested compiled). ZeRO-3 layers compile: their
+        gathers and re-gathers are graph nodes (``passes/_zero3.py``); with pp > 1 each pipeline stage
+        compiles on its own (``runtime/pipeline.py``)."""
         mesh = self.mesh
-        return mesh.pp == 1 and mesh.ep == 1 and mesh.cp == 1
+        return mesh.ep == 1 and mesh.cp == 1
 
     def strategy(self, layer: str) -> LayerStrategy:
         """The strategy of layer ``layer`` (``KeyError`` if the plan has none)."""

@@ -30,8 +30,11 @@ Data must flow forward: an input of a node on stage ``s`` comes from a stage
 ``<= s`` (``PlanError`` otherwise). Boundary ``s → s+1`` carries every staged
 value produced on a stage ``<= s`` and used on a stage ``> s`` (values that
 skip stages are passed through), in graph order; each must be a tensor.
-The last stage returns the model's outputs (logits and values: the loss is
-computed there).
+The last stage returns the leaves of the model's outputs (logits and values:
+the loss is computed there) as a flat tuple; ``PipelineSplit.output_spec``
+rebuilds their structure. So every stage returns a tuple of tensors, the one
+output form ``torch.distributed.pipelining`` handles (it detaches each output
+of the last stage after its backward: a dict would not pass).
 
 Partial: a parameter used by stages on different pp ranks (tied embedding and
 LM head on the first and last stage) raises ``PlanError``; it needs a
@@ -275,7 +278,7 @@ def _boundaries(graph: fx.Graph, stages: dict, num_stages: int) -> list[list[fx.
 
 
 def _stage_module(gm: fx.GraphModule, stages: dict, k: int, boundaries: list, num_stages: int) -> fx.GraphModule:
-    """GraphModule of stage ``k``: forward(*boundary_k, <user inputs by name>) → boundary_{k+1} or model outputs."""
+    """GraphModule of stage ``k``: forward(*boundary_k, <user inputs by name>) → boundary_{k+1} or the output leaves."""
     src = gm.graph
     graph = fx.Graph()
     env: dict[fx.Node, fx.Node] = {}
@@ -292,8 +295,7 @@ def _stage_module(gm: fx.GraphModule, stages: dict, k: int, boundaries: list, nu
         if node in wanted and node not in env:
             env[node] = graph.node_copy(node, lambda a: env[a])
     if k == num_stages - 1:
-        leaves = [env[a] for a in output.args[0]]
-        result = pytree.tree_unflatten(leaves, _output_spec(src, len(leaves)))
+        result = tuple(env[a] for a in output.args[0])  # the model's output leaves (module docstring)
     else:
         result = tuple(env[n] for n in boundaries[k + 1])
     graph.output(result)

@@ -456,7 +456,8 @@ class _Direct(torch.autograd.Function):
 
 def eager_context() -> bool:
     """No dispatch mode on the stack and not compiling (note "eager fast path")."""
-    return torch._C._len_torch_dispatch_stack() == 0 and not torch.compiler.is_compiling()
+    # is_compiling() first: dynamo cannot trace the dispatch-stack query (a graph break per collective)
+    return not torch.compiler.is_compiling() and torch._C._len_torch_dispatch_stack() == 0
 
 
 def _eager(x: Tensor) -> bool:

@@ -24,11 +24,23 @@ Decisions: stage input/output shapes are given to ``PipelineStage``
 statically (``input_args``/``output_args``), evaluated from the symbolic
 shapes the export recorded for the concrete micro-batch (no metadata
 round-trip; schedules are cached per micro-batch shape, so a new sequence
-length builds new stages). Floating boundary tensors travel in the compute
-dtype. The ZeRO-3 re-gather hooks (``passes/recompute.py``) wrap every stage
-forward, and are reset after the step. Stage ranks exchange activations on
-the ``pp`` process group of their (dp, tp) coordinate; ZeRO/TP collectives
-inside a stage use groups whose ranks all run the same stage in lockstep.
+length builds new stages). Every stage returns a flat tuple of tensors, the
+last one the model's output leaves, rebuilt (``PipelineSplit.output_spec``)
+before ``loss_fn`` and ``forward`` see them. Floating boundary tensors travel
+in the compute dtype. Eager, the ZeRO-3 re-gather hooks
+(``passes/recompute.py``) wrap every stage forward, and are reset after the
+step. Stage ranks exchange activations on the ``pp`` process group of their
+(dp, tp) coordinate; ZeRO/TP collectives inside a stage use groups whose ranks
+all run the same stage in lockstep.
+
+Compiled stages (``build_program(compile_graph=...)``, ``compile``): each local
+stage (each virtual stage too) is its own ``torch.compile`` module with the
+options of the pp = 1 path (``dynamic=False``, ``compile_regions`` per stage);
+the schedule calls it once per micro-batch and runs autograd from its outputs,
+through the compiled backward. Its ZeRO-3 gathers are functional collectives
+of its graph, re-gathered in its backward (``passes/_zero3.py`` note "compiled
+gather"; no hooks). One graph per stage, region and grad mode: a micro-batch
+shape compiles once for training, ``forward`` once more.
 """
 
 from __future__ import annotations
@@ -54,7 +66,7 @@ _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature
 
 
 class _StageForward(nn.Module):
-    """A stage submodule run inside the ZeRO-3 re-gather hooks (when the program has them)."""
+    """A stage submodule, or its compiled form (``run``), inside the ZeRO-3 re-gather hooks (eager programs with them)."""
 
     def __init__(self, stage: nn.Module, regather: nn.Module | None) -> None:
         super().__init__()
@@ -89,7 +101,6 @@ class PipelineEngine:
             raise RuntimeError("compiled stages run without re-gather hooks: build the program with ctx.compiled")
         for wrapper in self.stages.values():
             wrapper.run[0] = compile_fn(wrapper.stage)
-        self._schedules.clear()
 
     @property
     def is_last(self) -> bool:
@@ -140,7 +151,7 @@ class PipelineEngine:
         # The schedule keeps the loss function it was built with: route it through a mutable cell.
         self._loss_fn = loss_fn
         if key not in self._schedules:
-            self._schedules[key] = self._build(micro, lambda out, tgt: self._loss_fn(out, tgt) / m)
+            self._schedules[key] = self._build(micro, lambda out, tgt: self._loss_fn(self._outputs(out), tgt) / m)
         losses: list[torch.Tensor] = []
         kwargs = {name: t.to(self.ctx.device) for name, t in inputs.items()}
         step_kw = dict(target=target.to(self.ctx.device), losses=losses) if self.is_last else {}
@@ -177,16 +188,16 @@ class PipelineEngine:
             dist.recv(t, self._global_rank(src_stage), group=self.group)
         return buffers
 
+    def _outputs(self, leaves: tuple[torch.Tensor, ...]) -> Any:
+        """The model's outputs from the last stage's flat tuple of leaves (``passes/split_pipeline.py``)."""
+        return torch.utils._pytree.tree_unflatten(list(leaves), self.split.output_spec)
+
     def _broadcast_outputs(self, out: Any, inputs: dict[str, torch.Tensor]) -> Any:
         last = self.layout.num_stages - 1
-        if self.is_last:
-            leaves, spec = torch.utils._pytree.tree_flatten(out)
-        else:
-            leaves = list(self._stage_args(last, inputs, outputs=True))
-            spec = self.split.output_spec
+        leaves = out if self.is_last else self._stage_args(last, inputs, outputs=True)
         for t in leaves:
             dist.broadcast(t, self._global_rank(last), group=self.group)
-        return torch.utils._pytree.tree_unflatten(leaves, spec)
+        return self._outputs(leaves)
 
 
 __all__ = ["SCHEDULES", "PipelineEngine"]

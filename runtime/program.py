@@ -215,13 +215,13 @@ def build_program(
     (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
     it made the searched DP plans slower (docs/runtime.md, "Overlapped gradient sync").
     ``compile_graph``: trace forward and backward of the per-rank graph jointly with
-    ``torch.compile`` (pp = 1, else ``PlanError``). The passes then emit the traced forms
+    ``torch.compile`` (pp > 1: each local stage compiles, ``runtime/pipeline.py``). The passes then emit the traced forms
     (``RankContext.compiled``): ZeRO-3 gathers, their re-gathers in backward and their
     reduce-scatters are functional-collective nodes of the joint graph that inductor schedules
     (``passes/_zero3.py`` note "compiled gather"; no saved-tensor hooks), with the overlap passes
     ``schedule_overlap`` chose from the plan (``compile_overlap`` overrides: "scheduler",
     "reorder", "none"). ``"auto"`` (the default) compiles exactly when ``compile_allowed``: a CUDA
-    device and a plan with pp = ep = cp = 1. On the CPU the graph stays eager by default (the gloo
+    device and a plan with ep = cp = 1. On the CPU the graph stays eager by default (the gloo
     suite's speed). ``compile_backend``: ``torch.compile``'s backend ("inductor"; the CPU tests also
     use "aot_eager", the same joint graph and partition without code generation).
     ``compile_regions``: ``"stem"`` (default) compiles the prologue and the blocks onward as two
@@ -261,7 +261,7 @@ def build_program(
 
 def compile_allowed(plan: Plan, device: Any) -> bool:
     """Whether ``compile_graph="auto"`` compiles ``plan`` on ``device``: CUDA and ``plan.compilable``
-    (pp = ep = cp = 1; ``compile_graph=True`` still compiles ep/cp plans)."""
+    (ep = cp = 1; ``compile_graph=True`` still compiles ep/cp plans)."""
     return torch.device(device).type == "cuda" and plan.compilable
 
 

@@ -154,7 +154,7 @@ largest parameter region being read, twice in fp32::
 peak rank's ``8·max E``.
 
 Peaks are bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles
-the plan (pp = ep = cp = 1, no ZeRO-3) and the calibration carries the model's ``compiled_saved_scale``
+the plan (ep = cp = 1) and the calibration carries the model's ``compiled_saved_scale``
 (``autoshard/calibrate_probe.py``, "Compiled activations"), block activations are scaled by it
 (``compiled_activation_scale``; ``predict`` only, the search keeps eager activations). The head's activations include the
 loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
@@ -388,7 +388,7 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
 
 def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -> float:
     """Scale of block activations in ``predict``: the calibration's ``compiled_saved_scale`` when the
-    runtime compiles ``plan`` (pp = ep = cp = 1: ``runtime.compile_allowed`` on a GPU; the
+    runtime compiles ``plan`` (ep = cp = 1: ``runtime.compile_allowed`` on a GPU; the
     calibration carries the scale only for GPU runs) and the scale was measured for this model;
     else 1. The search keeps the eager activations (a conservative bound)."""
     scale = cluster.calibration.get(COMPILED_SAVED_SCALE_KEY)

@@ -1,7 +1,8 @@
 """``compile_allowed``: what ``build_program(compile_graph="auto")`` (the default) compiles.
 
-CUDA devices with pp = ep = cp = 1 compile, ZeRO-3 and mixed plans included; the CPU, pipelines,
-expert and context parallelism stay eager. The compiled path itself is tested in ``test_compile_program.py``.
+CUDA devices with ep = cp = 1 compile, ZeRO-3, mixed and pipeline (pp > 1) plans included; the CPU,
+expert and context parallelism stay eager. The compiled paths themselves are tested in
+``test_compile_program.py`` and (pipelines) ``test_compile_pipeline.py``.
 """
 
 from __future__ import annotations
@@ -22,7 +23,10 @@ SPEC = "llama:tiny"
     (Mesh(dp_shard=2), "zero3", "cuda", True),
     (Mesh(dp_shard=2), "zero3", "cpu", False),
     (Mesh(dp_shard=2), "offload", "cuda", True),
-    (Mesh(pp=2), "replicate", "cuda", False),
+    (Mesh(pp=2), "replicate", "cuda", True),
+    (Mesh(pp=2), "replicate", "cpu", False),
+    (Mesh(pp=2, dp_shard=2), "zero3", "cuda", True),
+    (Mesh(pp=2, dp_shard=2, ep=2), "replicate", "cuda", False),
     (Mesh(dp_shard=2, ep=2), "replicate", "cuda", False),
     (Mesh(cp=2), "replicate", "cuda", False),
 ])

@@ -15,7 +15,6 @@ re-gathers (functional all-gathers) and reduce-scatters; with ``reshard_after_fo
 weights are kept and backward gathers nothing. With one micro-batch, a compiled DP plan all-reduces its replicated
 parameters' gradients in the backward graph and gathers its ZeRO-1/2 layers in the forward graph
 (kept for backward, gradients reduce-scattered there), and trains as eager.
-A pp > 1 plan with ``compile_graph=True`` is refused.
 """
 
 from __future__ import annotations
@@ -53,6 +52,11 @@ PLANS = {
 }
 
 
+# inductor compiles C++ on the CPU (tens of seconds per program on 2 cores): the DP, ZeRO-3 and mixed
+# plans run it; the TP plans run aot_eager (the same joint graph and partition) to keep CI short
+BACKENDS = {"tp2": "aot_eager", "tp2_sp": "aot_eager"}
+
+
 def _mixed(name: str) -> dict:
     if name.endswith("mlp"):
         return {"state": "zero3", "recompute": "full"}
@@ -70,7 +74,7 @@ def results():
         plan = make_plan(SPEC, mesh, choose)
         jobs[f"{name}_eager"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=plan)
         jobs[f"{name}_compiled"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=plan,
-                                                     compile_graph=True)
+                                                     compile_graph=True, compile_backend=BACKENDS.get(name, "inductor"))
     mesh, choose = PLANS["dp"]
     jobs["dp_compiled_graph"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC),
                                                   plan=make_plan(SPEC, mesh, choose), compile_graph=True,
@@ -83,7 +87,6 @@ def results():
     jobs["dp_m1_compiled"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=one, compile_graph=True,
                                                compile_backend="aot_eager")
     jobs["dp_m1_graphs"] = _grad_sync_graphs
-    jobs["pp_refused"] = _pp_refusal
     for keep in (False, True):
         jobs[f"graphs_keep{keep}"] = functools.partial(_zero3_graphs, keep=keep)
     return run_gloo_cases(jobs, 2, timeout_s=1200)
@@ -181,20 +184,6 @@ def test_one_micro_batch_compiled_trains_as_eager(results):
     for fqn in full_b:
         torch.testing.assert_close(full_a[fqn], full_b[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
     assert all(r["compiled"] for r in compiled)
-
-
-def _pp_refusal(rank, world_size):
-    plan = make_plan(SPEC, Mesh(pp=2), lambda name: {"state": "replicate", "stage": 0 if name in ("embed",) else 1})
-    try:
-        build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
-                      compile_graph=True)
-    except PlanError as err:
-        return str(err)
-    return None
-
-
-def test_pipeline_plan_is_refused_compiled(results):
-    assert all("compile_graph needs pp = 1" in (r or "") for r in results["pp_refused"])
 
 
 class _RecordGraphs:

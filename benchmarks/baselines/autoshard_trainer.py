@@ -78,8 +78,8 @@ class AutoshardTrainer:
         train = train_spec(spec, micro_batch=plan.schedule.micro_batch)
         # AUTOSHARD_OVERLAP_GRAD_SYNC=1: DP gradient buckets under backward (off by default; A/B measurements)
         overlap = os.environ.get("AUTOSHARD_OVERLAP_GRAD_SYNC", "0") == "1"
-        # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when pp = ep = cp = 1,
-        # build_program's default), 1 (always; a pp > 1 plan's row fails otherwise), 0 (eager)
+        # AUTOSHARD_COMPILE: auto (default: torch.compile the per-rank graph on CUDA when ep = cp = 1,
+        # build_program's default), 1 (always), 0 (eager)
         compile_graph = {"0": False, "1": True}.get(os.environ.get("AUTOSHARD_COMPILE", "auto"), "auto")
         # AUTOSHARD_COMPILE_REGIONS: stem (default), block or graph (runtime/compile_regions.py)
         regions = os.environ.get("AUTOSHARD_COMPILE_REGIONS", "stem")
