@@ -134,3 +134,35 @@ def check_against_reference(results, reference, mesh, rtol=1e-5, atol=1e-6):
 
 
 __all__ = ["check_against_reference", "chunk_size", "make_plan", "single_device", "train_case"]
+
+
+class RecordGraphs:
+    """A ``torch.compile`` backend: AOT autograd with inductor's partitioner; the forward and backward
+    graphs are kept (``.forward``, ``.backward``) and run eager."""
+
+    def __init__(self):
+        from functorch.compile import make_boxed_func
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+        self.forward, self.backward = [], []
+
+        def keep(into):
+            def compiler(gm, _inputs):
+                into.append(gm)
+                return make_boxed_func(gm.forward)
+            return compiler
+
+        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
+                                    partition_fn=min_cut_rematerialization_partition)
+
+
+def functional_ops(graphs) -> dict[str, int]:
+    """Count of each ``_c10d_functional`` collective over ``graphs`` (a GraphModule or a list of them)."""
+    counts: dict[str, int] = {}
+    for gm in graphs if isinstance(graphs, (list, tuple)) else [graphs]:
+        for node in gm.graph.nodes:
+            if node.op == "call_function" and "_c10d_functional" in str(node.target):
+                name = str(node.target).split(".")[1]
+                counts[name] = counts.get(name, 0) + 1
+    return counts

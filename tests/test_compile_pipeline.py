@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
+from _runtime_cases import RecordGraphs, functional_ops
 from test_runtime_pp import BATCH, OPT, SEQ, _batches, _graph, _model, loss_fn, make_plan
 from autoshard.models.transformer import LlamaModel
 from autoshard.passes._zero3 import Zero3Gather
@@ -61,42 +62,12 @@ def _dict_loss(out, tokens):
     return loss_fn((out["logits"], out["values"]), tokens)
 
 
-class _RecordGraphs:
-    """A ``torch.compile`` backend: AOT autograd with inductor's partitioner, graphs kept, run eager."""
-
-    def __init__(self):
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        self.forward, self.backward = [], []
-
-        def keep(into):
-            def compiler(gm, _inputs):
-                into.append(gm)
-                return make_boxed_func(gm.forward)
-            return compiler
-
-        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
-                                    partition_fn=min_cut_rematerialization_partition)
-
-
-def _functional_ops(graphs) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for gm in graphs:
-        for node in gm.graph.nodes:
-            if node.op == "call_function" and "_c10d_functional" in str(node.target):
-                name = str(node.target).split(".")[1]
-                counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def train_case(rank, world_size, plan, graph, backend=None):
     """Build (eager when ``backend`` is None), train; losses, local shards, an inference forward.
 
     Inductor (C++ code generation, the slow case) compiles each stage as one graph and skips the forward.
     """
-    record = _RecordGraphs() if backend == "record" else None
+    record = RecordGraphs() if backend == "record" else None
     dict_outputs = backend is not None and backend.endswith("_dict")
     backend = backend and backend.removesuffix("_dict")
     kwargs = {} if backend in (None, "eager") else {"compile_graph": True,
@@ -118,7 +89,7 @@ def train_case(rank, world_size, plan, graph, backend=None):
            "compiled": [w.run[0] is not w.stage for w in program.pipeline.stages.values()],
            "hooks": program.regather is not None}
     if record is not None:
-        out["graphs"] = {"forward": _functional_ops(record.forward), "backward": _functional_ops(record.backward),
+        out["graphs"] = {"forward": functional_ops(record.forward), "backward": functional_ops(record.backward),
                          "layers": sum(isinstance(m, Zero3Gather) for m in program.gm.modules()),
                          "embed": "embed.weight" in program.param_placements}
     return out

@@ -28,7 +28,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
-from _runtime_cases import graph_of, make_plan, reassemble, train_case
+from _runtime_cases import RecordGraphs, functional_ops, graph_of, make_plan, reassemble, train_case
 from autoshard.errors import PlanError
 from autoshard.models import build
 from autoshard.plan import Mesh
@@ -146,7 +146,7 @@ def _one_micro_batch(plan):
 def _grad_sync_graphs(rank, world_size):
     """One micro-batch, compiled: the DDP / ZeRO-1/2 gradient all-reduces are backward graph nodes."""
     plan = _one_micro_batch(make_plan(SPEC, Mesh(dp_shard=2), _dp_states))
-    graphs = _RecordGraphs()
+    graphs = RecordGraphs()
     program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
                             compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
     tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(rank))
@@ -158,7 +158,7 @@ def _grad_sync_graphs(rank, world_size):
     return {"replicated": len(replicated), "gathered_layers": len(gathered),
             "in_graph": sorted(f for f, s in program.optimizer.slots.items() if s.reduced_in_graph),
             "sharded": all(placements[f].dp_dim == 0 for f in placements if placements[f].state != "replicate"),
-            "forward": _functional_ops(fw), "backward": _functional_ops(bw)}
+            "forward": functional_ops(fw), "backward": functional_ops(bw)}
 
 
 def test_one_micro_batch_reduces_gradients_in_the_backward_graph(results):
@@ -186,41 +186,12 @@ def test_one_micro_batch_compiled_trains_as_eager(results):
     assert all(r["compiled"] for r in compiled)
 
 
-class _RecordGraphs:
-    """A ``torch.compile`` backend: AOT autograd with inductor's partitioner, graphs kept, run eager."""
-
-    def __init__(self):
-        from functorch.compile import make_boxed_func
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.partitioners import min_cut_rematerialization_partition
-
-        self.forward, self.backward = [], []
-
-        def keep(into):
-            def compiler(gm, _inputs):
-                into.append(gm)
-                return make_boxed_func(gm.forward)
-            return compiler
-
-        self.backend = aot_autograd(fw_compiler=keep(self.forward), bw_compiler=keep(self.backward),
-                                    partition_fn=min_cut_rematerialization_partition)
-
-
-def _functional_ops(gm) -> dict[str, int]:
-    counts: dict[str, int] = {}
-    for node in gm.graph.nodes:
-        if node.op == "call_function" and "_c10d_functional" in str(node.target):
-            name = str(node.target).split(".")[1]
-            counts[name] = counts.get(name, 0) + 1
-    return counts
-
-
 def _zero3_graphs(rank, world_size, keep):
     """One ZeRO-3 forward/backward through AOT autograd: collective counts and the shapes forward saves."""
     from autoshard.passes._zero3 import Zero3Gather
 
     plan = make_plan(SPEC, Mesh(dp_shard=2), lambda _name: {"state": "zero3"})
-    graphs = _RecordGraphs()
+    graphs = RecordGraphs()
     program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
                             compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
     gathers = [m for m in program.gm.modules() if isinstance(m, Zero3Gather)]
@@ -233,7 +204,7 @@ def _zero3_graphs(rank, world_size, keep):
     (fw,), (bw,) = graphs.forward, graphs.backward
     saved = [n.meta["val"] for n in next(n for n in fw.graph.nodes if n.op == "output").args[0][1:]
              if isinstance(n, torch.fx.Node) and isinstance(n.meta.get("val"), torch.Tensor)]
-    return {"layers": len(gathers), "forward": _functional_ops(fw), "backward": _functional_ops(bw),
+    return {"layers": len(gathers), "forward": functional_ops(fw), "backward": functional_ops(bw),
             "saved_full": sum(tuple(t.shape) in full_shapes - shard_shapes for t in saved)}
 
 
