@@ -239,6 +239,12 @@ class Cluster:
     # ------------------------------------------------------------------ queries
 
     @property
+    def runs_on_cpu(self) -> bool:
+        """Whether the ranks are CPU processes (the ``cpu`` preset, or a detected CPU host): the runtime
+        then runs plans eager, and the cost model prices no compiled graph (``search/layer_terms.py``)."""
+        return self.name.split(":")[0] == "cpu" or self.name.startswith("detected:cpu:")
+
+    @property
     def world_size(self) -> int:
         """Number of devices (ranks): ``nodes * devices_per_node``."""
         return self.nodes * self.devices_per_node

@@ -157,6 +157,21 @@ class LayerStrategy(Record):
         return self.notation
 
 
+def zero12_gathered_in_forward(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: int, compiled: bool) -> bool:
+    """Whether a ZeRO-1/2 layer runs as a gather in the compiled forward graph, kept for backward.
+
+    One rule for the runtime (``passes/context.gathers_in_graph``: how the layer is held and
+    synced) and the cost model (``search/layer_terms.dp_terms``: whether its post-update gather
+    hides under the next forward or runs exposed after the update). A compiled program with one
+    micro-batch on one stage holds such a layer as ZeRO-3's dim-0 shard over dp_shard when that
+    is the whole dp group (dp_replicate = 1), the wires are unquantized and the layer is not
+    expert-parallel ([Note: compiled ZeRO-1/2] in ``passes/context.py``).
+    """
+    return (compiled and strategy.state in ("zero1", "zero2") and num_micro_batches == 1 and mesh.pp == 1
+            and mesh.dp_replicate == 1 and mesh.dp_shard > 1 and strategy.grad_comm == "bf16"
+            and strategy.weight_comm == "bf16" and not strategy.ep)
+
+
 @dataclass(frozen=True)
 class Schedule(Record):
     """Global pipeline / batching decisions. ``str``: ``1f1b m=4 mb=2`` (+ ``v=2`` when interleaved)."""
@@ -533,6 +548,7 @@ def _first_difference(ours: Any, theirs: Any, path: str) -> str | None:
 
 
 __all__ = [
+    "zero12_gathered_in_forward",
     "GRAD_COMM",
     "MESH_AXES",
     "PLAN_FORMAT",

@@ -12,7 +12,7 @@
 # Shape: seq SEQ (2048), bf16, AdamW (lr LR, 1e-5: 1e-4 diverged on 7B in every framework), STEPS (10) of
 # which WARMUP (3) untimed; global batch = NPROC × sequences per GPU: 2 for *:7b, 8 for *:1.3b, 4 otherwise
 # (BATCH_PER_GPU overrides all).
-# Order: for each model, ROUNDS (3) rounds, each round every config once: a session cut short keeps
+# Order: for each model, rounds FIRST_ROUND (1) to ROUNDS (3), each round every config once: a session cut short keeps
 # complete rounds of the first model, and a slow period of the machine falls on all its configs alike.
 # Profile: the processes of round PROFILE_ROUND (default 1; 0: none) add run.py --profile: one more step
 # under torch.profiler after the timed ones (so their timing is untouched) gives rank 0's GPU idle fraction.
@@ -139,7 +139,7 @@ echo "=== sharded session: NPROC=$NPROC MODELS=\"$MODELS\" CONFIGS=$CONFIGS ROUN
   "budget ${BUDGET_S:-560}s, tree $WORK $(date -u +%H:%M:%S)"
 [[ $DRY == 1 ]] || nvidia-smi -L
 for model in $MODELS; do
-  for ((round = 1; round <= ROUNDS; round++)); do
+  for ((round = ${FIRST_ROUND:-1}; round <= ROUNDS; round++)); do
     for config in ${CONFIGS//,/ }; do
       run_one "$model" "$config" "$round"
     done

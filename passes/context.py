@@ -46,7 +46,7 @@ except ImportError:  # pragma: no cover - older torch
     _StridedShard = None
 
 from autoshard.errors import PlanError
-from autoshard.plan import LayerStrategy, Mesh
+from autoshard.plan import LayerStrategy, Mesh, zero12_gathered_in_forward
 
 # Device-mesh axes, outermost → innermost (module docstring: rank layout).
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -253,11 +253,10 @@ def gathers_in_graph(strategy: LayerStrategy, ctx: RankContext, num_micro_batche
     per step — but both are graph nodes inductor overlaps with compute, as the cost model prices
     ZeRO-2 (gradient reduction under the backward, parameter gather under the next forward). The
     optimizer state stays sharded over dp; parameters are whole only from forward to backward.
-    Only where the shard group is the whole dp group (dp_replicate = 1) and the wire is unquantized.
+    Only where the shard group is the whole dp group (dp_replicate = 1) and the wire is unquantized:
+    the rule is ``autoshard.plan.zero12_gathered_in_forward``, which the cost model prices too.
     """
-    return (ctx.compiled and strategy.state in ("zero1", "zero2") and num_micro_batches == 1
-            and ctx.size("pp") == 1 and ctx.size("dp_replicate") == 1 and ctx.size("dp_shard") > 1
-            and strategy.grad_comm == "bf16" and strategy.weight_comm == "bf16" and not strategy.ep)
+    return zero12_gathered_in_forward(strategy, ctx.mesh, num_micro_batches, ctx.compiled)
 
 
 def _expert_dim(fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext) -> int | None:

@@ -103,8 +103,10 @@ buffers)::
     exposed = ov(gather_fwd, f·m·fwd_compute)
             + ov(gather_bwd + grad_per_mb, f·m·(bwd_compute + recompute))
             + ov(grad_once, f·(bwd_compute + recompute))   (issued in the last micro-batch)
-            + ov(post_step, f·fwd_compute)       (overlapped with the next step's first forward,
-                                                  as Megatron's distributed optimizer does)
+            + ov(post_step, f·fwd_compute)       (under the next step's forward where the runtime
+                                                  gathers the layer in the compiled forward graph,
+                                                  ``plan.zero12_gathered_in_forward``; else after the
+                                                  update: ov(post_step, 0), all exposed)
             + quant_s + dp_kernels_s
 
 monotone in every comm term and in compute. ``κ`` = ``OVERLAP_CONTENTION`` = 0.1

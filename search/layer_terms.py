@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo
-from autoshard.plan import LayerStrategy, Mesh, Schedule
+from autoshard.plan import LayerStrategy, Mesh, Schedule, zero12_gathered_in_forward
 from autoshard.search import comm, measured
 from autoshard.search.memory import (
     TP_SPLIT_ROLES,
@@ -463,11 +463,15 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup]
     total["grad_once"] += _sp_grad_allreduce(layer, strategy, mesh, cluster, sizes)
     f, m, kappa = overlap_efficiency(cluster), schedule.num_micro_batches, overlap_contention(cluster)
     bwd_window = compute["bwd_compute_s"] + compute["recompute_s"]
+    # the ZeRO-1/2 post-update gather hides under the next forward only where the runtime gathers the
+    # layer in the compiled forward graph; elsewhere it runs after the update (module docstring)
+    compiled = mesh.ep == 1 and mesh.cp == 1 and not cluster.runs_on_cpu
+    post_step_hidden = zero12_gathered_in_forward(strategy, mesh, m, compiled)
     exposed = (
         _overlapped(total["gather_fwd"], f * m * compute["fwd_compute_s"], kappa)
         + _overlapped(total["gather_bwd"] + total["grad_per_mb"], f * m * bwd_window, kappa)
         + _overlapped(total["grad_once"], f * bwd_window, kappa)
-        + _overlapped(total["post_step"], f * compute["fwd_compute_s"], kappa)
+        + _overlapped(total["post_step"], f * compute["fwd_compute_s"] if post_step_hidden else 0.0, kappa)
         + total["quant"]
         + total["kernels"]
     )
