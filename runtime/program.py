@@ -278,6 +278,13 @@ def _known_inductor_options(options: dict) -> dict:
     """``options`` without the keys this torch's inductor does not have (older versions lack some passes)."""
     import torch._inductor.config as inductor_config
 
+    # The bucketing passes register their custom ops (``torch.ops.bucketing.*``) when their module is
+    # imported, which a compile that runs the passes does; a graph loaded from Inductor's FX cache calls
+    # them without running the passes (AttributeError in every warm-cache process, seen on torch 2.11).
+    try:
+        import torch._inductor.fx_passes.bucketing  # noqa: F401
+    except ImportError:  # an inductor without these passes: their options are dropped below
+        pass
     known = inductor_config.get_config_copy()
     return {k: v for k, v in options.items() if k in known}
 
