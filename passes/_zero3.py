@@ -253,10 +253,14 @@ class _FusedStart(torch.autograd.Function):
 class Zero3Gather(nn.Module):
     """Graph module: local shards of one layer's parameters → full parameters (one all-gather)."""
 
-    def __init__(self, spec: GatherSpec, on_gather: Callable | None = None) -> None:
+    def __init__(self, spec: GatherSpec, on_gather: Callable | None = None,
+                 replicate: tuple[str, int] | None = None) -> None:
         super().__init__()
         self.spec = spec
         self.on_gather = on_gather
+        # compiled HSDP: (group, ranks) whose all-reduce follows the backward's reduce-scatter in the graph
+        # (runtime/traced_collectives.py note "HSDP in the graph"); eager and quantized ignore it
+        self.replicate = replicate
         self.grad_sink: GradSink | None = None  # set by schedule_overlap: backward reduce-scatters go asynchronous
         self.reshard_after_forward = True  # compiled: re-gather in backward rather than keep (note "compiled gather")
         self._traced_gather: traced_collectives.TracedAllGather | None = None
@@ -271,7 +275,9 @@ class Zero3Gather(nn.Module):
         """The functional all-gather a compiled program traces (built where the group is live, before tracing)."""
         if self._traced_gather is None:
             spec = self.spec
-            self._traced_gather = traced_collectives.traced_all_gather(spec.group_name, spec.num_ranks, spec.grad_op)
+            group, ranks = self.replicate or (None, 1)
+            self._traced_gather = traced_collectives.traced_all_gather(spec.group_name, spec.num_ranks, spec.grad_op,
+                                                                       replicate_group=group, replicate_ranks=ranks)
         return self._traced_gather
 
     def gather_roots(self, shards: tuple[torch.Tensor, ...]) -> list[torch.Tensor]:
@@ -338,6 +344,7 @@ class Zero3Gather(nn.Module):
         spec = self.spec
         flat = self.copy_in(shards)
         if spec.quantized:
+            assert self.replicate is None, "a quantized gather reduces over replicas in the optimizer"
             flat = self._all_gather(flat)
         else:
             flat = self.traced_gather(flat)

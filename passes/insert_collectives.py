@@ -67,9 +67,13 @@ Expert parallelism (layers with ``ep=True``, mesh ep > 1): all-to-all
 dispatch before and combine after the expert matmuls of ep-split weights
 (``passes/_expert_parallel.py``).
 
-Gradient reductions of DDP / ZeRO-1/2 / HSDP's replicate axis are not graph
-nodes: they act on ``.grad`` after backward, in the runtime's optimizer
-(``runtime/optimizer.py``), bucketed per parameter.
+Gradient reductions of DDP / ZeRO-1/2 / HSDP's replicate axis: in a compiled
+program with one micro-batch on one stage and unquantized wires they are
+backward graph nodes (``GradSync`` per DDP / ZeRO-1/2 parameter; HSDP's replica
+all-reduce after each ZeRO-3 layer's reduce-scatter, ``Zero3Gather.replicate``),
+listed in ``gm.meta["autoshard"]["grads_reduced_in_graph"]``; otherwise they act
+on ``.grad`` after backward, in the runtime's optimizer (``runtime/optimizer.py``),
+bucketed per parameter.
 
 Not handled (clear ``PlanError``): tp on MoE layers; SP with a sequence length
 not divisible by tp fails in the collective (``CollectiveError``).
@@ -159,8 +163,8 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         sp_layers = frozenset(s.layer for s in plan.layers if s.sp)
         _TPRewriter(graph, placements, roles, ctx, sp_layers).run()
     insert_expert_parallel(graph, placements, ctx, NAME)
-    modules = _insert_zero3_gathers(graph, placements, ctx)
-    synced = _insert_grad_syncs(graph, placements, ctx, plan, modules)
+    modules, hsdp_synced = _insert_zero3_gathers(graph, placements, ctx, plan)
+    synced = hsdp_synced + _insert_grad_syncs(graph, placements, ctx, plan, modules)
     graph.lint()
     out = rebuild(gm, graph, modules)
     out.meta[META_KEY]["grads_reduced_in_graph"] = synced
@@ -376,8 +380,19 @@ class _TPRewriter:
             tag(node, NAME, "local key/value head count under tp")
 
 
-def _insert_zero3_gathers(graph: fx.Graph, placements: dict, ctx: RankContext) -> dict:
-    """One ``Zero3Gather`` per layer with dp_shard-split parameters, before the layer's first use."""
+def _replicas_in_graph(strategy, ctx: RankContext, plan: Plan) -> bool:
+    """Whether a ZeRO-3 layer's HSDP replica all-reduce is a backward graph node (module docstring)."""
+    return (ctx.compiled and ctx.size("dp_replicate") > 1 and plan.mesh.pp == 1
+            and plan.schedule.num_micro_batches == 1 and strategy is not None and strategy.state == "zero3"
+            and strategy.grad_comm == "bf16" and strategy.weight_comm == "bf16")
+
+
+def _insert_zero3_gathers(graph: fx.Graph, placements: dict, ctx: RankContext,
+                          plan: Plan) -> tuple[dict, tuple[str, ...]]:
+    """One ``Zero3Gather`` per layer with dp_shard-split parameters, before the layer's first use.
+    Returns the modules and the FQNs whose HSDP replica all-reduce the graph runs."""
+    strategies = {s.layer: s for s in plan.layers}
+    synced: list[str] = []
     by_layer: dict[str, list[fx.Node]] = {}
     for node in graph.nodes:
         p = placements.get(node.target) if node.op == "get_attr" else None
@@ -394,7 +409,11 @@ def _insert_zero3_gathers(graph: fx.Graph, placements: dict, ctx: RankContext) -
             rest_shapes=tuple(tuple(placements[n.target].local_shape[1:]) for n in attrs),
         )
         target = "autoshard_gather_" + layer.replace(".", "_")
-        modules[target] = Zero3Gather(spec)
+        replicate = None
+        if _replicas_in_graph(strategies.get(layer), ctx, plan):
+            replicate = (ctx.group("dp_replicate"), ctx.size("dp_replicate"))
+            synced.extend(spec.fqns)
+        modules[target] = Zero3Gather(spec, replicate=replicate)
         # compiled ZeRO-1/2 (passes/context.py note): gathered in forward, kept for the backward
         modules[target].reshard_after_forward = placements[attrs[0].target].state == "zero3"
         first_use = min((u for n in attrs for u in n.users), key=_order(graph))
@@ -403,7 +422,7 @@ def _insert_zero3_gathers(graph: fx.Graph, placements: dict, ctx: RankContext) -
             for i, attr in enumerate(attrs):
                 item = tag(graph.call_function(operator.getitem, (call, i)), NAME, "ZeRO-3 gathered parameter", param=attr.target)
                 attr.replace_all_uses_with(item, delete_user_cb=lambda u: u is not call)
-    return modules
+    return modules, tuple(synced)
 
 
 def _tp_local_shape(p, ctx: RankContext) -> tuple[int, ...]:

@@ -21,6 +21,14 @@ the backward instead of the optimizer running it after the step's backward
 (``passes/insert_collectives.py``, ``_insert_grad_syncs``: compiled programs
 with one micro-batch; with several the gradient is accumulated first).
 
+[Note: HSDP in the graph]
+A ZeRO-3 layer on a mesh with dp_replicate > 1 (HSDP) reduces its gradient in two levels: a
+reduce-scatter over dp_shard, then an all-reduce (avg) of the shard over dp_replicate. Compiled
+with one micro-batch on one stage and unquantized wires, both are nodes of the gather's backward
+(``traced_all_gather(..., replicate_group=)``; ``passes/insert_collectives.py`` lists the
+parameters in ``grads_reduced_in_graph``), so inductor overlaps the replica all-reduce with the
+rest of the backward; otherwise the optimizer runs it after the backward.
+
 [Note: re-gather in backward without hooks]
 ``recompute_in_backward(fn, *args)`` runs ``fn`` under selective activation
 checkpointing with every op marked ``MUST_RECOMPUTE``. Under ``torch.compile``
@@ -68,7 +76,10 @@ class _AllGather(torch.autograd.Function):
         g = ctx.gather
         out = _functional.wait_tensor(
             _functional.reduce_scatter_tensor(grad.contiguous(), g.reduce_op, g.num_ranks, g.group_name))
-        return (out / g.num_ranks if g.divide else out), None
+        out = out / g.num_ranks if g.divide else out
+        if g.replicate is not None:  # HSDP: the shard's gradient, averaged over the replicas too
+            out = g.replicate(out)
+        return out, None
 
 
 @dataclass(frozen=True)
@@ -83,16 +94,37 @@ class TracedAllGather:
     num_ranks: int
     reduce_op: str  # what the backward's reduce-scatter runs
     divide: bool  # "avg" on a backend without AVG: sum, then divide
+    replicate: "TracedAllReduce | None" = None  # HSDP: then all-reduce (avg) the shard's gradient over replicas
 
     def __call__(self, x: Tensor) -> Tensor:
         return _AllGather.apply(x, self)
 
 
-def traced_all_gather(group_name: str, num_ranks: int, grad_op: str = "avg") -> TracedAllGather:
-    """The all-gather of ``group_name`` as compiled programs trace it (module note)."""
+@dataclass(frozen=True)
+class TracedAllReduce:
+    """An all-reduce over one group as graph nodes (a plain function of a tensor, for a backward)."""
+
+    group_name: str
+    num_ranks: int
+    reduce_op: str
+    divide: bool
+
+    def __call__(self, x: Tensor) -> Tensor:
+        out = _functional.wait_tensor(_functional.all_reduce(x.contiguous(), self.reduce_op, self.group_name))
+        return out / self.num_ranks if self.divide else out
+
+
+def traced_all_gather(group_name: str, num_ranks: int, grad_op: str = "avg",
+                      replicate_group: str | None = None, replicate_ranks: int = 1) -> TracedAllGather:
+    """The all-gather of ``group_name`` as compiled programs trace it (module note). With
+    ``replicate_group`` (HSDP, note "HSDP in the graph") the backward's reduce-scatter is followed by
+    an all-reduce (avg) of the shard's gradient over that group."""
     if grad_op not in ("sum", "avg"):
         raise ValueError(f"traced all_gather: grad_op={grad_op!r}; allowed 'sum', 'avg'")
-    return TracedAllGather(group_name, num_ranks, *_backend_reduce(group_name, grad_op))
+    replicate = None
+    if replicate_group is not None and replicate_ranks > 1:
+        replicate = TracedAllReduce(replicate_group, replicate_ranks, *_backend_reduce(replicate_group, "avg"))
+    return TracedAllGather(group_name, num_ranks, *_backend_reduce(group_name, grad_op), replicate)
 
 
 class _GradAllReduce(torch.autograd.Function):
@@ -141,4 +173,4 @@ def recompute_in_backward(fn, *args):
     return checkpoint(fn, *args, use_reentrant=False, context_fn=_recompute_contexts, preserve_rng_state=False)
 
 
-__all__ = ["TracedAllGather", "TracedGradSync", "recompute_in_backward", "traced_all_gather", "traced_grad_sync"]
+__all__ = ["TracedAllGather", "TracedAllReduce", "TracedGradSync", "recompute_in_backward", "traced_all_gather", "traced_grad_sync"]

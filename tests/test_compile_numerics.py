@@ -84,7 +84,8 @@ class Case:
 
 
 CASES_4 = {
-    "hsdp": Case(LLAMA, Mesh(dp_replicate=2, dp_shard=2), _uniform(state="zero3")),
+    # one micro-batch: the replica all-reduce is a backward graph node (traced_collectives note "HSDP in the graph")
+    "hsdp": Case(LLAMA, Mesh(dp_replicate=2, dp_shard=2), _uniform(state="zero3"), schedule={"num_micro_batches": 1}),
     "zero3_tp2": Case(LLAMA, Mesh(dp_shard=2, tp=2), _zero3_tp),
     "tp2_sp_zero3": Case(LLAMA, Mesh(dp_shard=2, tp=2), _uniform(state="zero3", tp="megatron", sp=True)),
 }
@@ -131,9 +132,36 @@ def _runs(cases):
     return [(name, backend) for name, case in cases.items() for backend in case.backends]
 
 
+def _hsdp_graphs(rank, world_size):
+    """Compiled HSDP, one micro-batch: the AOT forward/backward graphs' collectives and what the optimizer
+    takes as reduced."""
+    from _runtime_cases import RecordGraphs, functional_ops
+
+    from autoshard.passes._zero3 import Zero3Gather
+
+    graphs = RecordGraphs()
+    program = build_program(build(LLAMA), graph_of(LLAMA), CASES_4["hsdp"].plan(), None,
+                            TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
+                            compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
+    program.forward(next(iter(batches())).chunk(world_size, 0)[0])[0].float().pow(2).mean().backward()
+    (fw,), (bw,) = graphs.forward, graphs.backward
+    return {"layers": sum(isinstance(m, Zero3Gather) for m in program.gm.modules()),
+            "forward": functional_ops(fw), "backward": functional_ops(bw),
+            "in_graph": sum(s.reduced_in_graph for s in program.optimizer.slots.values()),
+            "sharded": sum(p.dp_dim is not None for p in program.param_placements.values())}
+
+
 @pytest.fixture(scope="module")
 def results4():
-    return run_gloo_cases(_jobs(CASES_4), 4, timeout_s=600)
+    return run_gloo_cases({**_jobs(CASES_4), "hsdp_graphs": _hsdp_graphs}, 4, timeout_s=600)
+
+
+def test_hsdp_reduces_over_replicas_in_the_backward_graph(results4):
+    for r in results4["hsdp_graphs"]:
+        assert "all_reduce" not in r["forward"]
+        # per ZeRO-3 layer: a reduce-scatter over dp_shard, then an all-reduce over dp_replicate
+        assert r["backward"].get("reduce_scatter_tensor") == r["backward"].get("all_reduce") == r["layers"] > 0
+        assert r["in_graph"] == r["sharded"] > 0
 
 
 @pytest.fixture(scope="module")
