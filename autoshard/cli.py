@@ -143,7 +143,7 @@ def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
 
 def _args_plan(parser: argparse.ArgumentParser) -> None:
     from autoshard import cli_search
-    from autoshard.train import OPTIMIZERS, PRECISIONS
+    from autoshard.train import COMM_PRECISIONS, OPTIMIZERS, PRECISIONS
 
     parser.add_argument("model", nargs="?", metavar="MODEL[:SIZE]", help="reference model, e.g. 'llama:7b' (default with --plan/--retarget: the plan's model)")
     parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES|FILE", help="the cluster to plan for, e.g. 'h100-sxm:2x8', or a YAML/JSON cluster file")
@@ -152,6 +152,9 @@ def _args_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=_positive_int, metavar="N", help="sequences per forward/backward on one rank (default: the search chooses)")
     parser.add_argument("--optimizer", choices=OPTIMIZERS, help="optimizer whose states are sharded (default: adamw, or the plan's)")
     parser.add_argument("--precision", choices=PRECISIONS, help="compute and communication dtype (default: bf16, or the plan's)")
+    parser.add_argument("--comm-precision", choices=COMM_PRECISIONS, dest="comm_precision",
+                        help="'exact' (default): collectives move --precision values, as a hand-written baseline; "
+                             "'auto': the search may choose lossy quantized wires (int8/int4/fp8) where faster")
     parser.add_argument("--time-limit", type=_positive_float, metavar="SECONDS", help="wall-clock budget of the search; the best plan so far is returned when it runs out (default 60)")
     parser.add_argument("--pin", action="append", default=[], type=_flag(cli_search.parse_pin), metavar="LAYER_OR_CLASS:field=value,...", help="fix strategy fields of the layers whose name or class id matches the glob, e.g. 'blocks.*.attn:state=zero3,recompute=full' (repeatable)")
     parser.add_argument("--mesh", type=_flag(cli_search.parse_mesh), default={}, metavar="axis=degree,...", help="fix mesh degrees, e.g. 'tp=2,pp=1'; axes: dp_replicate dp_shard tp pp ep cp")
@@ -167,7 +170,8 @@ def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
 
     request = PlanRequest(
         model=args.model, cluster=args.cluster, batch=args.batch, seq=args.seq, micro_batch=args.micro_batch,
-        optimizer=args.optimizer, precision=args.precision, time_limit_s=args.time_limit, pins=tuple(args.pin),
+        optimizer=args.optimizer, precision=args.precision, comm_precision=args.comm_precision,
+        time_limit_s=args.time_limit, pins=tuple(args.pin),
         mesh=args.mesh, max_memory_bytes=args.max_memory, output=args.output, reuse=args.plan,
         retarget=args.retarget,
     )

@@ -263,6 +263,7 @@ class PlanRequest:
     micro_batch: int | None = None
     optimizer: str | None = None
     precision: str | None = None
+    comm_precision: str | None = None
     time_limit_s: float | None = None
     pins: tuple[PinSpec, ...] = ()
     mesh: Mapping[str, int] = field(default_factory=dict)
@@ -317,7 +318,8 @@ def _train_spec(request: PlanRequest, old: Any) -> Any:
     from autoshard.train import TrainSpec
 
     base = {"global_batch": request.batch, "seq_len": request.seq, "micro_batch": request.micro_batch,
-            "optimizer": request.optimizer, "precision": request.precision}
+            "optimizer": request.optimizer, "precision": request.precision,
+            "comm_precision": request.comm_precision}
     if old is not None:
         stored = {"global_batch": old.global_batch, "seq_len": old.seq_len,
                   "optimizer": old.optimizer, "precision": old.precision}

@@ -8,6 +8,7 @@ from autoshard.errors import AutoshardError
 
 OPTIMIZERS = ("adamw", "sgd")
 PRECISIONS = ("bf16", "fp32")
+COMM_PRECISIONS = ("exact", "auto")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -21,6 +22,11 @@ class TrainSpec:
     optimizer: ``adamw`` (K = 12 bytes/param of fp32 states incl. master) or
         ``sgd`` (K = 4, fp32 master only).
     precision: compute/communication dtype; ``bf16`` keeps fp32 master weights.
+    comm_precision: ``exact`` (default): every collective moves the values as a hand-written
+        baseline would (``precision``'s dtype), and the search never picks a quantized wire
+        (qwZ int8/fp8 weight gathers, qgZ int8/int4 gradient reductions) unless a pin asks for one;
+        ``auto``: the search may choose them where they are faster (lossy: see
+        ``runtime/quantized_collectives.py`` for the error bounds).
     """
 
     global_batch: int
@@ -28,6 +34,7 @@ class TrainSpec:
     micro_batch: int | None = None
     optimizer: str = "adamw"
     precision: str = "bf16"
+    comm_precision: str = "exact"
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):
@@ -42,6 +49,8 @@ class TrainSpec:
             raise AutoshardError(f"TrainSpec.optimizer={self.optimizer!r}: allowed {OPTIMIZERS}")
         if self.precision not in PRECISIONS:
             raise AutoshardError(f"TrainSpec.precision={self.precision!r}: allowed {PRECISIONS}")
+        if self.comm_precision not in COMM_PRECISIONS:
+            raise AutoshardError(f"TrainSpec.comm_precision={self.comm_precision!r}: allowed {COMM_PRECISIONS}")
 
     @property
     def optimizer_state_bytes_per_param(self) -> int:

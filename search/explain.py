@@ -105,7 +105,7 @@ def explain_layer(plan: Plan, graph: ModelGraph, cluster: Cluster, train: TrainS
     members = [i for i, l in enumerate(graph.layers)
                if l.class_id == layer.class_id and strategy_key(plan.strategy(l.name)) == strategy_key(chosen)]
     alternatives = []
-    for strategy in admissible_strategies(layer, plan.mesh):
+    for strategy in admissible_strategies(layer, plan.mesh, comm_precision=train.comm_precision):
         if strategy.sp != chosen.sp or strategy_key(strategy) == strategy_key(chosen):
             continue
         option = table.option(layer, strategy, plan.mesh, plan.schedule)

@@ -143,6 +143,7 @@ class _Search:
     upper_s: float = math.inf  # heuristic incumbent U (incumbent.py): some plan is at least this fast
     mesh_bound_s: float | None = None  # cost_model.lower_bound_step_time (depends on the world size only)
     rows: dict = dataclasses.field(default_factory=dict)  # bounds.MemoryRows per (pp, schedule kind, m)
+    offload: bool = True  # whether layers may take the offload state (solve: a first pass without)
 
 
 def without_wall_time(plan: Plan) -> Plan:
@@ -168,7 +169,31 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
     constraints = constraints or Constraints()
     validate_constraints(constraints, graph, cluster)
     cost_fn = cost_fn or cost_model.layer_cost
-    search = _new_search(graph, cluster, train, constraints, cost_fn)
+    # Offload (CPU optimizer) only for a model that fits no other way: a first pass without it, then,
+    # if nothing fits, one with it, in the same time budget
+    try:
+        return _solve_pass(graph, cluster, train, constraints, cost_fn, hint, start, time_limit_s, num_workers,
+                           offload=False)
+    except _NothingFits:
+        pass
+    try:
+        return _solve_pass(graph, cluster, train, constraints, cost_fn, hint, start, time_limit_s, num_workers,
+                           offload=True)
+    except _NothingFits as nothing:
+        raise nothing.error from None
+
+
+class _NothingFits(Exception):
+    """A pass proved every candidate over the memory (``error``: what ``solve`` raises if offload can't help)."""
+
+    def __init__(self, error: InfeasibleError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _solve_pass(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Constraints, cost_fn: CostFn,
+                hint: Plan | None, start: float, time_limit_s: float, num_workers: int, *, offload: bool) -> Plan:
+    search = _new_search(graph, cluster, train, constraints, cost_fn, offload=offload)
     if search.cap_bytes <= 0:
         raise _below_reservation_error(cluster, constraints)
     enumeration = enumerate_meshes(graph, cluster, train, constraints.mesh)
@@ -185,20 +210,21 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
         search.upper_s, search.statuses = math.inf, []
         _run(search, ordered, hint, start + time_limit_s, num_workers, use_upper=False)
     if search.best is None:
-        raise _timeout_error(time_limit_s) if "TIME_LIMIT" in search.statuses else _infeasible_error(
-            search, constraints)
+        if "TIME_LIMIT" in search.statuses:
+            raise _timeout_error(time_limit_s)
+        raise _NothingFits(_infeasible_error(search, constraints))
     return _assemble(search, len(enumeration.meshes), time.monotonic() - start, cost_fn)
 
 
 # ----------------------------------------------------------------------------- setup
 def _new_search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Constraints,
-                cost_fn: CostFn) -> _Search:
+                cost_fn: CostFn, offload: bool = True) -> _Search:
     classes = solver_classes(graph, resolve_pins(constraints, graph))
     index = {layer.name: i for i, c in enumerate(classes) for layer in c.layers}
     return _Search(
         graph=graph, cluster=cluster, train=train, classes=classes,
         class_of_layer=tuple(index[layer.name] for layer in graph.layers), table=CostTable(cost_fn, cluster, train),
-        cap_bytes=usable_memory(cluster, constraints),
+        cap_bytes=usable_memory(cluster, constraints), offload=offload,
     )
 
 
@@ -215,7 +241,8 @@ def _candidates(search: _Search, meshes: tuple[Mesh, ...], constraints: Constrai
                 cost_fn: CostFn) -> tuple[list[Candidate], list[PruneRecord]]:
     out, records = [], []
     for mesh in meshes:
-        admissible = tuple(admissible_strategies(c.representative, mesh, dict(c.pin)) for c in search.classes)
+        admissible = tuple(admissible_strategies(c.representative, mesh, dict(c.pin), search.train.comm_precision,
+                                                 offload=search.offload) for c in search.classes)
         empty = [c for c, a in zip(search.classes, admissible) if not a]
         if empty:
             records.append(PruneRecord(f"pin/{empty[0].name}",
@@ -578,10 +605,18 @@ def _infeasible_error(search: _Search, constraints: Constraints) -> InfeasibleEr
     need_text = f"{need / GiB:.2f} GiB" if math.isfinite(need) else "unknown"
     limit = (constraints.max_memory_bytes or search.cluster.device.memory_bytes) / GiB
     pins = f"; pins in effect: {dict(constraints.pin)}" if constraints.pin else ""
+    usable = f"{search.cap_bytes / GiB:.2f} GiB ({limit:.2f} GiB less allocator headroom)"
+    if not math.isfinite(need) or need > search.cap_bytes:
+        why = (f"the smallest per-rank memory any plan needs is at least {need_text} ({search.min_memory_where}), "
+               f"but the usable per-rank memory is {usable}")
+    else:  # the per-layer bound fits: never cite it as the need (it is not the binding constraint)
+        proven = search.statuses.count("INFEASIBLE")
+        why = (f"the solver proved the {proven} candidate(s) left by the per-layer memory bound infeasible: that "
+               f"bound ({need_text}, {search.min_memory_where}) is within the usable per-rank memory of {usable}, "
+               "but no joint choice of the layers' strategies keeps both the step peak and the build "
+               "(materialization) peak under it")
     return InfeasibleError(
-        f"no plan fits in memory: binding constraint family mem/stage* (step) or build/stage* (build): the "
-        f"smallest per-rank memory any plan needs is at least {need_text} ({search.min_memory_where}), but the "
-        f"usable per-rank memory is {search.cap_bytes / GiB:.2f} GiB ({limit:.2f} GiB less allocator headroom){pins}; "
+        f"no plan fits in memory: binding constraint family mem/stage* (step) or build/stage* (build): {why}{pins}; "
         "relax: more devices, recompute='full', state='offload' or 'zero3', a smaller micro-batch or global batch, "
         "or a larger Constraints.max_memory_bytes"
     )

@@ -40,7 +40,9 @@ Per layer (``admissible_strategies``), for one mesh:
     * ``weight_comm`` other than ``bf16`` only with ``zero3`` (qwZ: only ZeRO-3
       gathers weights); ``grad_comm`` ``int8`` / ``int4`` only with ``zero2`` /
       ``zero3`` (qgZ); with ``dp = 1`` or no parameters both stay ``bf16``.
-      Offered only when pinned, because they cost the same or more for the
+      Quantized wires are lossy: with ``TrainSpec.comm_precision = "exact"`` (the
+      default) a layer is offered only the ones its pin names; ``"auto"`` offers
+      them all. Offered only when pinned, because they cost the same or more for the
       same memory and so a time-minimising search never picks them:
       ``grad_comm = "fp32"`` (twice the bytes of bf16: a numerics choice) and
       ``weight_comm = "fp8"`` (the same bytes as int8: a numerics choice).
@@ -248,12 +250,15 @@ def _mesh_batch_violation(mesh: Mesh, train: TrainSpec | None) -> PruneRecord | 
 
 
 # ----------------------------------------------------------------------------- strategies
-def _comm_options(state: str, dp: int, has_params: bool,
-                  pin: Mapping[str, Any]) -> tuple[tuple[str, ...], tuple[str, ...]]:
+def _comm_options(state: str, dp: int, has_params: bool, pin: Mapping[str, Any],
+                  comm_precision: str = "exact") -> tuple[tuple[str, ...], tuple[str, ...]]:
     if dp == 1 or not has_params:
         return ("bf16",), ("bf16",)
     weight = ("bf16", "int8") if state == "zero3" else ("bf16",)
     grad = ("bf16", "int8", "int4") if state in ("zero2", "zero3") else ("bf16",)
+    if comm_precision == "exact":  # quantized wires only where a pin names one (module docstring)
+        weight = tuple(w for w in weight if w == "bf16" or pin.get("weight_comm") == w)
+        grad = tuple(g for g in grad if g == "bf16" or pin.get("grad_comm") == g)
     if pin.get("weight_comm") == "fp8" and state == "zero3":
         weight += ("fp8",)
     return weight, (grad + ("fp32",) if pin.get("grad_comm") == "fp32" else grad)
@@ -264,9 +269,13 @@ def _recompute_options(layer: LayerInfo) -> tuple[str, ...]:
     return RECOMPUTE if has_core else ("none", "full")
 
 
-def admissible_strategies(layer: LayerInfo, mesh: Mesh,
-                          pin: Mapping[str, Any] | None = None) -> tuple[LayerStrategy, ...]:
+def admissible_strategies(layer: LayerInfo, mesh: Mesh, pin: Mapping[str, Any] | None = None,
+                          comm_precision: str = "exact", offload: bool = True) -> tuple[LayerStrategy, ...]:
     """Strategies ``layer`` may take on ``mesh`` (module docstring), filtered by ``pin``.
+
+    ``comm_precision`` (``TrainSpec.comm_precision``): ``"exact"`` offers quantized wires only where
+    ``pin`` names one. ``offload=False`` drops the ``offload`` state unless ``pin`` asks for it (the
+    solver's first pass: no offload on a model that fits without it).
 
     Each is a ``LayerStrategy`` named after ``layer`` with ``stage = 0``; the
     order is canonical (enum order of every field), so the solver is deterministic.
@@ -275,11 +284,13 @@ def admissible_strategies(layer: LayerInfo, mesh: Mesh,
     tp = "megatron" if mesh.tp > 1 and is_tp_able(layer) else "none"
     ep = mesh.ep > 1 and layer.kind == "moe"
     states = STATES if mesh.dp > 1 and has_params else (("replicate", "offload") if has_params else ("replicate",))
-    sps = (False, True) if mesh.tp > 1 else (False,)
     pin = dict(pin or {})
+    if not offload and pin.get("state") != "offload":
+        states = tuple(s for s in states if s != "offload")
+    sps = (False, True) if mesh.tp > 1 else (False,)
     out = []
     for state in states:
-        weights, grads = _comm_options(state, mesh.dp, has_params, pin)
+        weights, grads = _comm_options(state, mesh.dp, has_params, pin, comm_precision)
         for sp in sps:
             for recompute in _recompute_options(layer):
                 for weight_comm in weights:
@@ -377,6 +388,14 @@ def resolve_pins(constraints: Constraints, graph: ModelGraph) -> dict[str, dict[
 
 def _check_pin_contradictions(layer: LayerInfo, pin: Mapping[str, Any], mesh: Mapping[str, int]) -> None:
     where = f"Constraints.pin for {layer.name}"
+    stateful = {k: v for k, v in pin.items() if k in ("state", "weight_comm", "grad_comm")
+                and v != {"state": "replicate"}.get(k, "bf16")}
+    if stateful and not layer.params:
+        owner = (f"{layer.tied_params[0]!r} is the tied weight of an earlier layer, the embedding for a tied LM "
+                 "head, whose strategy sets its state: pin that layer"
+                 if layer.tied_params else "it holds no state to shard")
+        raise AutoshardError(f"{where}: {stateful} applies to a layer's own parameters, but {layer.name!r} has none "
+                             f"({owner}); drop these fields from the pin")
     if pin.get("tp") == "megatron" and not is_tp_able(layer):
         raise AutoshardError(f"{where}: tp='megatron' but the layer has no column/row/vocab parameter; "
                              "pin tp='none' or drop the pin")

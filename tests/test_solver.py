@@ -74,7 +74,13 @@ def _partitions(num_blocks: int, pp: int):
 
 
 def _brute_force(graph, cluster, train, constraints, cost_fn) -> float:
-    """min step over every mesh, schedule, strategy per class and stage partition that fits M."""
+    """min step over every mesh, schedule, strategy per class and stage partition that fits M; offload only
+    when no plan without it fits (``solve``'s two passes)."""
+    best = _brute_force_pass(graph, cluster, train, constraints, cost_fn, offload=False)
+    return best if math.isfinite(best) else _brute_force_pass(graph, cluster, train, constraints, cost_fn, offload=True)
+
+
+def _brute_force_pass(graph, cluster, train, constraints, cost_fn, offload) -> float:
     cap = usable_memory(cluster, constraints)
     classes = solver_classes(graph, resolve_pins(constraints, graph))
     of_layer = {l.name: i for i, c in enumerate(classes) for l in c.layers}
@@ -84,7 +90,7 @@ def _brute_force(graph, cluster, train, constraints, cost_fn) -> float:
             v = sched.virtual_stages if sched.name == "interleaved_1f1b" else 1
             parts = [interleaved_block_stages(graph.num_blocks, mesh.pp, v)] if v > 1 else list(
                 _partitions(graph.num_blocks, mesh.pp))
-            per_class = [admissible_strategies(c.representative, mesh, dict(c.pin)) for c in classes]
+            per_class = [admissible_strategies(c.representative, mesh, dict(c.pin), offload=offload) for c in classes]
             for combo in itertools.product(*per_class):
                 if len({s.sp for s in combo}) > 1:
                     continue
@@ -123,7 +129,7 @@ def grads_heavy_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
     return dataclasses.replace(cost, memory=dataclasses.replace(cost.memory, grads=cost.memory.grads + extra))
 
 
-@pytest.mark.parametrize("memory", [26e6, 32e6])
+@pytest.mark.parametrize("memory", [34e6, 36e6])  # m = 1 fits only by max(grads, activations): sum 45 MB
 def test_cp_sat_admits_plans_whose_gradients_and_activations_do_not_coexist(memory):
     """pp = m = 1: the mem/stage row takes ``max(gradients, activations)`` as ``predict`` does, so the
     solver reaches the brute-force optimum that a row adding both would exclude (faster here)."""
@@ -146,7 +152,7 @@ def build_heavy_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
 
 
 @pytest.mark.parametrize("world, mesh, memory, binds", [
-    (2, {}, 40e6, False), (4, {"tp": 1}, 14e6, True), (2, {"pp": 2}, 20e6, True),
+    (2, {}, 50e6, False), (4, {"tp": 1}, 16e6, True), (2, {"pp": 2}, 20e6, True),
 ])
 def test_cp_sat_matches_brute_force_with_build_peaks(world, mesh, memory, binds):
     """The build/stage rows (added lazily) give the brute-force optimum of max(step, build) ≤ M,
@@ -346,7 +352,7 @@ def test_textbook_moe_uses_expert_parallelism():
 def test_textbook_slow_inter_node_links_avoid_cross_node_traffic():
     graph = synthetic_graph(SyntheticConfig(name="llama-3b", num_blocks=8, hidden=3072, num_heads=24,
                                             ffn_hidden=8192))
-    train = TrainSpec(global_batch=64, seq_len=2048)
+    train = TrainSpec(global_batch=64, seq_len=2048, comm_precision="auto")  # quantized wires allowed
     fast = solve(graph, synthetic_cluster("h100-sxm", 2), train, constraints=Constraints(mesh={"tp": 1, "pp": 1}))
     slow_cluster = synthetic_cluster("h100-sxm", 2, inter_node_bandwidth=0.5e9)
     slow = solve(graph, slow_cluster, train, constraints=Constraints(mesh={"tp": 1, "pp": 1}))
@@ -495,3 +501,53 @@ def test_explain_durations_keep_near_ties_visible():
     assert format_duration(2.5) == "2.5 s" and format_duration(0.0123) == "12.3 ms"
     assert format_duration(4.2e-6) == "4.2 µs" and format_duration(3e-9) == "3 ns"
     assert format_duration(-1.5e-4) == "-150 µs" and format_duration(0.0) == "0 ns"
+
+
+# ----------------------------------------------------------------------------- exact by default
+def _quantized(plan) -> set[str]:
+    return {s.layer for s in plan.layers if s.weight_comm != "bf16" or s.grad_comm != "bf16"}
+
+
+def test_default_plans_move_exact_values_and_auto_may_quantize():
+    """``TrainSpec.comm_precision``: ``"exact"`` (default) never chooses a lossy wire; on slow links
+    ``"auto"`` does; a pin that names one is honoured either way."""
+    graph = synthetic_graph(SyntheticConfig(name="llama-3b", num_blocks=8, hidden=3072, num_heads=24,
+                                            ffn_hidden=8192))
+    cluster = synthetic_cluster("h100-sxm", 2, inter_node_bandwidth=0.5e9)
+    constraints = Constraints(mesh={"tp": 1, "pp": 1})
+    exact = solve(graph, cluster, TrainSpec(global_batch=64, seq_len=2048), constraints=constraints)
+    auto = solve(graph, cluster, TrainSpec(global_batch=64, seq_len=2048, comm_precision="auto"),
+                 constraints=constraints)
+    assert not _quantized(exact)
+    assert _quantized(auto)
+    pinned = solve(graph, cluster, TrainSpec(global_batch=64, seq_len=2048), constraints=Constraints(
+        mesh={"tp": 1, "pp": 1}, pin={"blocks.0.mlp": {"state": "zero3", "grad_comm": "int8"}}))
+    assert _quantized(pinned) == {"blocks.0.mlp"}
+    with pytest.raises(AutoshardError, match="comm_precision"):
+        TrainSpec(global_batch=64, seq_len=2048, comm_precision="lossy")
+
+
+@pytest.mark.parametrize("memory, offloads", [(20e6, True), (25e6, False)])
+def test_offload_only_when_nothing_else_fits(memory, offloads):
+    """Offload only for a model that fits no other way: at 25 MB a (slower, under this synthetic cost)
+    plan fits without it and is chosen; at 20 MB nothing does, and offload is used."""
+    graph, cluster, train = _tiny_graph(), synthetic_cluster("cpu", 2), TrainSpec(global_batch=4, seq_len=16)
+    constraints = Constraints(mesh={"pp": 2}, max_memory_bytes=int(memory), memory_headroom=0.0)
+    plan = solve(graph, cluster, train, constraints=constraints, cost_fn=hashed_cost, time_limit_s=60)
+    assert any(s.state == "offload" for s in plan.layers) == offloads
+    assert plan.solver.objective == pytest.approx(_brute_force(graph, cluster, train, constraints, hashed_cost),
+                                                  rel=1e-5)
+
+
+def test_infeasible_error_never_cites_a_bound_below_the_usable_memory():
+    from types import SimpleNamespace
+
+    from autoshard.search.solver import _infeasible_error
+
+    cluster = synthetic_cluster("h100-sxm", 1)
+    search = SimpleNamespace(min_memory_bytes=70 * 2**30, min_memory_where="mesh tp=2", cap_bytes=74 * 2**30,
+                             cluster=cluster, statuses=["INFEASIBLE", "INFEASIBLE"])
+    text = str(_infeasible_error(search, Constraints()))
+    assert "needs is at least" not in text and "proved the 2 candidate(s)" in text
+    search.min_memory_bytes = 90 * 2**30
+    assert "needs is at least 90.00 GiB" in str(_infeasible_error(search, Constraints()))

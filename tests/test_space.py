@@ -178,3 +178,19 @@ def test_layer_pin_splits_its_class():
     split = [c for c in classes.values() if c.class_id == "attention:256:8:8"]
     assert sorted(len(c.layers) for c in split) == [1, 2]
     assert any(name.endswith("@blocks.1.attn") for name in classes)
+
+
+def test_pin_on_a_tied_head_names_the_real_reason():
+    """A tied head owns no parameter: a state or wire pin on it is refused for that reason (the embedding
+    sets the tied weight's state); a pin of what it does have (recompute) is accepted."""
+    from autoshard.models import build
+    from autoshard.passes import capture
+    from autoshard.search.space import Constraints, validate_constraints
+
+    graph = capture(build("gpt:tiny"))
+    cluster = synthetic_cluster("cpu", 2)
+    head = graph.layer("head")
+    assert not head.params and head.tied_params
+    with pytest.raises(AutoshardError, match="has none .*tied weight of an earlier layer"):
+        validate_constraints(Constraints(pin={"head": {"state": "zero3"}}), graph, cluster)
+    validate_constraints(Constraints(pin={"head": {"recompute": "full", "state": "replicate"}}), graph, cluster)
