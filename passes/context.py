@@ -46,7 +46,8 @@ except ImportError:  # pragma: no cover - older torch
     _StridedShard = None
 
 from autoshard.errors import PlanError
-from autoshard.plan import LayerStrategy, Mesh, zero12_gathered_in_forward
+from autoshard.data_parallel import data_parallel_form
+from autoshard.plan import LayerStrategy, Mesh
 
 # Device-mesh axes, outermost → innermost (module docstring: rank layout).
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
@@ -254,9 +255,10 @@ def gathers_in_graph(strategy: LayerStrategy, ctx: RankContext, num_micro_batche
     ZeRO-2 (gradient reduction under the backward, parameter gather under the next forward). The
     optimizer state stays sharded over dp; parameters are whole only from forward to backward.
     Only where the shard group is the whole dp group (dp_replicate = 1) and the wire is unquantized:
-    the rule is ``autoshard.plan.zero12_gathered_in_forward``, which the cost model prices too.
+    the declared form (``autoshard/data_parallel.py``), which the cost model prices too.
     """
-    return zero12_gathered_in_forward(strategy, ctx.mesh, num_micro_batches, ctx.compiled)
+    form = data_parallel_form(strategy, ctx.mesh, num_micro_batches, ctx.compiled)
+    return strategy.state in ("zero1", "zero2") and form.held == "shard"
 
 
 def _expert_dim(fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext) -> int | None:

@@ -87,6 +87,7 @@ import operator
 import torch
 from torch import fx, nn
 
+from autoshard.data_parallel import data_parallel_form
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, rebuild, tag
 from autoshard.passes._expert_parallel import insert_expert_parallel
@@ -187,7 +188,6 @@ class GradSync(nn.Module):
         return self.sync(param)
 
 
-IN_GRAPH_SYNC_STATES = ("replicate", "zero1", "zero2")
 
 
 def _insert_grad_syncs(graph: fx.Graph, placements: dict, ctx: RankContext, plan: Plan, modules: dict) -> tuple[str, ...]:
@@ -195,7 +195,7 @@ def _insert_grad_syncs(graph: fx.Graph, placements: dict, ctx: RankContext, plan
     backward graph node per parameter (``GradSync``), so it overlaps the rest of the backward. The
     optimizer then takes these gradients as reduced (``runtime/optimizer.py``). Quantized gradient
     wires, offload, expert and ZeRO-3 parameters keep the optimizer's sync. Returns the FQNs."""
-    if not ctx.compiled or ctx.size("dp") == 1 or plan.mesh.pp > 1 or plan.schedule.num_micro_batches > 1:
+    if not ctx.compiled or ctx.size("dp") == 1:
         return ()
     strategies = {s.layer: s for s in plan.layers}
     synced = []
@@ -204,7 +204,8 @@ def _insert_grad_syncs(graph: fx.Graph, placements: dict, ctx: RankContext, plan
         if p is None or not node.users or p.dp_dim is not None or p.ep_dim is not None:
             continue
         strategy = strategies.get(p.layer)
-        if strategy is None or strategy.state not in IN_GRAPH_SYNC_STATES or strategy.grad_comm != "bf16":
+        if strategy is None or not data_parallel_form(strategy, plan.mesh, plan.schedule.num_micro_batches,
+                                                      ctx.compiled).has("all_reduce", "dp", "backward"):
             continue
         target = "autoshard_gradsync_" + node.target.replace(".", "_")
         modules[target] = GradSync(ctx.group("dp"), ctx.size("dp"))
@@ -382,9 +383,9 @@ class _TPRewriter:
 
 def _replicas_in_graph(strategy, ctx: RankContext, plan: Plan) -> bool:
     """Whether a ZeRO-3 layer's HSDP replica all-reduce is a backward graph node (module docstring)."""
-    return (ctx.compiled and ctx.size("dp_replicate") > 1 and plan.mesh.pp == 1
-            and plan.schedule.num_micro_batches == 1 and strategy is not None and strategy.state == "zero3"
-            and strategy.grad_comm == "bf16" and strategy.weight_comm == "bf16")
+    return (strategy is not None and strategy.state == "zero3"
+            and data_parallel_form(strategy, plan.mesh, plan.schedule.num_micro_batches,
+                                   ctx.compiled).has("all_reduce", "dp_replicate", "backward"))
 
 
 def _insert_zero3_gathers(graph: fx.Graph, placements: dict, ctx: RankContext,

@@ -76,15 +76,17 @@ bytes::
 
     replicate  grad_once  = AR(qΨ)                                  (DDP, no_sync: last micro-batch)
     zero1      grad_once  = RS(qΨ);            post_step = AG(pΨ)
-    zero2      grad_per_mb = m·RS(qΨ);         post_step = AG(pΨ)    (reduce every micro-batch:
-    offload    like zero2                                            keeps grads sharded)
+    zero2      like zero1                                            (the runtime accumulates full
+    offload    like zero1                                            gradients and reduces once per
+                                                                     step; ZeRO-1 and -2 differ only
+                                                                     on quantized gradient wires)
     zero3      gather_fwd = m·AG(wΨ); gather_bwd = m·AG(wΨ); grad_per_mb = m·RS(qΨ)
     HSDP       zero3 inside dp_shard + grad_once = AR(qΨ/N_shard) across dp_replicate
     SP norms   grad_once += AR(gΨ_replicated) across tp (partial grads of sequence shards)
 
 Every collective also launches copy kernels on the compute stream
 (``dp_kernels_s``, never hidden; 0 without data parallelism): ``o`` × (1 per
-gather, 2 per reduction) = replicate 2, zero1 3, zero2/offload 2m + 1, zero3 4m
+gather, 2 per reduction) = replicate 2, zero1/zero2/offload 3, zero3 4m
 (+ 2 for the HSDP all-reduce) per step.
 
 Quantized collectives add kernel time ``quant_s`` (never hidden; it occupies the
@@ -205,7 +207,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "7"  # 7: a rank's peak is max(step peak, build peak); 6: grads beside activations if m or pp > 1
+COST_MODEL_VERSION = "8"  # 8: the runtime's ZeRO-2 (one reduction per step, full gradients unless gathered in the forward graph) and post-update gathers; 7: max(step, build) peak
 
 
 @dataclass(frozen=True)
@@ -282,7 +284,8 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
         comm_exposed_s=dp["dp_exposed_s"] + residual,
         comm_total_s=dp["dp_total_s"],
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
-        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry),
+        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry,
+                                        layer_terms.gathered_in_forward(strategy, mesh, schedule, cluster)),
         detail={**compute, **critical, **dp, **optimizer, "runtime_residual_s": residual, "tokens": sh.tokens},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,

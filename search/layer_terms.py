@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo
+from autoshard.data_parallel import DataParallelForm, data_parallel_form
 from autoshard.plan import LayerStrategy, Mesh, Schedule, zero12_gathered_in_forward
 from autoshard.search import comm, measured
 from autoshard.search.memory import (
@@ -383,47 +384,36 @@ def _shard_degree(group: ParamGroup, state: str) -> int:
     return group.shard_group[0] if state in _SHARDED_STATES else 1
 
 
-def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, cluster: Cluster, schedule: Schedule,
-                    sizes: StateBytes) -> dict[str, float]:
-    """Per-step data-parallel comm of one parameter group (module docstring table)."""
-    size, stride = group.shard_group
-    link = comm.group_link(cluster, size, stride)
-    m, state = schedule.num_micro_batches, strategy.state
-    n_grad = group.psi * comm_bytes_per_element(strategy.grad_comm)
-    n_param = group.psi * sizes.param
+def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, form: DataParallelForm, cluster: Cluster,
+                    schedule: Schedule, sizes: StateBytes) -> dict[str, float]:
+    """Per-step data-parallel comm of one parameter group: one time per collective of the layer's declared
+    form (``autoshard/data_parallel.py``), in the term of its phase (module docstring table)."""
+    m = schedule.num_micro_batches
+    wire = {"weight": comm_bytes_per_element(strategy.weight_comm), "param": sizes.param,
+            "grad": comm_bytes_per_element(strategy.grad_comm)}
+    timed = {"all_gather": comm.all_gather_time, "reduce_scatter": comm.reduce_scatter_time,
+             "all_reduce": comm.all_reduce_time}
     terms = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step"), 0.0)
-    if state == "replicate":
-        terms["grad_once"] = comm.all_reduce_time(n_grad, size, link)
-    elif state == "zero1":
-        terms["grad_once"] = comm.reduce_scatter_time(n_grad, size, link)
-        terms["post_step"] = comm.all_gather_time(n_param, size, link)
-    elif state in ("zero2", "offload"):
-        terms["grad_per_mb"] = m * comm.reduce_scatter_time(n_grad, size, link)
-        terms["post_step"] = comm.all_gather_time(n_param, size, link)
-    else:  # zero3
-        n_weight = group.psi * comm_bytes_per_element(strategy.weight_comm)
-        terms["gather_fwd"] = terms["gather_bwd"] = m * comm.all_gather_time(n_weight, size, link)
-        terms["grad_per_mb"] = m * comm.reduce_scatter_time(n_grad, size, link)
-        if group.replicate_group is not None:
-            rep_size, rep_stride = group.replicate_group
-            rep_link = comm.group_link(cluster, rep_size, rep_stride)
-            terms["grad_once"] = comm.all_reduce_time(n_grad / size, rep_size, rep_link)
+    kernels = 0.0
+    for c in form.collectives:
+        if c.axis == "dp_replicate":
+            if group.replicate_group is None:
+                continue
+            (size, stride), payload = group.replicate_group, group.psi / group.shard_group[0]  # the shard's gradient
+        else:
+            (size, stride), payload = group.shard_group, group.psi
+        seconds = (m if c.per_micro_batch else 1) * timed[c.kind](payload * wire[c.payload], size,
+                                                                  comm.group_link(cluster, size, stride))
+        if c.kind == "all_gather":
+            key = "post_step" if not c.per_micro_batch else ("gather_fwd" if c.phase == "forward" else "gather_bwd")
+        else:
+            key = "grad_per_mb" if c.per_micro_batch else "grad_once"
+        terms[key] += seconds
+        if group.shard_group[0] > 1:
+            kernels += (m if c.per_micro_batch else 1) * DP_KERNELS["gather" if c.kind == "all_gather" else "reduce"]
     terms["quant"] = _quant_kernel_time(group, strategy, cluster, schedule, sizes)
-    terms["kernels"] = _dp_kernel_count(group, state, m) * kernel_overhead_s(cluster) if size > 1 else 0.0
+    terms["kernels"] = kernels * kernel_overhead_s(cluster)
     return terms
-
-
-def _dp_kernel_count(group: ParamGroup, state: str, m: int) -> float:
-    """Copy kernels per step of one parameter group's collectives (``DP_KERNELS``; module docstring)."""
-    gather, reduce = DP_KERNELS["gather"], DP_KERNELS["reduce"]
-    count = {
-        "replicate": reduce,
-        "zero1": reduce + gather,
-        "zero2": m * reduce + gather,
-        "offload": m * reduce + gather,
-        "zero3": m * (2 * gather + reduce),
-    }[state]
-    return count + (reduce if state == "zero3" and group.replicate_group is not None else 0)
 
 
 def _quant_kernel_time(group: ParamGroup, strategy: LayerStrategy, cluster: Cluster, schedule: Schedule,
@@ -437,7 +427,7 @@ def _quant_kernel_time(group: ParamGroup, strategy: LayerStrategy, cluster: Clus
         per_gather = group.psi / size * (sizes.param + w) + group.psi * (w + sizes.param)
         kernel_bytes += 2 * m * per_gather
     if strategy.grad_comm in _QUANTIZED and size > 1:
-        reductions = m if strategy.state in ("zero2", "zero3", "offload") else 1
+        reductions = m if strategy.state == "zero3" else 1  # ZeRO-2 / offload reduce once per step
         kernel_bytes += reductions * 2 * group.psi * (sizes.grad + comm_bytes_per_element(strategy.grad_comm))
     return kernel_bytes / rate
 
@@ -457,16 +447,17 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup]
     """All data-parallel comm terms of the layer and their exposed part after overlap."""
     total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step", "quant", "kernels"),
                           0.0)
+    form = data_parallel_form(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster), layer.kind)
     for group in groups:
-        for key, value in _dp_group_terms(group, strategy, cluster, schedule, sizes).items():
+        for key, value in _dp_group_terms(group, strategy, form, cluster, schedule, sizes).items():
             total[key] += value
     total["grad_once"] += _sp_grad_allreduce(layer, strategy, mesh, cluster, sizes)
     f, m, kappa = overlap_efficiency(cluster), schedule.num_micro_batches, overlap_contention(cluster)
     bwd_window = compute["bwd_compute_s"] + compute["recompute_s"]
-    # the ZeRO-1/2 post-update gather hides under the next forward only where the runtime gathers the
-    # layer in the compiled forward graph; elsewhere it runs after the update (module docstring)
-    compiled = mesh.ep == 1 and mesh.cp == 1 and not cluster.runs_on_cpu
-    post_step_hidden = zero12_gathered_in_forward(strategy, mesh, m, compiled)
+    # the ZeRO-1/2 parameter gather hides under the forward only where the runtime gathers the layer in
+    # the compiled forward graph; elsewhere it runs after the update (module docstring)
+    post_step_hidden = any(c.kind == "all_gather" and c.phase == "forward" and not c.per_micro_batch
+                           for c in form.collectives)
     exposed = (
         _overlapped(total["gather_fwd"], f * m * compute["fwd_compute_s"], kappa)
         + _overlapped(total["gather_bwd"] + total["grad_per_mb"], f * m * bwd_window, kappa)
@@ -513,12 +504,39 @@ def optimizer_terms(layer: LayerInfo, groups: list[ParamGroup], strategy: LayerS
     return terms
 
 
+def runs_compiled(mesh: Mesh, cluster: Cluster) -> bool:
+    """Whether the runtime compiles a plan on ``mesh`` made for ``cluster``: on a GPU cluster when
+    ep = cp = 1 (``Plan.compilable``), never on CPU ranks."""
+    return mesh.ep == 1 and mesh.cp == 1 and not cluster.runs_on_cpu
+
+
+def gathered_in_forward(strategy: LayerStrategy, mesh: Mesh, schedule: Schedule, cluster: Cluster) -> bool:
+    """``plan.zero12_gathered_in_forward`` for a plan made for ``cluster`` (``runs_compiled``)."""
+    return zero12_gathered_in_forward(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster))
+
+
+def memory_state(strategy: LayerStrategy, in_forward_graph: bool) -> str:
+    """The row of ``memory.model_state_memory`` the runtime's form of ``strategy.state`` occupies.
+
+    ZeRO-1 and ZeRO-2 differ in this runtime only on quantized gradient wires
+    (``runtime/optimizer.py``): both accumulate the full gradient through the step's micro-batches
+    and reduce-scatter it once after the backward (the ``zero1`` row: full gradients), except where
+    the layer is gathered in the compiled forward graph, whose backward reduce-scatters each layer's
+    gradient as it is produced (the ``zero2`` row: sharded gradients, one layer's full gradient as
+    the buffer)."""
+    if strategy.state in ("zero1", "zero2"):
+        return "zero2" if in_forward_graph else "zero1"
+    return strategy.state
+
+
 def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh, sh: Sharding,
-            sizes: StateBytes, region_entry: bool) -> MemoryBreakdown:
-    """Model states of every parameter group plus one micro-batch of activations."""
+                 sizes: StateBytes, region_entry: bool, in_forward_graph: bool = False) -> MemoryBreakdown:
+    """Model states of every parameter group (as the runtime holds them: ``memory_state``) plus one
+    micro-batch of activations."""
     states = MemoryBreakdown()
+    state = memory_state(strategy, in_forward_graph)
     for group in groups:
-        states = states + model_state_memory(group.psi, strategy.state, _shard_degree(group, strategy.state), sizes)
+        states = states + model_state_memory(group.psi, state, _shard_degree(group, strategy.state), sizes)
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)

@@ -14,6 +14,11 @@ parameter:
     zero3       pΨ/N     gΨ/N     KΨ/N        (p+g)Ψ (gathered layer)     0
     offload     pΨ       gΨ       0           0                          KΨ/N
 
+These are the paper's rows. The cost model uses them for the runtime's form of each state
+(``search/layer_terms.memory_state``): its ZeRO-2 accumulates full gradients and reduces once per
+step (the ``zero1`` row), except for a layer gathered in the compiled forward graph, where ZeRO-1
+and ZeRO-2 both reduce-scatter in the backward (the ``zero2`` row).
+
 Mixed precision (``precision="bf16"``): p = g = 2, K = 12 for AdamW (fp32
 master 4 + momentum 4 + variance 4; ``TrainSpec.optimizer_state_bytes_per_param``),
 4 for SGD (fp32 master). Full fp32 (``precision="fp32"``): p = g = 4 and the

@@ -122,7 +122,9 @@ def test_probe_on_gloo_writes_a_calibration_the_search_reads(tmp_path):
     assert {r["depth"] for r in rows} == {1, 2}
     assert all(r["status"] == "ok" for r in rows), [r["status"] for r in rows]
     configs = {r["config"] for r in rows}
-    assert {"autoshard-replicate", "autoshard-zero3"} <= configs  # tp4 is not defined on 2 ranks: skipped
+    # tp4 is not defined on 2 ranks: skipped; the replicate variant is merged into the searched plan
+    # ("autoshard") when the search picks it (plans are de-duplicated by decision)
+    assert "autoshard-zero3" in configs and "autoshard-tp4" not in configs
     assert all(e["s_per_layer"] >= 0 for e in fit["layers"])
     strategies = {e["strategy"] for e in fit["layers"]}
     assert {"DDP", "Z3"} <= strategies

@@ -1,0 +1,122 @@
+"""What each data-parallel state strategy does in a step, declared once.
+
+``data_parallel_form`` says, for one layer's ZeRO state on a mesh and schedule, how the runtime holds
+its parameters and which data-parallel collectives it issues per step: kind, mesh axis, payload,
+how often, in which phase and under which compute it may hide. Two readers:
+
+- the cost model prices these collectives (``search/layer_terms._dp_group_terms``: one time term
+  per entry, hidden under its window or exposed) and the resident state
+  (``search/layer_terms.memory_state``);
+- the passes decide from them where a layer's parameters live and which reductions are graph
+  nodes (``passes/context.placement_for``: ``held``; ``passes/insert_collectives.py``: the
+  in-graph gradient all-reduce and HSDP's replica all-reduce).
+
+``tests/test_conformance.py`` runs every form on gloo and checks that the collectives the runtime
+issues in a step (intercepted: kind, group, count, bytes) are exactly the declared ones.
+
+The forms (D = dp, S = dp_shard, R = dp_replicate; "compiled m = 1": a compiled program with one
+micro-batch on one stage, ``Plan.compilable`` on a GPU; wires unquantized unless said):
+
+| state | held | gradient | collectives per step |
+| --- | --- | --- | --- |
+| replicate | full | full | all-reduce over D: in the backward graph (compiled m = 1), else after the backward |
+| zero1 / zero2, gathered in forward (compiled m = 1, R = 1) | dim-0 shard over S | shard | all-gather over S in the forward graph (kept for backward), reduce-scatter over S in the backward graph |
+| zero1 / zero2, compiled m = 1, R > 1 | full | full, own chunk kept | all-reduce over D in the backward graph; all-gather over D after the update |
+| zero1 / zero2 / offload, otherwise | full | full, accumulated over micro-batches | reduce-scatter over D after the backward; all-gather over D after the update |
+| zero3 | dim-0 shard over S | shard | per micro-batch: all-gather over S in forward, again in backward (compiled: not for an embedding, whose backward needs no weight; eager re-gathers it too), reduce-scatter over S in backward |
+| zero3 with R > 1 (HSDP) | as zero3 | as zero3 | + all-reduce over R of the shard's gradient: in the backward graph (compiled m = 1), else after the backward |
+
+ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
+this runtime's ZeRO-2 does not reduce per micro-batch. Scalar bookkeeping all-reduces (the loss
+mean, the gradient norm for clipping) are not part of a layer's form.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autoshard.plan import LayerStrategy, Mesh, zero12_gathered_in_forward
+
+KINDS = ("all_gather", "reduce_scatter", "all_reduce")
+PHASES = ("forward", "backward", "after_backward", "after_update")
+
+
+@dataclass(frozen=True)
+class Collective:
+    """One data-parallel collective of a layer's step.
+
+    kind: ``KINDS``. axis: the mesh axis it runs over (``"dp"``, ``"dp_shard"``, ``"dp_replicate"``).
+    payload: ``"weight"`` (parameters on the ``weight_comm`` wire), ``"param"`` (parameters in the
+    compute dtype), ``"grad"`` (gradients on the ``grad_comm`` wire); its bytes are those of the
+    layer's full (unsharded) tensors, padded as the runtime pads them.
+    per_micro_batch: issued once per micro-batch (else once per step).
+    phase: ``PHASES``; in_graph: a node of the compiled graph (else issued by the runtime in Python).
+    hides_under: the compute it may overlap (``"forward"``, ``"backward"``) or ``None`` (exposed).
+    """
+
+    kind: str
+    axis: str
+    payload: str
+    per_micro_batch: bool
+    phase: str
+    in_graph: bool
+    hides_under: str | None
+
+
+@dataclass(frozen=True)
+class DataParallelForm:
+    """How the runtime runs one layer's state (module docstring table)."""
+
+    state: str
+    held: str  # "full" | "shard" (dim 0 over dp_shard) between steps
+    grads: str  # "full" | "shard" when the optimizer takes them
+    collectives: tuple[Collective, ...]
+
+    def has(self, kind: str, axis: str | None = None, phase: str | None = None) -> bool:
+        return any(c.kind == kind and axis in (None, c.axis) and phase in (None, c.phase) for c in self.collectives)
+
+
+def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: int, compiled: bool,
+                       layer_kind: str = "") -> DataParallelForm:
+    """The form of ``strategy.state`` (module docstring table). ``compiled``: the program is compiled
+    (``RankContext.compiled``; the cost model: a GPU cluster and ``Plan.compilable``). ``layer_kind``:
+    ``"embedding"`` has no ZeRO-3 re-gather in backward. Expert-parallel parameters are not covered
+    (their gradient is all-reduced over the expert-data-parallel group, ``runtime/optimizer.py``)."""
+    state, m = strategy.state, num_micro_batches
+    if mesh.dp == 1:
+        return DataParallelForm(state, "full", "full", ())
+    one_step = compiled and m == 1 and mesh.pp == 1  # whole step in one graph: reductions can be nodes
+    exact = strategy.grad_comm == "bf16" and strategy.weight_comm == "bf16"
+
+    def c(kind, axis, payload, phase, *, per_mb=False, in_graph=False, hides=None):
+        return Collective(kind, axis, payload, per_mb, phase, in_graph, hides)
+
+    if state == "replicate":
+        if one_step and exact:
+            return DataParallelForm(state, "full", "full", (c("all_reduce", "dp", "grad", "backward", in_graph=True,
+                                                              hides="backward"),))
+        return DataParallelForm(state, "full", "full", (c("all_reduce", "dp", "grad", "after_backward"),))
+    if state in ("zero1", "zero2", "offload"):
+        if state != "offload" and zero12_gathered_in_forward(strategy, mesh, m, compiled):
+            return DataParallelForm(state, "shard", "shard", (
+                c("all_gather", "dp_shard", "param", "forward", in_graph=True, hides="forward"),
+                c("reduce_scatter", "dp_shard", "grad", "backward", in_graph=True, hides="backward")))
+        gather = c("all_gather", "dp", "param", "after_update")
+        if state != "offload" and one_step and exact:
+            return DataParallelForm(state, "full", "full", (
+                c("all_reduce", "dp", "grad", "backward", in_graph=True, hides="backward"), gather))
+        return DataParallelForm(state, "full", "full", (c("reduce_scatter", "dp", "grad", "after_backward"), gather))
+    # zero3
+    hsdp_in_graph = one_step and exact
+    gathers = [c("all_gather", "dp_shard", "weight", "forward", per_mb=True, in_graph=compiled, hides="forward")]
+    if layer_kind != "embedding" or not compiled:  # eager re-gathers every gathered layer's weight
+        gathers.append(c("all_gather", "dp_shard", "weight", "backward", per_mb=True, in_graph=compiled,
+                         hides="backward"))
+    reduce = [c("reduce_scatter", "dp_shard", "grad", "backward", per_mb=True, in_graph=compiled, hides="backward")]
+    if mesh.dp_replicate > 1:
+        reduce.append(c("all_reduce", "dp_replicate", "grad", "backward" if hsdp_in_graph else "after_backward",
+                        in_graph=hsdp_in_graph, hides="backward" if hsdp_in_graph else None))
+    return DataParallelForm(state, "shard", "shard", tuple(gathers + reduce))
+
+
+__all__ = ["Collective", "DataParallelForm", "KINDS", "PHASES", "data_parallel_form"]
