@@ -18,6 +18,8 @@ Mesh (``enumerate_meshes``)
                                  in the model (Megatron's make-vocab-divisible-by) to use tp
     ``ep_divides/experts``       ``ep | num_experts``
     ``pp_le/blocks``             ``pp ≤ num_blocks`` (each stage holds ≥ 1 block)
+    ``tied/pp``                  ``pp = 1`` for a model with tied weights (the runtime does not
+                                 share a parameter across pipeline ranks)
     ``batch_divides/dp``         ``dp | global_batch``
     ``micro_batch_divides/dp``   a fixed ``TrainSpec.micro_batch`` divides ``global_batch/dp``
     ============================ ==================================================
@@ -221,9 +223,16 @@ def enumerate_meshes(graph: ModelGraph, cluster: Cluster, train: TrainSpec | Non
         if violations:
             pruned.extend(violations)
             continue
+        tied = next((layer for layer in graph.layers if layer.tied_params), None)
         for pp in divisors(world // tp):
             if pp > max(graph.num_blocks, 1):
                 pruned.append(PruneRecord("pp_le/blocks", f"pp={pp} > num_blocks={graph.num_blocks}"))
+                continue
+            if pp > 1 and tied is not None:  # the runtime refuses a parameter used on two pp ranks
+                pruned.append(PruneRecord("tied/pp", f"pp={pp}: {tied.name!r} uses the tied weight "
+                                          f"{tied.tied_params[0]!r} of an earlier layer, which would sit on "
+                                          "another pipeline rank (sharing a parameter across pp ranks is not "
+                                          "implemented); untie the embeddings to pipeline this model"))
                 continue
             dp = world // (tp * pp)
             for mesh in _dp_meshes(dp, tp, pp, _num_experts(graph), is_moe(graph)):

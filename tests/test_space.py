@@ -194,3 +194,16 @@ def test_pin_on_a_tied_head_names_the_real_reason():
     with pytest.raises(AutoshardError, match="has none .*tied weight of an earlier layer"):
         validate_constraints(Constraints(pin={"head": {"state": "zero3"}}), graph, cluster)
     validate_constraints(Constraints(pin={"head": {"recompute": "full", "state": "replicate"}}), graph, cluster)
+
+
+def test_tied_weights_are_never_pipelined():
+    """A tied embedding and head would sit on the first and last pp rank, which the runtime refuses
+    (``passes/split_pipeline.py``): the mesh enumeration prunes pp > 1 for such a model."""
+    from autoshard.models import build
+    from autoshard.passes import capture
+
+    tied = enumerate_meshes(capture(build("gpt:tiny")), synthetic_cluster("cpu", 4))
+    assert tied.meshes and all(m.pp == 1 for m in tied.meshes)
+    assert any(r.constraint == "tied/pp" for r in tied.pruned)
+    untied = enumerate_meshes(capture(build("llama:tiny")), synthetic_cluster("cpu", 4))
+    assert any(m.pp > 1 for m in untied.meshes)
