@@ -210,6 +210,7 @@ class Predictions(Record):
     tokens_per_s: float = at_least(0.0, 0)
     mfu: float = at_least(0.0, 0)
     build_peak_bytes: int = at_least(0, 0)  # max over ranks of the build (materialization) peak; 0: not recorded
+    caveats: tuple[str, ...] = ()  # what the cost model could not price with confidence (cost_model.pricing_caveats)
 
 
 @dataclass(frozen=True)

@@ -171,7 +171,7 @@ def _prediction_lines(plan: Plan) -> list[str]:
     if p.memory_breakdown:
         parts = sorted(p.memory_breakdown.items(), key=lambda kv: (-kv[1], kv[0]))
         memory += " | " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts)
-    return [step, memory]
+    return [step, memory, *(f"caveat: {text}" for text in p.caveats)]
 
 
 def _rows(plan: Plan, fold: bool) -> list[tuple[str, ...]]:

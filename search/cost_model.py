@@ -388,7 +388,31 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
         build_peak_bytes=int(max(r.build_bytes for r in stages)),
         tokens_per_s=train.global_batch * train.seq_len / step if step > 0 else 0.0,
         mfu=model_flops / (step * mesh.world_size * peak_flops) if step > 0 else 0.0,
+        caveats=pricing_caveats(graph, cluster),
     )
+
+
+def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:
+    """What makes a prediction for ``graph`` on ``cluster`` less certain, one sentence each (``inspect``
+    prints them): ops capture could not price, a GPU cluster without calibration, and calibration
+    measured on another model (its layer times are then not used; its plan residuals are)."""
+    out = []
+    unpriced = graph.coverage.unaccounted
+    if unpriced:
+        top = ", ".join(name for name, _ in sorted(unpriced.items(), key=lambda kv: -kv[1])[:3])
+        out.append(f"{sum(unpriced.values())} op(s) capture could not price ({top}): their time and memory "
+                   "are not in the prediction")
+    calibration = cluster.calibration
+    if not calibration and not cluster.runs_on_cpu:
+        out.append("uncalibrated cluster: GEMM efficiency, links and overlap are the preset's "
+                   "(`autoshard cluster calibrate` measures them)")
+    measured_on = calibration.get("layer_times.model")
+    if measured_on is not None and measured_on != graph.model_name:
+        out.append(f"layer times were measured on {measured_on}, not {graph.model_name}: compute is the roofline's")
+    fitted_on = calibration.get("plan_residuals.model")
+    if fitted_on is not None and fitted_on != graph.model_name:
+        out.append(f"plan residuals were fitted on {fitted_on} and are extrapolated to {graph.model_name}")
+    return tuple(out)
 
 
 def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -> float:

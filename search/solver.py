@@ -546,8 +546,9 @@ def _predictions(search: _Search, plan: Plan, layer_opts, stages, cost_fn: CostF
             return cost_model.predict(search.graph, plan, search.cluster, search.train)
         except NotImplementedError:
             pass
-    return fallback_predictions(search.graph, layer_opts, stages, plan.mesh, plan.schedule, search.cluster,
-                                search.train)
+    return dataclasses.replace(
+        fallback_predictions(search.graph, layer_opts, stages, plan.mesh, plan.schedule, search.cluster, search.train),
+        caveats=cost_model.pricing_caveats(search.graph, search.cluster))
 
 
 def _fingerprints(search: _Search, cost_fn: CostFn) -> Fingerprints:

@@ -641,3 +641,22 @@ def test_gradients_beside_activations_only_when_they_coexist(micro_batches, pp):
         assert pred.peak_memory_bytes < summed
     else:
         assert pred.peak_memory_bytes == pytest.approx(summed, abs=8)
+
+
+def test_pricing_caveats_name_what_the_model_cannot_price():
+    """``Predictions.caveats`` (printed by ``inspect``): unpriced ops, an uncalibrated GPU cluster,
+    calibration measured on another model; none for a calibrated CPU run of a fully priced model."""
+    from autoshard.graph import OpCoverage
+    from autoshard.search.cost_model import pricing_caveats
+
+    graph = ModelGraph(model_name="m", layers=(), edges=(), dtype="bf16", hidden=64, num_blocks=0, vocab=128)
+    cpu = Cluster.parse("cpu:1x2")
+    assert pricing_caveats(graph, cpu) == ()
+    unpriced = replace(graph, coverage=OpCoverage(unaccounted={"aten.weird.default": 3, "aten.odd.default": 1}))
+    (text,) = pricing_caveats(unpriced, cpu)
+    assert text.startswith("4 op(s)") and "aten.weird.default" in text
+    gpu = Cluster.parse("h100-sxm:1x2")
+    assert any("uncalibrated" in t for t in pricing_caveats(graph, gpu))
+    other = replace(gpu, calibration={"layer_times.model": "llama:350m", "plan_residuals.model": "llama:350m"})
+    texts = pricing_caveats(graph, other)
+    assert len(texts) == 2 and "measured on llama:350m, not m" in texts[0] and "extrapolated" in texts[1]
