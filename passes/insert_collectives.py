@@ -188,8 +188,6 @@ class GradSync(nn.Module):
         return self.sync(param)
 
 
-
-
 def _insert_grad_syncs(graph: fx.Graph, placements: dict, ctx: RankContext, plan: Plan, modules: dict) -> tuple[str, ...]:
     """Compiled programs with one micro-batch on one stage: the DDP / ZeRO-1/2 gradient all-reduce as a
     backward graph node per parameter (``GradSync``), so it overlaps the rest of the backward. The

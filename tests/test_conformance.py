@@ -23,7 +23,6 @@ import os
 import tempfile
 
 import pytest
-import torch
 
 from _harness import run_gloo_cases
 from _runtime_cases import BATCH, OPT, SEQ, batches, graph_of, loss_fn, make_plan
