@@ -5,8 +5,8 @@ its parameters and which data-parallel collectives it issues per step: kind, mes
 how often, in which phase and under which compute it may hide. Two readers:
 
 - the cost model prices these collectives (``search/layer_terms._dp_group_terms``: one time term
-  per entry, hidden under its window or exposed) and the resident state
-  (``search/layer_terms.memory_state``);
+  per entry, hidden under the compute of ``hides_under`` or exposed when it is ``None``) and the
+  resident state (``search/layer_terms.memory_state``);
 - the passes decide from them where a layer's parameters live and which reductions are graph
   nodes (``passes/context.placement_for``: ``held``; ``passes/insert_collectives.py``: the
   in-graph gradient all-reduce and HSDP's replica all-reduce).
@@ -26,7 +26,9 @@ micro-batch on one stage, ``Plan.compilable`` on a GPU; wires unquantized unless
 | zero3 | dim-0 shard over S | shard | per micro-batch: all-gather over S in forward, again in backward (compiled: not for an embedding, whose backward needs no weight; eager re-gathers it too), reduce-scatter over S in backward |
 | zero3 with R > 1 (HSDP) | as zero3 | as zero3 | + all-reduce over R of the shard's gradient: in the backward graph (compiled m = 1), else after the backward |
 
-ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
+Reductions "after the backward" are the optimizer's (``runtime/optimizer.py``), exposed: the
+runtime's default (``build_program(overlap_grad_sync=False)``, measured faster on H100s) does not
+start them during the backward. ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
 this runtime's ZeRO-2 does not reduce per micro-batch. Scalar bookkeeping all-reduces (the loss
 mean, the gradient norm for clipping) are not part of a layer's form.
 """

@@ -104,7 +104,8 @@ buffers)::
     ov(c, w) = c − (1 − κ)·min(c, w)        (the part that does not fit + κ × the part hidden)
     exposed = ov(gather_fwd, f·m·fwd_compute)
             + ov(gather_bwd + grad_per_mb, f·m·(bwd_compute + recompute))
-            + ov(grad_once, f·(bwd_compute + recompute))   (issued in the last micro-batch)
+            + ov(grad_once, f·(bwd_compute + recompute))   (declared under the backward: graph nodes)
+            + grad_after                         (declared after the backward: the optimizer's sync)
             + ov(post_step, f·fwd_compute)       (under the next step's forward where the runtime
                                                   gathers the layer in the compiled forward graph,
                                                   ``plan.zero12_gathered_in_forward``; else after the

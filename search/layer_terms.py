@@ -393,7 +393,7 @@ def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, form: DataParall
             "grad": comm_bytes_per_element(strategy.grad_comm)}
     timed = {"all_gather": comm.all_gather_time, "reduce_scatter": comm.reduce_scatter_time,
              "all_reduce": comm.all_reduce_time}
-    terms = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step"), 0.0)
+    terms = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "grad_after", "post_step"), 0.0)
     kernels = 0.0
     for c in form.collectives:
         if c.axis == "dp_replicate":
@@ -407,7 +407,8 @@ def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, form: DataParall
         if c.kind == "all_gather":
             key = "post_step" if not c.per_micro_batch else ("gather_fwd" if c.phase == "forward" else "gather_bwd")
         else:
-            key = "grad_per_mb" if c.per_micro_batch else "grad_once"
+            # once per step: under the backward where declared so, else after it (exposed)
+            key = "grad_per_mb" if c.per_micro_batch else ("grad_once" if c.hides_under else "grad_after")
         terms[key] += seconds
         if group.shard_group[0] > 1:
             kernels += (m if c.per_micro_batch else 1) * DP_KERNELS["gather" if c.kind == "all_gather" else "reduce"]
@@ -445,7 +446,8 @@ def _sp_grad_allreduce(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cl
 def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh,
               cluster: Cluster, schedule: Schedule, sizes: StateBytes, compute: dict[str, float]) -> dict[str, float]:
     """All data-parallel comm terms of the layer and their exposed part after overlap."""
-    total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "post_step", "quant", "kernels"),
+    total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "grad_after", "post_step", "quant",
+                           "kernels"),
                           0.0)
     form = data_parallel_form(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster), layer.kind)
     for group in groups:
@@ -462,6 +464,7 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup]
         _overlapped(total["gather_fwd"], f * m * compute["fwd_compute_s"], kappa)
         + _overlapped(total["gather_bwd"] + total["grad_per_mb"], f * m * bwd_window, kappa)
         + _overlapped(total["grad_once"], f * bwd_window, kappa)
+        + total["grad_after"]
         + _overlapped(total["post_step"], f * compute["fwd_compute_s"] if post_step_hidden else 0.0, kappa)
         + total["quant"]
         + total["kernels"]

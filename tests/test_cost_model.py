@@ -317,7 +317,9 @@ def test_zero_stages_order_memory():
         cost = layer_cost(layer, LayerStrategy(layer=layer.name, state=state), mesh, make_cluster(1),
                           replace(train, global_batch=64), accumulating)
         assert cost.memory.grads == pytest.approx(grads["replicate"])
-        assert cost.detail["dp_grad_per_mb_s"] == 0.0 and cost.detail["dp_grad_once_s"] > 0
+        # after the backward, exposed (the runtime's default: no overlapped gradient sync)
+        assert cost.detail["dp_grad_per_mb_s"] == cost.detail["dp_grad_once_s"] == 0.0
+        assert cost.detail["dp_grad_after_s"] > 0
     off = layer_cost(layer, LayerStrategy(layer=layer.name, state="offload"), mesh, make_cluster(1), train, schedule)
     assert off.memory.optimizer == 0 and off.memory.host == pytest.approx(12 * layer.param_count / 8)
 
@@ -374,7 +376,9 @@ def test_zero3_gathers_scale_with_micro_batches_and_overlap_is_monotone():
                      Schedule(num_micro_batches=4))
     ddp1 = layer_cost(layer, LayerStrategy(layer=layer.name), mesh, cluster, TrainSpec(global_batch=16, seq_len=256),
                       Schedule(num_micro_batches=1))
-    assert ddp.detail["dp_grad_once_s"] == pytest.approx(ddp1.detail["dp_grad_once_s"])  # no_sync: once per step
+    # no_sync: once per step, in the backward graph with one micro-batch, after the backward with four
+    assert ddp.detail["dp_grad_after_s"] == pytest.approx(ddp1.detail["dp_grad_once_s"])
+    assert ddp.detail["dp_grad_once_s"] == ddp1.detail["dp_grad_after_s"] == 0.0
     hidden = layer_cost(layer, st, mesh, make_cluster(nodes=2, overlap_efficiency=1.0),
                         TrainSpec(global_batch=16, seq_len=256), Schedule(num_micro_batches=1))
     never = layer_cost(layer, st, mesh, make_cluster(nodes=2, overlap_efficiency=0.0),
@@ -614,8 +618,9 @@ def test_dp_copy_kernels_on_the_critical_path():
     counts = {"replicate": 2, "zero1": 3, "zero2": 3, "zero3": 4 * (2 + 2)}  # ZeRO-2 reduces once per step
     for st, cost in by.items():
         assert cost.detail["dp_kernels_s"] == pytest.approx(counts[st] * o)
-    # Tiny layer: copies are not hidden, so DDP beats ZeRO-3 by the copy kernels at least.
-    assert by["zero3"].comm_exposed_s - by["replicate"].comm_exposed_s >= (counts["zero3"] - 2) * o
+    # the copies are never hidden: every state's exposed comm includes them
+    for cost in by.values():
+        assert cost.comm_exposed_s >= cost.detail["dp_kernels_s"]
     single = layer_cost(mlp, LayerStrategy(layer=mlp.name, state="zero3"), Mesh(), make_cluster(1),
                         TrainSpec(global_batch=4, seq_len=64), schedule)
     assert single.detail["dp_kernels_s"] == 0.0  # no data parallelism, no collectives
