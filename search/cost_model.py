@@ -108,7 +108,7 @@ buffers)::
             + grad_after                         (declared after the backward: the optimizer's sync)
             + ov(post_step, f·fwd_compute)       (under the next step's forward where the runtime
                                                   gathers the layer in the compiled forward graph,
-                                                  ``plan.zero12_gathered_in_forward``; else after the
+                                                  ``data_parallel_form``; else after the
                                                   update: ov(post_step, 0), all exposed)
             + quant_s + dp_kernels_s
 
@@ -269,7 +269,8 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
     if group_key not in memo:
         memo[group_key] = layer_terms.param_groups(layer, strategy, mesh)
     groups = memo[group_key]
-    dp = layer_terms.dp_terms(layer, strategy, groups, mesh, cluster, schedule, sizes, compute)
+    form = layer_terms.layer_form(layer, strategy, mesh, schedule, cluster)
+    dp = layer_terms.dp_terms(layer, strategy, form, groups, mesh, cluster, schedule, sizes, compute)
     optimizer_key = ("optimizer", strategy.state, strategy.tp, strategy.ep)
     if optimizer_key not in memo:
         memo[optimizer_key] = layer_terms.optimizer_terms(layer, groups, strategy, cluster, train, sizes)
@@ -285,8 +286,7 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
         comm_exposed_s=dp["dp_exposed_s"] + residual,
         comm_total_s=dp["dp_total_s"],
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
-        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry,
-                                        layer_terms.gathered_in_forward(strategy, mesh, schedule, cluster)),
+        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form),
         detail={**compute, **critical, **dp, **optimizer, "runtime_residual_s": residual, "tokens": sh.tokens},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,

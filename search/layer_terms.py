@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo
 from autoshard.data_parallel import DataParallelForm, data_parallel_form
-from autoshard.plan import LayerStrategy, Mesh, Schedule, zero12_gathered_in_forward
+from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.search import comm, measured
 from autoshard.search.memory import (
     TP_SPLIT_ROLES,
@@ -443,13 +443,19 @@ def _sp_grad_allreduce(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cl
     return comm.all_reduce_time(replicated * sizes.grad, size, comm.group_link(cluster, size, stride))
 
 
-def dp_terms(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh,
-              cluster: Cluster, schedule: Schedule, sizes: StateBytes, compute: dict[str, float]) -> dict[str, float]:
-    """All data-parallel comm terms of the layer and their exposed part after overlap."""
+def layer_form(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Schedule,
+               cluster: Cluster) -> DataParallelForm:
+    """The declared data-parallel form of ``layer`` (``autoshard/data_parallel.py``) on a plan for ``cluster``."""
+    return data_parallel_form(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster), layer.kind)
+
+
+def dp_terms(layer: LayerInfo, strategy: LayerStrategy, form: DataParallelForm, groups: list[ParamGroup],
+             mesh: Mesh, cluster: Cluster, schedule: Schedule, sizes: StateBytes,
+             compute: dict[str, float]) -> dict[str, float]:
+    """All data-parallel comm terms of the layer (its declared ``form``) and their exposed part after overlap."""
     total = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "grad_after", "post_step", "quant",
                            "kernels"),
                           0.0)
-    form = data_parallel_form(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster), layer.kind)
     for group in groups:
         for key, value in _dp_group_terms(group, strategy, form, cluster, schedule, sizes).items():
             total[key] += value
@@ -513,12 +519,7 @@ def runs_compiled(mesh: Mesh, cluster: Cluster) -> bool:
     return mesh.ep == 1 and mesh.cp == 1 and not cluster.runs_on_cpu
 
 
-def gathered_in_forward(strategy: LayerStrategy, mesh: Mesh, schedule: Schedule, cluster: Cluster) -> bool:
-    """``plan.zero12_gathered_in_forward`` for a plan made for ``cluster`` (``runs_compiled``)."""
-    return zero12_gathered_in_forward(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster))
-
-
-def memory_state(strategy: LayerStrategy, in_forward_graph: bool) -> str:
+def memory_state(strategy: LayerStrategy, form: DataParallelForm) -> str:
     """The row of ``memory.model_state_memory`` the runtime's form of ``strategy.state`` occupies.
 
     ZeRO-1 and ZeRO-2 differ in this runtime only on quantized gradient wires
@@ -528,16 +529,16 @@ def memory_state(strategy: LayerStrategy, in_forward_graph: bool) -> str:
     gradient as it is produced (the ``zero2`` row: sharded gradients, one layer's full gradient as
     the buffer)."""
     if strategy.state in ("zero1", "zero2"):
-        return "zero2" if in_forward_graph else "zero1"
+        return "zero2" if form.grads == "shard" else "zero1"
     return strategy.state
 
 
 def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh, sh: Sharding,
-                 sizes: StateBytes, region_entry: bool, in_forward_graph: bool = False) -> MemoryBreakdown:
+                 sizes: StateBytes, region_entry: bool, form: DataParallelForm) -> MemoryBreakdown:
     """Model states of every parameter group (as the runtime holds them: ``memory_state``) plus one
     micro-batch of activations."""
     states = MemoryBreakdown()
-    state = memory_state(strategy, in_forward_graph)
+    state = memory_state(strategy, form)
     for group in groups:
         states = states + model_state_memory(group.psi, state, _shard_degree(group, strategy.state), sizes)
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
