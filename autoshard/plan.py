@@ -160,9 +160,9 @@ class LayerStrategy(Record):
 def zero12_gathered_in_forward(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: int, compiled: bool) -> bool:
     """Whether a ZeRO-1/2 layer runs as a gather in the compiled forward graph, kept for backward.
 
-    One rule for the runtime (``passes/context.gathers_in_graph``: how the layer is held and
-    synced) and the cost model (``search/layer_terms.dp_terms``: whether its post-update gather
-    hides under the next forward or runs exposed after the update). A compiled program with one
+    The rule behind the gathered-in-forward form of ``autoshard/data_parallel.py``, which the
+    runtime (how the layer is held and synced) and the cost model (where its gather runs) both
+    read. A compiled program with one
     micro-batch on one stage holds such a layer as ZeRO-3's dim-0 shard over dp_shard when that
     is the whole dp group (dp_replicate = 1), the wires are unquantized and the layer is not
     expert-parallel ([Note: compiled ZeRO-1/2] in ``passes/context.py``).

@@ -208,7 +208,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "8"  # 8: the runtime's ZeRO-2 (one reduction per step, full gradients unless gathered in the forward graph) and post-update gathers; 7: max(step, build) peak
+COST_MODEL_VERSION = "8"  # plans record it (fingerprints); bump when a prediction of the same plan changes
 
 
 @dataclass(frozen=True)
