@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from autoshard.cluster import Cluster
-from autoshard.errors import AutoshardError, PlanError
+from autoshard.errors import AutoshardError, CaptureError, PlanError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Plan
 from autoshard.plan_reuse import check_train, train_of
@@ -145,14 +145,28 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
         example_inputs = (torch.randint(0, vocab, (2, 16), device=device),)
     graph = capture(model, example_inputs, name=name)
+    train = train or (train_of(given) if given is not None else _default_train(example_inputs))
+    graph = _with_compiled_activations(graph, model, resolved, train)
     if given is not None:
-        train = train or train_of(given)
         chosen = _check_reuse(given, plan, graph, resolved, train)
     else:
-        train = train or _default_train(example_inputs)
         chosen = _search(graph, resolved, train, constraints, time_limit_s)
     return Compiled(plan=chosen, graph=graph, cluster=resolved, train=train,
                     program=_build_program(model, graph, chosen, resolved, train, weights))
+
+
+def _with_compiled_activations(graph: ModelGraph, model: torch.nn.Module, cluster: Cluster,
+                               train: TrainSpec) -> ModelGraph:
+    """``graph`` with the compiled step's block-activation scale when ``cluster``'s runtime compiles
+    (GPUs; ``passes/compiled_saved.py``); a trace that fails leaves it unmeasured, which
+    ``predict``'s caveats then say."""
+    if cluster.runs_on_cpu:
+        return graph
+    try:
+        return graph.with_compiled_saved_scale(model, train.seq_len)
+    except CaptureError as err:
+        log.warning("autoshard.compile: %s; compiled plans' activations are priced as eager", err)
+        return graph
 
 
 def _load_plan(plan: Plan | str | Path | None) -> Plan | None:

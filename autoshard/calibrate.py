@@ -19,6 +19,12 @@ synchronised around each):
   = b / a`` (0 when the fit's slope is negative: no knee seen).
 - **HBM bandwidth**: ``dst.copy_(src)`` of ``copy_bytes``; bytes moved = read +
   written = ``2·copy_bytes``; ``hbm_efficiency`` = that / t / ``device.hbm_bandwidth``.
+- **attention efficiency**: causal ``scaled_dot_product_attention`` forward + backward in ``dtype``
+  for each ``(batch, heads, seq, head_dim)`` of ``attention_shapes`` (flash on GPUs); the work is
+  counted as capture counts it (``4·batch·heads·seq²·head_dim`` forward, the full square: capture
+  does not halve a causal mask) and the cost model prices backward as twice forward, so
+  ``attention_efficiency`` = median over shapes of ``3·F_fwd / (t_fwd+bwd · peak)``: the figure
+  with which the cost model's attention term reproduces the measured forward + backward.
 - **collective α/β** (only with a process group of ≥ 2 ranks): all-reduce and
   all-gather of each size in ``message_bytes`` over the world. With the ring
   formulas of ``search/comm.py`` (``g`` ranks, ``n`` bytes of the full tensor,
@@ -48,7 +54,7 @@ Efficiencies are clipped to (0, 1]: a CPU "peak" from a preset is only an
 estimate, and a measured value above it means the preset is low, not that
 the model should expect more than peak. The file holds only the keys
 ``Cluster.with_calibration`` accepts (``device``, ``date``, ``matmul_efficiency``,
-``hbm_efficiency``, ``kernel_overhead_s``, ``gemm_knee_flops``, ``intra_node``/``inter_node``,
+``hbm_efficiency``, ``attention_efficiency``, ``kernel_overhead_s``, ``gemm_knee_flops``, ``intra_node``/``inter_node``,
 ``adamw_s_per_param``, ``adamw_s_per_tensor``, ``layer_times``); the raw samples go to
 ``--raw FILE`` when asked.
 
@@ -94,13 +100,17 @@ class CalibrationSizes:
     overhead_ops: int = 500
     optimizer_params: int = 1 << 24  # elements of the flat AdamW buffer (64 MiB of fp32 each state)
     optimizer_tensors: int = 256  # tiny tensors of the per-tensor AdamW floor
+    # (batch, heads, seq, head_dim) of the attention probe: the head widths of common models
+    attention_shapes: tuple[tuple[int, int, int, int], ...] = ((4, 32, 2048, 128), (8, 16, 2048, 64),
+                                                                (2, 32, 4096, 128), (4, 8, 2048, 256))
     iters: int = 10
 
     @classmethod
     def quick(cls) -> CalibrationSizes:
         """Tiny sizes: seconds on a CPU."""
         return cls(matmul_sizes=(32, 64, 128, 256), copy_bytes=1 << 22, message_bytes=(1 << 12, 1 << 18, 1 << 22),
-                   overhead_ops=50, optimizer_params=1 << 16, optimizer_tensors=16, iters=3)
+                   overhead_ops=50, optimizer_params=1 << 16, optimizer_tensors=16,
+                   attention_shapes=((1, 2, 64, 16),), iters=3)
 
 
 @dataclass(frozen=True)
@@ -121,6 +131,7 @@ class Calibration:
     date: str
     matmul_efficiency: float
     hbm_efficiency: float
+    attention_efficiency: float | None = None
     kernel_overhead_s: float = 0.0
     gemm_knee_flops: float = 0.0
     link_level: str | None = None  # "intra_node" | "inter_node" | None (single rank)
@@ -131,6 +142,7 @@ class Calibration:
     layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
     copy_bytes_per_s: float = 0.0
+    attention: tuple[dict[str, Any], ...] = ()  # {"shape": [b, h, s, d], "seconds": fwd + bwd, "efficiency"}
     comm: tuple[CommSample, ...] = ()
 
     def to_file_dict(self) -> dict[str, Any]:
@@ -140,7 +152,7 @@ class Calibration:
                                "gemm_knee_flops": self.gemm_knee_flops}
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
-        for key in ("adamw_s_per_param", "adamw_s_per_tensor", "layer_times"):
+        for key in ("attention_efficiency", "adamw_s_per_param", "adamw_s_per_tensor", "layer_times"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -148,7 +160,8 @@ class Calibration:
     def to_raw_dict(self) -> dict[str, Any]:
         """Everything measured, for ``--raw``."""
         return {**self.to_file_dict(), "matmul_flops_per_s": {str(k): v for k, v in self.matmul.items()},
-                "copy_bytes_per_s": self.copy_bytes_per_s, "comm": [asdict(s) for s in self.comm]}
+                "copy_bytes_per_s": self.copy_bytes_per_s, "attention": list(self.attention),
+                "comm": [asdict(s) for s in self.comm]}
 
 
 # --------------------------------------------------------------------------- timing
@@ -206,6 +219,26 @@ def fit_gemm_knee(flops_per_s: dict[int, float], peak: float, overhead_s: float)
     a, b = torch.linalg.lstsq(torch.tensor(rows, dtype=torch.float64),
                               torch.tensor(ys, dtype=torch.float64)[:, None]).solution[:, 0].tolist()
     return max(b / a, 0.0) if a > 0 else 0.0
+
+
+def measure_attention(shapes: Sequence[tuple[int, int, int, int]], dtype: torch.dtype, device: torch.device,
+                      iters: int, peak: float) -> tuple[dict[str, Any], ...]:
+    """Causal SDPA forward + backward per ``(batch, heads, seq, head_dim)``: seconds and the cost model's
+    efficiency ``3·F_fwd / (t · peak)``, ``F_fwd = 4·b·h·s²·d`` (module docstring)."""
+    out = []
+    for b, h, s, d in shapes:
+        q, k, v = (torch.randn(b, h, s, d, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
+        grad = torch.randn(b, h, s, d, device=device, dtype=dtype)
+
+        def step() -> None:
+            y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+            torch.autograd.backward(y, grad)
+
+        seconds = _median_seconds(step, iters, device)
+        flops = 3.0 * 4.0 * b * h * s * s * d
+        out.append({"shape": [b, h, s, d], "seconds": seconds, "efficiency": flops / seconds / peak})
+        del q, k, v, grad
+    return tuple(out)
 
 
 def measure_copy(nbytes: int, device: torch.device, iters: int) -> float:
@@ -277,6 +310,8 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     matmul = measure_matmul(sizes.matmul_sizes, _DTYPES[dtype], device, sizes.iters)
     overhead = measure_kernel_overhead(sizes.overhead_ops, device, sizes.iters)
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
+    attention = measure_attention(sizes.attention_shapes, _DTYPES[dtype], device, sizes.iters,
+                                  cluster.device.peak_flops[dtype])
     level = latency = bandwidth = None
     comm: tuple[CommSample, ...] = ()
     if dist.is_initialized() and dist.get_world_size() > 1:
@@ -300,6 +335,8 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         matmul_efficiency=_clip(matmul[max(matmul)] / cluster.device.peak_flops[dtype]),
         hbm_efficiency=_clip(copy / cluster.device.hbm_bandwidth),
+        attention_efficiency=_clip(statistics.median(a["efficiency"] for a in attention)) if attention else None,
+        attention=attention,
         kernel_overhead_s=overhead,
         gemm_knee_flops=fit_gemm_knee(matmul, cluster.device.peak_flops[dtype], overhead),
         link_level=level, latency_s=latency, bandwidth=bandwidth,
@@ -385,7 +422,7 @@ def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
     probed = (f", {len(result.layer_times['samples'])} layer samples of {result.layer_times['model']}"
               if result.layer_times else "")
     line = (f"{result.device}: matmul efficiency {result.matmul_efficiency:.2f}, "
-            f"HBM efficiency {result.hbm_efficiency:.2f}, kernel overhead {result.kernel_overhead_s * 1e6:.1f} µs, "
+            f"HBM efficiency {result.hbm_efficiency:.2f}, attention efficiency {result.attention_efficiency or 0:.2f}, kernel overhead {result.kernel_overhead_s * 1e6:.1f} µs, "
             f"GEMM knee {result.gemm_knee_flops:.3g} FLOP{link}, AdamW {result.adamw_s_per_param * 1e12:.0f} ps/param "
             f"+ {result.adamw_s_per_tensor * 1e6:.0f} µs/tensor{probed} → {args.out}")
     (console.print if console is not None else print)(line)
@@ -400,6 +437,7 @@ __all__ = [
     "calibrate_main",
     "fit_alpha_beta",
     "fit_gemm_knee",
+    "measure_attention",
     "measure_collectives",
     "measure_copy",
     "measure_kernel_overhead",

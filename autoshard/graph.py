@@ -25,8 +25,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from dataclasses import asdict, dataclass, field
-from typing import Iterator
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Iterator
 
 import networkx as nx
 
@@ -144,6 +144,9 @@ class ModelGraph:
     coverage: OpCoverage = field(default_factory=OpCoverage)
     capture_seq_lens: tuple[int, ...] = ()
     dynamic_dims: tuple[str, ...] = ()  # input dims exported dynamic: "batch", "seq"
+    # block activations a compiled step saves / what eager autograd saves (passes/compiled_saved.py);
+    # None until measured (``with_compiled_saved_scale``)
+    compiled_saved_scale: float | None = None
 
     def __iter__(self) -> Iterator[LayerInfo]:
         return iter(self.layers)
@@ -177,6 +180,12 @@ class ModelGraph:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+    def with_compiled_saved_scale(self, model: Any, seq_len: int, micro_batch: int = 1) -> ModelGraph:
+        """This graph with ``compiled_saved_scale`` measured on ``model`` (``passes/compiled_saved.py``)."""
+        from autoshard.passes.compiled_saved import compiled_saved_scale
+
+        return replace(self, compiled_saved_scale=compiled_saved_scale(model, self, seq_len, micro_batch))
 
     def fingerprint(self) -> str:
         """Stable hash of structure and shapes (not of costs or weights)."""

@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from autoshard.plan import Plan
 
@@ -96,3 +97,18 @@ def retarget_device(gm: fx.GraphModule, traced: torch.device, target: torch.devi
                 node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
         module.recompile()
     return changed
+
+
+def meta_twin(model: nn.Module) -> nn.Module:
+    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes (ties kept).
+
+    No data is copied: ``deepcopy`` is given a memo mapping each tensor to its meta stand-in.
+    """
+    memo: dict[int, Any] = {}
+    for tensor in list(model.parameters()) + list(model.buffers()):
+        if id(tensor) in memo:
+            continue
+        empty = torch.empty_like(tensor, device="meta")
+        memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(
+            tensor, nn.Parameter) else empty
+    return copy.deepcopy(model, memo)

@@ -60,7 +60,6 @@ with one line naming the tensor and the file and nothing is half-loaded.
 
 from __future__ import annotations
 
-import copy
 import os
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -73,6 +72,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoshard.errors import AutoshardError
+from autoshard.passes._graph_utils import meta_twin  # re-exported: build_program's and tests' entry point
 from autoshard.init import InitRule, init_region
 
 Region = tuple[slice, ...]
@@ -90,21 +90,6 @@ class Wanted:
     global_shape: tuple[int, ...]
     region: Region
     placement: Any = None
-
-
-def meta_twin(model: nn.Module) -> nn.Module:
-    """A copy of ``model`` whose parameters and buffers are meta tensors of the same shapes (ties kept).
-
-    No data is copied: ``deepcopy`` is given a memo mapping each tensor to its meta stand-in.
-    """
-    memo: dict[int, Any] = {}
-    for tensor in list(model.parameters()) + list(model.buffers()):
-        if id(tensor) in memo:
-            continue
-        empty = torch.empty_like(tensor, device="meta")
-        memo[id(tensor)] = nn.Parameter(empty, requires_grad=tensor.requires_grad) if isinstance(
-            tensor, nn.Parameter) else empty
-    return copy.deepcopy(model, memo)
 
 
 def has_data(model: nn.Module) -> bool:

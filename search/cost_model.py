@@ -159,9 +159,10 @@ largest parameter region being read, twice in fp32::
 peak rank's ``8·max E``.
 
 Peaks are bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles
-the plan (ep = cp = 1) and the calibration carries the model's ``compiled_saved_scale``
-(``autoshard/calibrate_probe.py``, "Compiled activations"), block activations are scaled by it
-(``compiled_activation_scale``; ``predict`` only, the search keeps eager activations). The head's activations include the
+the plan (a GPU cluster, ep = cp = 1) and the graph carries the model's ``compiled_saved_scale``
+(``passes/compiled_saved.py``: min-cut over eager saved bytes of the blocks, traced on meta),
+block activations are scaled by it (``compiled_activation_scale``; ``predict`` only, the search
+keeps eager activations: a conservative bound). The head's activations include the
 loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
 (``ALLOCATOR_FRAGMENTATION = 0.05``) and ``reserved`` = ``calibration["reserved_bytes"]`` or
 ``RESERVED_BYTES`` = 1 GiB (CUDA context, NCCL) are headroom in the limit
@@ -407,6 +408,10 @@ def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:
     if not calibration and not cluster.runs_on_cpu:
         out.append("uncalibrated cluster: GEMM efficiency, links and overlap are the preset's "
                    "(`autoshard cluster calibrate` measures them)")
+    if not cluster.runs_on_cpu and graph.compiled_saved_scale is None and \
+            calibration.get("layer_times.model") != graph.model_name:
+        out.append("compiled activations not measured for this model (ModelGraph.with_compiled_saved_scale): "
+                   "a compiled plan's block activations are priced as eager autograd saves them")
     measured_on = calibration.get("layer_times.model")
     if measured_on is not None and measured_on != graph.model_name:
         out.append(f"layer times were measured on {measured_on}, not {graph.model_name}: compute is the roofline's")
@@ -417,12 +422,16 @@ def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:
 
 
 def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -> float:
-    """Scale of block activations in ``predict``: the calibration's ``compiled_saved_scale`` when the
-    runtime compiles ``plan`` (ep = cp = 1: ``runtime.compile_allowed`` on a GPU; the
-    calibration carries the scale only for GPU runs) and the scale was measured for this model;
-    else 1. The search keeps the eager activations (a conservative bound)."""
+    """Scale of block activations in ``predict`` when the runtime compiles ``plan`` (a GPU cluster,
+    ``Plan.compilable``): the model's own ``graph.compiled_saved_scale`` (``passes/compiled_saved.py``,
+    measured on meta for any model), else a calibration's model-probe ``compiled_saved_scale`` for
+    this model; else 1. The search keeps the eager activations (a conservative bound)."""
+    if cluster.runs_on_cpu or not plan.compilable:
+        return 1.0
+    if graph.compiled_saved_scale is not None:
+        return float(graph.compiled_saved_scale)
     scale = cluster.calibration.get(COMPILED_SAVED_SCALE_KEY)
-    if scale is None or not plan.compilable or cluster.calibration.get("layer_times.model") != graph.model_name:
+    if scale is None or cluster.calibration.get("layer_times.model") != graph.model_name:
         return 1.0
     return float(scale)
 

@@ -61,6 +61,11 @@ def test_cpu_calibration_file_is_read_by_cluster(tmp_path):
     assert applied.device.hbm_efficiency == pytest.approx(result.hbm_efficiency)
     assert applied.calibration["kernel_overhead_s"] == pytest.approx(result.kernel_overhead_s)
     assert applied.calibration["gemm_knee_flops"] == pytest.approx(result.gemm_knee_flops)
+    # the attention probe's figure is what the cost model's attention term reads
+    assert len(result.attention) == len(CalibrationSizes.quick().attention_shapes)
+    assert 0 < result.attention_efficiency <= 1
+    from autoshard.search.layer_terms import attention_efficiency
+    assert attention_efficiency(applied) == pytest.approx(result.attention_efficiency)
 
 
 def test_fit_gemm_knee_recovers_the_law():

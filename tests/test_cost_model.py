@@ -662,6 +662,32 @@ def test_pricing_caveats_name_what_the_model_cannot_price():
     assert text.startswith("4 op(s)") and "aten.weird.default" in text
     gpu = Cluster.parse("h100-sxm:1x2")
     assert any("uncalibrated" in t for t in pricing_caveats(graph, gpu))
+    assert any("compiled activations not measured" in t for t in pricing_caveats(graph, gpu))
+    measured = replace(graph, compiled_saved_scale=0.7)
+    assert not any("compiled activations" in t for t in pricing_caveats(measured, gpu))
     other = replace(gpu, calibration={"layer_times.model": "llama:350m", "plan_residuals.model": "llama:350m"})
-    texts = pricing_caveats(graph, other)
+    texts = pricing_caveats(measured, other)
     assert len(texts) == 2 and "measured on llama:350m, not m" in texts[0] and "extrapolated" in texts[1]
+
+
+def test_compiled_saved_scale_is_measured_for_any_model_and_read_by_predict():
+    """``passes/compiled_saved.py`` traces one step on meta with both partitioners: a Llama's fp32 norms
+    and RoPE are recomputed by min-cut (scale < 1); ``predict`` on a GPU cluster scales the compiled
+    plan's block activations by it, and on a CPU cluster (eager runtime) does not."""
+    import torch
+
+    from autoshard.models import build
+    from autoshard.passes import capture
+    from autoshard.plan import LayerStrategy, Mesh, Plan
+    from autoshard.search.cost_model import compiled_activation_scale
+
+    model = build("llama:tiny", device="meta", dtype=torch.bfloat16)
+    graph = capture(model, seq_lens=(32, 64))
+    measured = graph.with_compiled_saved_scale(model, seq_len=64)
+    assert 0.3 < measured.compiled_saved_scale < 0.95
+    plan = Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=2),
+                layers=tuple(LayerStrategy(layer=l.name) for l in graph.layers))
+    gpu, cpu = Cluster.parse("h100-sxm:1x2"), Cluster.parse("cpu:1x2")
+    assert compiled_activation_scale(measured, plan, gpu) == measured.compiled_saved_scale
+    assert compiled_activation_scale(measured, plan, cpu) == 1.0
+    assert compiled_activation_scale(graph, plan, gpu) == 1.0  # not measured: eager activations
