@@ -25,6 +25,9 @@
 # folders and pools their processes).
 # Configs whose package is missing are recorded as skipped without starting a process (deepspeed for
 # deepspeed-*, transformers for hf-llama:*).
+# CLUSTER=detected plans for this machine as Cluster.detect() sees it (no --cluster); CALIBRATION=FILE passes
+# run.py --calibration FILE (its calibrated prediction, and the search on the calibrated cluster); RUN_ARGS adds
+# run.py arguments to every process (benchmarks/zoo_campaign.sh: --plans forced --variants ...).
 # Compile cache: Inductor's default on-disk cache (/tmp/torchinductor_$USER; FX graph and AOTAutograd
 # caches, on by default in torch 2.11) is shared by every process of the session, so rounds 2+ compile from
 # it; a fresh machine starts it empty. Captured graphs are shared the same way (run.py --graph-cache).
@@ -65,6 +68,10 @@ else
   source "$ROOT/benchmarks/gpu_env.sh"  # the carried wheels (.whl) and the working tree as `autoshard`
 fi
 export PYTHONUNBUFFERED=1 TORCH_NCCL_ASYNC_ERROR_HANDLING=1
+cluster_args=(--cluster "$CLUSTER")
+[[ $CLUSTER == detected ]] && cluster_args=()  # plan and predict for this machine as detected
+read -r -a run_args <<< "${RUN_ARGS:-}"  # more run.py arguments for every process (e.g. --plans forced ...)
+[[ -n ${CALIBRATION:-} ]] && run_args+=(--calibration "$CALIBRATION")
 END=${BUDGET_S:-560}  # on $SECONDS, which counts from the script's start (the wheel install included)
 PROFILE_ROUND="${PROFILE_ROUND:-1}"
 mkdir -p "$WORK"
@@ -124,8 +131,9 @@ run_one() {  # run_one MODEL CONFIG ROUND: one torchrun of run.py (or a skipped 
   local t0=$SECONDS
   timeout --signal=TERM --kill-after=15 "$limit" "$PYTHON" -m torch.distributed.run --standalone \
     --nproc-per-node "$NPROC" benchmarks/run.py --model "$model" --configs "$config" --batch "$batch" \
-    "${SHAPE[@]}" --lr "${LR:-1e-5}" --optimizer adamw --cluster "$CLUSTER" --graph-cache "$WORK/graphs" \
-    ${profile[@]+"${profile[@]}"} --out "$dir" > "$dir.log" 2>&1
+    "${SHAPE[@]}" --lr "${LR:-1e-5}" --optimizer adamw ${cluster_args[@]+"${cluster_args[@]}"} \
+    --graph-cache "$WORK/graphs" ${profile[@]+"${profile[@]}"} ${run_args[@]+"${run_args[@]}"} --out "$dir" \
+    > "$dir.log" 2>&1
   local rc=$? wall=$((SECONDS - t0))
   procs=$((procs + 1)); took[$model:$config]=$(( wall > ${MIN_START:-60} ? wall : ${MIN_START:-60} ))
   record "$dir" "${common[@]}" "\"rc\": $rc" "\"wall_s\": $wall" "\"limit_s\": $limit" \
