@@ -28,6 +28,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -36,6 +37,8 @@ from typing import Any
 
 from autoshard import cluster_io, cluster_presets
 from autoshard.errors import ClusterError
+
+log = logging.getLogger(__name__)
 
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 REQUIRED_DTYPES = ("fp32", "bf16")  # the training precisions (TrainSpec.precision)
@@ -73,8 +76,6 @@ COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibratio
 # runtime's block-activation scale (calibrate_probe.compiled_saved_scale)
 _LAYER_TIMES_OPTIONAL = ("compiled", "compiled_scales", "compiled_saved_scale")
 _LAYER_SAMPLE_KEYS = ("signature", "layer", "tp", "tokens", "fwd_s", "bwd_s")
-_RESIDUALS_KEYS = ("model", "dtype", "seq_len", "global_batch", "step_s", "layers", "probes")
-_RESIDUAL_LAYER_KEYS = ("mesh", "strategy", "s_per_layer")
 
 
 def _fail(where: str, value: Any, allowed: str) -> ClusterError:
@@ -475,7 +476,9 @@ class Cluster:
         device_overrides = {k: overrides.pop(k) for k in ("matmul_efficiency", "hbm_efficiency") if k in overrides}
         constants = {k: overrides.pop(k) for k in _COST_MODEL_KEYS if k in overrides}
         constants.update(_layer_time_keys(overrides.pop("layer_times", None)))
-        constants.update(_residual_keys(overrides.pop("plan_residuals", None)))
+        if overrides.pop("plan_residuals", None) is not None:  # files written before residuals were dropped
+            log.warning("calibration: 'plan_residuals' (per-plan fitted times) are no longer read; the cost "
+                        "model uses only what the calibration measured on the machine")
         data = cluster_io.deep_merge(self.to_dict(), {"device": device_overrides, **overrides})
         applied = _flatten(self.from_dict(data).to_dict(), measured)
         data["calibration"] = {**self.calibration, **applied, **constants}
@@ -555,27 +558,6 @@ def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
             key = sample_key(str(sample["signature"]), str(probe["dtype"]), int(sample["tp"]), int(probe["seq_len"]),
                              int(sample["tokens"]), field)
             out[key] = cluster_io.parse_quantity(sample[field], "seconds", f"{where}.{field}")
-    return out
-
-
-def _residual_keys(fit: Mapping[str, Any] | None) -> dict[str, float | str]:
-    """The plan probe's fit (``benchmarks/plan_probe.py``) as flat ``cluster.calibration`` keys (``search/measured.py``)."""
-    from autoshard.search.measured import residual_key, residual_step_key  # search imports this module
-
-    if fit is None:
-        return {}
-    cluster_io.check_keys(fit, _RESIDUALS_KEYS, "calibration.plan_residuals")
-    cluster_io.require_keys(fit, ("model", "dtype", "step_s", "layers"), "calibration.plan_residuals")
-    dtype = str(fit["dtype"])
-    out: dict[str, float | str] = {"plan_residuals.model": str(fit["model"]),
-                                   residual_step_key(dtype): cluster_io.parse_quantity(
-                                       fit["step_s"], "seconds", "calibration.plan_residuals.step_s")}
-    for i, entry in enumerate(fit["layers"]):
-        where = f"calibration.plan_residuals.layers[{i}]"
-        cluster_io.check_keys(entry, _RESIDUAL_LAYER_KEYS, where)
-        cluster_io.require_keys(entry, _RESIDUAL_LAYER_KEYS, where)
-        value = cluster_io.parse_quantity(entry["s_per_layer"], "seconds", f"{where}.s_per_layer")
-        out[residual_key(str(entry["mesh"]), str(entry["strategy"]), dtype)] = value
     return out
 
 

@@ -25,11 +25,6 @@
 #             run on a GPU: raise CAL_PROBE_LIMIT, default 120 s per model);
 #             CAL_LAYERS_FROM=DIR reuses DIR's layer probes when its card is this machine's (single-GPU
 #             timings) and measures only matmul, AdamW and collectives over NPROC GPUs
-#   probe     (after calibrate) benchmarks/plan_probe.py over NPROC GPUs per model of PROBE_MODELS
-#             (default the four matrix models): forced plans on 2- and 4-block copies, the fitted plan
-#             residuals added to $CAL_DIR/<model>.json; PROBE_VARIANTS_<family>_<size> overrides a
-#             model's variants (the matrix's forced list for llama:350m on 4+ GPUs, DDP/ZeRO-1/2/3,
-#             offload and tp$NPROC otherwise)
 # Results land in $OUT (json/md/log, packed into $OUT/gpu_session.tgz after every step and every
 # matrix run); commit them under benchmarks/results/ with the card and date.
 #
@@ -226,27 +221,6 @@ PY
   pack
 }
 
-plan_probe_all() {  # plan residuals per model (header); needs the calibrate step's files in $CAL_DIR
-  local m key variants cal shape=(--seq 1024 --batch 16 --precision bf16) runner=("${TORCHRUN[@]}")
-  local forced=free,replicate,zero1,zero2,zero3,offload,tp4,tp4-sp,tp2,tp2-sp,pp2-1f1b,zero3-int8w,zero2-int8g,zero3-selective,zero3-rep2
-  for m in ${PROBE_MODELS:-llama:350m gpt:1.3b llama:1.3b gpt:350m}; do
-    key="PROBE_VARIANTS_${m/:/_}"; key=${key//./_}
-    variants=${!key:-replicate,zero1,zero2,zero3,offload,tp$NPROC}
-    [[ $m == llama:350m && $NPROC -ge 4 ]] && variants=${!key:-$forced}
-    local attn=(); [[ $m == gpt:* ]] && attn=(--attn "$GPT_ATTN")
-    cal="$CAL_DIR/${m/:/_}.json"
-    if [[ "${MATRIX_DRY:-0}" == 1 ]]; then  # CPU rehearsal: tiny model, gloo, two ranks
-      shape=(--seq 16 --batch 8 --precision fp32 --device cpu); m=${m/%:350m/:tiny}; m=${m/%:1.3b/:tiny}
-      runner=("$PYTHON" -m torch.distributed.run --standalone --nproc-per-node 2)
-    fi
-    [[ -f $cal ]] || { echo "=== plan probe $m skipped: no $cal (run the calibrate step first)"; continue; }
-    timed "plan_probe_${m/:/_}" "${PROBE_LIMIT:-200}" "${runner[@]}" benchmarks/plan_probe.py --model "$m" \
-      "${shape[@]}" "${attn[@]}" --steps 8 --warmup 3 --variants "$variants" --calibration "$cal" --out "$cal"
-    [[ "$CAL_DIR" == "$OUT/cal" ]] || cp -r "$CAL_DIR/." "$OUT/cal"
-    pack  # after every model: a call cut short keeps the fits made so far
-  done
-}
-
 side() {  # kernels on one GPU while the 2-GPU qcomm and overlap runs share another pair
   timed kernels 170 env CUDA_VISIBLE_DEVICES="${KERNEL_GPU:-0}" "$PYTHON" benchmarks/kernels_bench.py \
     --blocks 512 2048 --world 0 --deadline 120 --out "$OUT/kernels_h100.json" &
@@ -283,7 +257,6 @@ for s in "${STEPS[@]}"; do
         --nproc-per-node 2 benchmarks/qcomm_bench.py --out "$OUT/qcomm_h100x2.json" ;;
     side) side ;;
     calibrate) calibrate_all ;;
-    probe) plan_probe_all ;;
     *) echo "unknown step $s" ;;
   esac
 done

@@ -118,10 +118,9 @@ kernels take SMs and HBM bandwidth from the compute they hide behind. This is
 what makes DDP/ZeRO-1 beat ZeRO-3 for a small model with a big batch (ZeRO-3
 moves 1.5× the bytes, and once per micro-batch).
 
-Plan residuals (``runtime_residual_s``, in ``comm_exposed_s``): with a calibration from
-``benchmarks/plan_probe.py``, each transformer-block layer adds the fitted seconds per step the
-runtime spent beyond this model under the layer's strategy, mesh and micro-batch count, and
-``predict`` adds the fitted per-step constant (``search/measured.py``). Without one, 0.
+Nothing is fitted per model or per plan: a calibration measures the machine (``autoshard cluster
+calibrate``: GEMM, attention, copy bandwidth, kernel floor, collectives, optimizer), and the
+optional model probe (``--model``) times one model's layers, used only for that model.
 
 Optimizer step (``optimizer_*``): ``Ψ_opt`` = Ψ/N for sharded states, Ψ for
 replicate; the update of ``runtime/optimizer.py`` makes
@@ -179,7 +178,7 @@ from autoshard.cluster import COMPILED_SAVED_SCALE_KEY, Cluster
 from autoshard.errors import PlanError
 from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Plan, Predictions, Schedule
-from autoshard.search import comm, layer_terms, measured
+from autoshard.search import comm, layer_terms
 from autoshard.search.layer_terms import (
     ALLOCATOR_FRAGMENTATION,
     ATTENTION_SCORE_TRAFFIC,
@@ -276,19 +275,17 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
     if optimizer_key not in memo:
         memo[optimizer_key] = layer_terms.optimizer_terms(layer, groups, strategy, cluster, train, sizes)
     optimizer = memo[optimizer_key]
-    residual = (measured.runtime_residual_s(strategy, mesh, schedule, cluster, train.precision)
-                if layer.block is not None else None) or 0.0
     fwd_comm = critical["tp_fwd_s"] + critical["ep_fwd_s"] + critical["cp_fwd_s"]
     bwd_comm = critical["tp_bwd_s"] + critical["ep_bwd_s"] + critical["cp_bwd_s"] + critical["recompute_comm_s"]
     bwd_compute = compute["bwd_compute_s"] + compute["recompute_s"]
     return LayerCost(
         fwd_s=compute["fwd_compute_s"] + fwd_comm,
         bwd_s=bwd_compute + bwd_comm,
-        comm_exposed_s=dp["dp_exposed_s"] + residual,
+        comm_exposed_s=dp["dp_exposed_s"],
         comm_total_s=dp["dp_total_s"],
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
         memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form),
-        detail={**compute, **critical, **dp, **optimizer, "runtime_residual_s": residual, "tokens": sh.tokens},
+        detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,
     )
@@ -346,8 +343,6 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
     """Whole-plan prediction: stage times, pipeline bubble, exposed comm, peak memory per rank.
 
     ``step_time_s = compute_s + exposed_comm_s + bubble_s + optimizer_s``, where
-    ``exposed_comm_s`` also holds the plan probe's fitted runtime residuals (per block layer,
-    in ``comm_exposed_s``, and the per-step ``c₀``; ``search/measured.py``) when calibrated:
     the slowest pipeline rank sets the pipelined part (``search/pipeline.py``),
     then the rank with the longest tail of exposed data-parallel comm and
     optimizer update finishes the step. Memory: module docstring.
@@ -372,8 +367,7 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
     _, bubble = pipeline_time(slow.micro_batch_s, mesh.pp, schedule)
     m = schedule.num_micro_batches
     compute_s = m * slow.compute_s
-    exposed_s = max(m * (slow.critical_comm_s + slow.p2p_s) + tail.dp_exposed_s
-                    + measured.residual_step_s(cluster, train.precision), 0.0)
+    exposed_s = m * (slow.critical_comm_s + slow.p2p_s) + tail.dp_exposed_s
     step = compute_s + exposed_s + bubble + tail.optimizer_s
     peak = max(stages, key=lambda r: r.peak_bytes(cluster))
     peak_flops = layer_terms.peak_flops(cluster, train)
@@ -397,7 +391,7 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
 def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:
     """What makes a prediction for ``graph`` on ``cluster`` less certain, one sentence each (``inspect``
     prints them): ops capture could not price, a GPU cluster without calibration, and calibration
-    measured on another model (its layer times are then not used; its plan residuals are)."""
+    measured on another model (its layer times are then not used)."""
     out = []
     unpriced = graph.coverage.unaccounted
     if unpriced:
@@ -415,9 +409,6 @@ def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:
     measured_on = calibration.get("layer_times.model")
     if measured_on is not None and measured_on != graph.model_name:
         out.append(f"layer times were measured on {measured_on}, not {graph.model_name}: compute is the roofline's")
-    fitted_on = calibration.get("plan_residuals.model")
-    if fitted_on is not None and fitted_on != graph.model_name:
-        out.append(f"plan residuals were fitted on {fitted_on} and are extrapolated to {graph.model_name}")
     return tuple(out)
 
 

@@ -26,33 +26,6 @@ same (signature, dtype, tp, seq); beyond the range the end segment's line is
 extended; below ``T_min`` never under ``t(T_min)·T/T_min`` (time does not drop
 faster than the work). One probed size: proportional, ``t(T₀)·T/T₀``. No sample for the key:
 ``None`` and the cost model keeps its analytic terms.
-
-Plan residuals (``benchmarks/plan_probe.py``, calibration key ``plan_residuals``): the layer
-probe times layers alone, so whatever the runtime adds around them under a strategy (host
-dispatch of collectives and their copy kernels, blocking waits, NCCL kernels spinning for a
-late peer) is missing from a prediction; it is large for ZeRO-3, SP and quantized
-communication (docs/cost-model.md, "Plan residuals"). The plan probe runs forced plans on
-truncated copies of the model (the same blocks, fewer of them: 1 and 3 by default) on the
-target machine, and fits ``measured − predicted`` of every run as::
-
-    residual(plan) = c_plan + Σ_key n_key(plan) · r_key        r_key ≥ 0
-
-``n_key`` = the plan's block layers (transformer-block layers: embedding, head and final norm
-are the same in every depth and go to the plan's intercept ``c_plan``) whose strategy has
-``key``: the strategy's notation (``Z3``, ``DDP·TP·SP``, ``Z3·qW8``) on one mesh and
-micro-batch count (``mesh_key``: ``r2s2t1p1c1e1m1``). ``c₀`` = the median ``c_plan`` (free sign),
-per step, is what a plan gets. Keys::
-
-    plan_residual|<mesh_key>|<notation>|<dtype>      seconds per block layer per step
-    plan_residual_step_s|<dtype>                     c₀, seconds per step
-
-Lookup (``runtime_residual_s``): the exact key; else the larger of the same notation's mean
-over the other probed meshes and the largest residual probed on this mesh (on any mesh when
-this one was not probed): what was not measured here is priced no cheaper than the worst
-measured here, so the search does not prefer a strategy only because nothing measured it
-(it did: the first version fell back to the other meshes' mean or to 0, and the search put
-``offload``, probed only under TP 4 where its fit was 0, on every norm layer of an HSDP
-plan). ``None`` without plan residuals in the calibration.
 """
 
 from __future__ import annotations
@@ -60,14 +33,10 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-
-import numpy as np
 
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo
-from autoshard.plan import LayerStrategy, Mesh, Schedule
 
 KEY_PREFIX = "layer_time"
 _META = ("num_heads", "num_kv_heads", "num_experts", "top_k", "hidden", "ffn_hidden", "vocab")
@@ -147,95 +116,4 @@ def measured_layer_time(layer: LayerInfo, cluster: Cluster, dtype: str, tp: int,
     return LayerTime(max(fwd, 0.0), max(bwd, 0.0))
 
 
-# ---- plan residuals -------------------------------------------------------------------------
-
-RESIDUAL_PREFIX = "plan_residual"
-RESIDUAL_STEP_PREFIX = "plan_residual_step_s"
-
-
-def mesh_key(mesh: Mesh, schedule: Schedule) -> str:
-    """``r<dp_replicate>s<dp_shard>t<tp>p<pp>c<cp>e<ep>m<micro-batches>``: the mesh part of a residual key."""
-    return (f"r{mesh.dp_replicate}s{mesh.dp_shard}t{mesh.tp}p{mesh.pp}c{mesh.cp}e{mesh.ep}"
-            f"m{schedule.num_micro_batches}")
-
-
-def residual_key(mesh: str, notation: str, dtype: str) -> str:
-    """The flat ``cluster.calibration`` key of one fitted residual (module docstring)."""
-    return f"{RESIDUAL_PREFIX}|{mesh}|{notation}|{dtype}"
-
-
-def residual_step_key(dtype: str) -> str:
-    return f"{RESIDUAL_STEP_PREFIX}|{dtype}"
-
-
-@functools.lru_cache(maxsize=64)
-def _residual_tables(cluster: Cluster) -> dict[tuple[str, str], dict[str, float]]:
-    """(notation, dtype) → {mesh_key: seconds per block layer per step}."""
-    out: dict[tuple[str, str], dict[str, float]] = {}
-    for key, value in cluster.calibration.items():
-        parts = key.split("|")
-        if len(parts) == 4 and parts[0] == RESIDUAL_PREFIX:
-            out.setdefault((parts[2], parts[3]), {})[parts[1]] = float(value)
-    return out
-
-
-def runtime_residual_s(strategy: LayerStrategy, mesh: Mesh, schedule: Schedule, cluster: Cluster,
-                       dtype: str) -> float | None:
-    """Fitted runtime seconds per step of one block layer under ``strategy`` (lookup: module docstring)."""
-    tables = _residual_tables(cluster)
-    here = mesh_key(mesh, schedule)
-    by_mesh = tables.get((strategy.notation, dtype), {})
-    if here in by_mesh:
-        return by_mesh[here]
-    # not probed here: no cheaper than the worst strategy probed on this mesh (else anywhere), so that
-    # the search does not prefer a strategy only because nothing measured it on this mesh
-    same_dtype = [m for (_, d), m in tables.items() if d == dtype]
-    on_mesh = [m[here] for m in same_dtype if here in m]
-    everywhere = [v for m in same_dtype for v in m.values()]
-    if not everywhere:
-        return None
-    worst = max(on_mesh or everywhere)
-    return max(sum(by_mesh.values()) / len(by_mesh), worst) if by_mesh else worst
-
-
-def residual_step_s(cluster: Cluster, dtype: str) -> float:
-    """The fitted per-step constant ``c₀`` (0 when the calibration has no plan residuals)."""
-    return float(cluster.calibration.get(residual_step_key(dtype), 0.0))
-
-
-def fit_residuals(rows: Sequence[tuple[str, Mapping[str, int], float]]) -> tuple[float, dict[str, float], dict[str, float]]:
-    """``(c₀, {key: r_key}, {plan: c_plan})`` fitting ``residual = c_plan + Σ n_key·r_key``, ``r_key`` ≥ 0.
-
-    ``rows``: per probed run, the plan's name, its block-layer count of each key and
-    ``measured − predicted`` seconds. Each plan gets its own intercept ``c_plan`` (its embedding,
-    head and per-step costs, which depend on its strategies), so the per-layer ``r_key`` come from
-    how a plan's residual grows with depth; ``c₀`` for plans not probed is the median of the
-    ``c_plan`` of plans probed at two depths or more. Least squares with non-negativity by
-    elimination: solve, pin the most negative ``r_key`` to 0, repeat (exact when at most one
-    constraint binds, close otherwise; a probe fits a handful of keys). Keys no row separates get
-    the minimum-norm split (``numpy.linalg.lstsq``).
-    """
-    if not rows:
-        raise ValueError("fit_residuals: no probe rows")
-    keys = sorted({k for _, counts, _ in rows for k, n in counts.items() if n})
-    plans = sorted({plan for plan, _, _ in rows})
-    a = np.array([[1.0 if plan == p else 0.0 for p in plans] + [float(counts.get(k, 0)) for k in keys]
-                  for plan, counts, _ in rows])
-    y = np.array([float(r) for _, _, r in rows])
-    free = list(range(len(plans) + len(keys)))
-    while True:
-        x = np.zeros(len(plans) + len(keys))
-        x[free] = np.linalg.lstsq(a[:, free], y, rcond=None)[0]
-        negative = [j for j in free if j >= len(plans) and x[j] < 0.0]
-        if not negative:
-            break
-        free.remove(min(negative, key=lambda j: x[j]))
-    intercepts = {p: float(x[i]) for i, p in enumerate(plans)}
-    depths = {p: sum(1 for plan, _, _ in rows if plan == p) for p in plans}
-    steady = [intercepts[p] for p in plans if depths[p] >= 2] or list(intercepts.values())
-    return float(np.median(steady)), {k: float(x[len(plans) + i]) for i, k in enumerate(keys)}, intercepts
-
-
-__all__ = ["KEY_PREFIX", "RESIDUAL_PREFIX", "LayerTime", "fit_residuals", "interpolate", "layer_signature",
-           "measured_layer_time", "mesh_key", "residual_key", "residual_step_key", "residual_step_s",
-           "runtime_residual_s", "sample_key"]
+__all__ = ["KEY_PREFIX", "LayerTime", "interpolate", "layer_signature", "measured_layer_time", "sample_key"]

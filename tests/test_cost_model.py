@@ -665,9 +665,9 @@ def test_pricing_caveats_name_what_the_model_cannot_price():
     assert any("compiled activations not measured" in t for t in pricing_caveats(graph, gpu))
     measured = replace(graph, compiled_saved_scale=0.7)
     assert not any("compiled activations" in t for t in pricing_caveats(measured, gpu))
-    other = replace(gpu, calibration={"layer_times.model": "llama:350m", "plan_residuals.model": "llama:350m"})
-    texts = pricing_caveats(measured, other)
-    assert len(texts) == 2 and "measured on llama:350m, not m" in texts[0] and "extrapolated" in texts[1]
+    other = replace(gpu, calibration={"layer_times.model": "llama:350m"})
+    (text,) = pricing_caveats(measured, other)
+    assert "measured on llama:350m, not m" in text
 
 
 def test_compiled_saved_scale_is_measured_for_any_model_and_read_by_predict():

@@ -19,7 +19,7 @@ differs from another only by how the step is parallelised):
 - **Weights**: every trainer starts from ``build(spec, seed=SEED)`` in fp32 (the
   reference initialisation on the run's device kind: ``reference_model``, cached
   per process on the CPU, built on the device on GPUs), so step-1 losses agree
-  across configs. A Hugging Face spec (``hf-llama:SIZE``, ``benchmarks/hf_policy.py``)
+  across configs. A Hugging Face spec (``hf-llama:7b``, ``hf-qwen2:1.5b``, ...: ``benchmarks/hf_zoo.py``)
   is built the same way by ``build_hf_policy``, on the rank's device.
 - **Optimizer**: ``OptimizerConfig`` of the runtime; baselines build the
   matching ``torch.optim.AdamW`` (decoupled decay, as the runtime's) or
@@ -83,7 +83,7 @@ class RunSpec:
     explicit path whose captured activations match Korthikanti et al.; Llama: ``"sdpa"``).
     Megatron-Core runs its own attention whatever this says.
     num_layers: ``None`` keeps the model's depth; a smaller count builds the same blocks fewer
-    times (``benchmarks/plan_probe.py`` times truncated copies of a model).
+    times.
     """
 
     model: str
@@ -159,12 +159,12 @@ def reference_model(spec: RunSpec, device: torch.device | str) -> nn.Module:
     on ``device`` directly: the counter-based init (``autoshard.init``, 2²²-element chunks
     on a GPU) gives the same values, bit for bit, on every rank and in every process, where
     a CPU cache of a 7B model would cost 27 GB of host memory per rank and two 27 GB copies
-    per config. A Hugging Face spec (``hf-llama:SIZE``) is built by
-    ``hf_policy.build_hf_policy`` on ``device`` likewise, on the CPU too (only its tiny
-    size runs there).
+    per config. A Hugging Face spec (``hf-qwen2:1.5b``) is built by
+    ``hf_zoo.build_hf_policy`` on ``device`` likewise, on the CPU too (only the tiny
+    sizes run there).
     """
     if is_hf_spec(spec.model):
-        from benchmarks.hf_policy import build_hf_policy
+        from benchmarks.hf_zoo import build_hf_policy
 
         return build_hf_policy(spec.model, device=device, dtype=torch.float32, seed=SEED,
                                **hf_overrides(spec.model_overrides))
@@ -196,20 +196,20 @@ def _reference_state(model: str, init_device: str, num_layers: int | None = None
 
 
 def is_hf_spec(model: str) -> bool:
-    """Whether ``model`` names a Hugging Face policy of ``benchmarks/hf_policy.py`` (``hf-llama:SIZE``)."""
-    from benchmarks.hf_policy import is_hf_spec as hf_spec
+    """Whether ``model`` names a Hugging Face policy of ``benchmarks/hf_zoo.py`` (``hf-qwen2:1.5b``, ...)."""
+    from benchmarks.hf_zoo import is_hf_spec as hf_spec
 
     return hf_spec(model)
 
 
 def hf_overrides(overrides: dict[str, object]) -> dict[str, object]:
-    """``RunSpec.model_overrides`` as ``LlamaConfig`` fields: ``num_layers`` → ``num_hidden_layers``.
+    """``RunSpec.model_overrides`` as Hugging Face config fields: ``num_layers`` → ``num_hidden_layers``.
 
     ``attn_impl`` other than SDPA is refused: the policy runs HF's SDPA attention.
     """
     out = dict(overrides)
     if out.pop("attn_impl", "sdpa") != "sdpa":
-        raise BaselineError(f"attn_impl={overrides['attn_impl']!r}: the Hugging Face policy runs 'sdpa' only")
+        raise BaselineError(f"attn_impl={overrides['attn_impl']!r}: the Hugging Face policies run 'sdpa' only")
     if "num_layers" in out:
         out["num_hidden_layers"] = out.pop("num_layers")
     return out
