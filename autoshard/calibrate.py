@@ -237,7 +237,6 @@ def measure_attention(shapes: Sequence[tuple[int, int, int, int]], dtype: torch.
         seconds = _median_seconds(step, iters, device)
         flops = 3.0 * 4.0 * b * h * s * s * d
         out.append({"shape": [b, h, s, d], "seconds": seconds, "efficiency": flops / seconds / peak})
-        del q, k, v, grad
     return tuple(out)
 
 
@@ -422,7 +421,8 @@ def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
     probed = (f", {len(result.layer_times['samples'])} layer samples of {result.layer_times['model']}"
               if result.layer_times else "")
     line = (f"{result.device}: matmul efficiency {result.matmul_efficiency:.2f}, "
-            f"HBM efficiency {result.hbm_efficiency:.2f}, attention efficiency {result.attention_efficiency or 0:.2f}, kernel overhead {result.kernel_overhead_s * 1e6:.1f} µs, "
+            f"HBM efficiency {result.hbm_efficiency:.2f}, attention efficiency {result.attention_efficiency or 0:.2f}, "
+            f"kernel overhead {result.kernel_overhead_s * 1e6:.1f} µs, "
             f"GEMM knee {result.gemm_knee_flops:.3g} FLOP{link}, AdamW {result.adamw_s_per_param * 1e12:.0f} ps/param "
             f"+ {result.adamw_s_per_tensor * 1e6:.0f} µs/tensor{probed} → {args.out}")
     (console.print if console is not None else print)(line)

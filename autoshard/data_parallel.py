@@ -23,7 +23,7 @@ micro-batch on one stage, ``Plan.compilable`` on a GPU; wires unquantized unless
 | zero1 / zero2, gathered in forward (compiled m = 1, R = 1) | dim-0 shard over S | shard | all-gather over S in the forward graph (kept for backward), reduce-scatter over S in the backward graph |
 | zero1 / zero2, compiled m = 1, R > 1 | full | full, own chunk kept | all-reduce over D in the backward graph; all-gather over D after the update |
 | zero1 / zero2 / offload, otherwise | full | full, accumulated over micro-batches | reduce-scatter over D after the backward; all-gather over D after the update |
-| zero3 | dim-0 shard over S | shard | per micro-batch: all-gather over S in forward, again in backward (compiled: not for an embedding, whose backward needs no weight; eager re-gathers it too), reduce-scatter over S in backward |
+| zero3 | dim-0 shard over S | shard | per micro-batch: all-gather over S in forward, again in backward (not for an embedding, whose backward needs no weight, where compiled or on a quantized wire; the eager unquantized gather re-gathers it too), reduce-scatter over S in backward |
 | zero3 with R > 1 (HSDP) | as zero3 | as zero3 | + all-reduce over R of the shard's gradient: in the backward graph (compiled m = 1), else after the backward |
 
 Reductions "after the backward" are the optimizer's (``runtime/optimizer.py``), exposed: the
@@ -31,6 +31,26 @@ runtime's default (``build_program(overlap_grad_sync=False)``, measured faster o
 start them during the backward. ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
 this runtime's ZeRO-2 does not reduce per micro-batch. Scalar bookkeeping all-reduces (the loss
 mean, the gradient norm for clipping) are not part of a layer's form.
+
+Optimizer step (``step_working_set``; ``ShardedOptimizer.step``): what a layer's step holds beside
+its model states, from the gradient sync to the write-back. The backward's gradient (``param.grad``,
+the ``grads`` of the memory rows) stays alive until every bucket is reduced; the update reads an fp32
+``slot.grad``, a tensor of its own where a collective after the backward produced it, where the
+layer is flat (its own chunk) or where the compute dtype is not fp32. The fused AdamW kernel
+(``torch._fused_adamw_``, CUDA and CPU alike) and SGD update in place: no temporaries on either
+device. Buckets are packed in the gradient's dtype (``runtime/_buckets.py``). The cost model prices
+these (``search/memory.py``, "Optimizer step"):
+
+| form | fp32 gradient held through the step | packed bucket copies |
+| --- | --- | --- |
+| replicate, reduced after the backward | full | 1 (all-reduce: the concatenated bucket) |
+| zero1 / zero2 / offload, flat (held full) | chunk 1/D (offload: on the host) | 2 (reduce-scatter: members padded, then concatenated); 0 when reduced in the graph |
+| zero3 with R > 1, reduced after the backward | shard | 1 |
+| reduced in the graph, or nothing to reduce (zero3 R = 1, gathered-in-forward ZeRO-1/2, dp = 1) | none in fp32; else full / shard as held | 0 |
+
+After the update the flat states' re-gathers (at most ``gathers_in_flight`` buckets, each
+its chunks, the gathered bucket and its copy-out) run without the backward's gradients, which
+the sync freed: never more than the sync holds for D ≥ 2, so the sync is the step's peak.
 """
 
 from __future__ import annotations
@@ -111,7 +131,9 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
     # zero3
     hsdp_in_graph = one_step and exact
     gathers = [c("all_gather", "dp_shard", "weight", "forward", per_mb=True, in_graph=compiled, hides="forward")]
-    if layer_kind != "embedding" or not compiled:  # eager re-gathers every gathered layer's weight
+    # the eager unquantized (fused) gather is re-gathered for every layer; compiled and quantized (op-by-op)
+    # gathers only where the backward reads the weight
+    if layer_kind != "embedding" or not (compiled or not exact):
         gathers.append(c("all_gather", "dp_shard", "weight", "backward", per_mb=True, in_graph=compiled,
                          hides="backward"))
     reduce = [c("reduce_scatter", "dp_shard", "grad", "backward", per_mb=True, in_graph=compiled, hides="backward")]
@@ -121,4 +143,34 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
     return DataParallelForm(state, "shard", "shard", tuple(gathers + reduce))
 
 
-__all__ = ["Collective", "DataParallelForm", "KINDS", "PHASES", "data_parallel_form"]
+GRAD_COPIES = ("none", "full", "chunk", "shard")
+
+
+@dataclass(frozen=True)
+class StepWorkingSet:
+    """What one layer's optimizer step holds beside its model states (module docstring, "Optimizer step").
+
+    grad: ``GRAD_COPIES``: the fp32 gradient the update reads when it is a tensor of its own, the size
+    of the layer's local parameters ("full"), of its flat 1/D chunk ("chunk") or of its dim-0 shard as
+    held ("shard"); "none" where the update reads the backward's own gradient.
+    pack: bucket-sized copies, in the gradient's dtype, alive while one bucket is packed and reduced
+    after the backward (0: no reduction after the backward).
+    """
+
+    grad: str
+    pack: int
+
+
+def step_working_set(form: DataParallelForm, compute_fp32: bool) -> StepWorkingSet:
+    """The optimizer step's working set of a layer run as ``form`` (module docstring table).
+    ``compute_fp32``: the gradients are fp32 (``precision="fp32"``), so an unreduced one is the update's."""
+    after = [c for c in form.collectives if c.phase == "after_backward"]
+    flat = form.state in ("zero1", "zero2", "offload") and form.held == "full" and bool(form.collectives)
+    size = "chunk" if flat else ("shard" if form.grads == "shard" else "full")
+    pack = {"all_reduce": 1, "reduce_scatter": 2}[after[0].kind] if after else 0
+    own_tensor = bool(after) or flat or not compute_fp32  # a collective's output, the own chunk, or an fp32 cast
+    return StepWorkingSet(size if own_tensor else "none", pack)
+
+
+__all__ = ["Collective", "DataParallelForm", "GRAD_COPIES", "KINDS", "PHASES", "StepWorkingSet", "data_parallel_form",
+           "step_working_set"]

@@ -36,10 +36,13 @@ export PYTHONPATH="$SHIM:$SITE:$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 # autoshard/ (without the stage folders) would shadow the shim: keep it off.
 export PYTHONSAFEPATH=1
 
-model_spec() {  # model_spec FAMILY:SIZE[:ATTN]: sets MODEL, TAG (e.g. llama1.3b) and MODEL_ARGS for run.py
+model_spec() {  # model_spec FAMILY:SIZE[:ATTN]: sets MODEL, TAG (e.g. llama1.3b) and MODEL_ARGS for run.py;
+  # FAMILY:SIZE is a reference spec or one of the Hugging Face zoo (hf-qwen2:1.5b, benchmarks/hf_zoo.py: no ATTN)
   local family size attn cal   # (--model, --attn when given, --calibration when CAL_DIR, default .cal, has the file)
   IFS=: read -r family size attn <<< "$1"
   MODEL="$family:$size"; TAG="$family$size"
+  # a family ending in a digit keeps its size apart: hf-qwen2:1.5b → hf-qwen2_1.5b
+  [[ $family == *[0-9] ]] && TAG="${family}_$size"
   MODEL_ARGS=(--model "$MODEL")
   [[ -n ${attn:-} ]] && MODEL_ARGS+=(--attn "$attn")
   cal="${CAL_DIR:-.cal}/${family}_${size}.json"

@@ -11,7 +11,7 @@ On the CPU (gloo, tiny models; what the tests rehearse): ``--device cpu --model 
 Steps of a run (progress lines on rank 0 with the seconds since start):
 
 1. the model on the meta device (``--model``: a reference spec, ``llama:7b``, or a Hugging Face
-   trunk, ``hf-llama:7b``, ``benchmarks/hf_policy.py``): one fp32 copy to build from, one in
+   trunk, ``hf-llama:7b`` or another ``hf-*`` spec of ``benchmarks/hf_zoo.py``): one fp32 copy to build from, one in
    the compute dtype to capture (16-bit saved activations, as ``benchmarks/run.py`` captures);
 2. capture on meta, then rank 0 searches the plan for ``--cluster`` (its presets' cards: 80 GB
    for ``h100-sxm``) under the benchmark pins (``baselines/autoshard_trainer.plan_constraints``:
@@ -88,8 +88,8 @@ from benchmarks.baselines.common import (  # noqa: E402
     reset_memory,
     synchronize,
 )
-from benchmarks.hf_policy import FAMILY as HF_FAMILY  # noqa: E402
-from benchmarks.hf_policy import SIZES as HF_SIZES  # noqa: E402
+from benchmarks.hf_zoo import SPECS as HF_SPECS  # noqa: E402
+from benchmarks.hf_zoo import is_hf_spec  # noqa: E402
 
 GIB = 2**30
 WEIGHTS = ("meta", "safetensors")
@@ -105,7 +105,8 @@ MAX_SHARD_BYTES = 2 * GIB  # files of the written checkpoint (HF's own are 2-10 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (module docstring); exits 2 with one line on a bad value."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--model", required=True, help=f"reference spec (llama:7b) or {HF_FAMILY}:SIZE ({sorted(HF_SIZES)})")
+    p.add_argument("--model", required=True,
+                   help=f"reference spec (llama:7b) or a Hugging Face spec ({', '.join(HF_SPECS)})")
     p.add_argument("--cluster", required=True, help="cluster preset PRESET:NODESxDEVICES, e.g. h100-sxm:1x2; its "
                                                     "world size must be torchrun's")
     p.add_argument("--weights", choices=WEIGHTS, default="meta",
@@ -159,9 +160,8 @@ def _invalid(args: argparse.Namespace) -> str | None:
 
 
 def _invalid_model(spec: str) -> str | None:
-    family, _, size = spec.partition(":")
-    if family == HF_FAMILY:
-        return None if size in HF_SIZES else f"--model {spec!r}: {HF_FAMILY} sizes are {sorted(HF_SIZES)}"
+    if is_hf_spec(spec):
+        return None if spec in HF_SPECS else f"--model {spec!r}: Hugging Face specs are {list(HF_SPECS)}"
     try:
         from autoshard.models import config_for
 
@@ -217,9 +217,9 @@ def _max_over_ranks(value: float | None, device: torch.device) -> float | None:
 
 
 def build_meta_model(spec: str, dtype: torch.dtype) -> torch.nn.Module:
-    """The policy ``spec`` on the meta device in ``dtype`` (a reference model or ``hf_policy``'s)."""
-    if spec.split(":", 1)[0] == HF_FAMILY:
-        from benchmarks.hf_policy import build_hf_policy
+    """The policy ``spec`` on the meta device in ``dtype`` (a reference model or ``hf_zoo``'s)."""
+    if is_hf_spec(spec):
+        from benchmarks.hf_zoo import build_hf_policy
 
         return build_hf_policy(spec, device="meta", dtype=dtype)
     from autoshard.models import build
@@ -484,8 +484,10 @@ def _check_world(args: argparse.Namespace) -> None:
 
 
 def _vocab(spec: str) -> int:
-    if spec.split(":", 1)[0] == HF_FAMILY:
-        return HF_SIZES[spec.split(":", 1)[1]]["vocab_size"]
+    if is_hf_spec(spec):
+        from benchmarks.hf_zoo import hf_config
+
+        return hf_config(spec).vocab_size
     from autoshard.models import config_for
 
     return config_for(spec).vocab_size

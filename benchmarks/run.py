@@ -7,12 +7,15 @@ Under torchrun, one process per GPU (docs/benchmarks.md)::
 
 On the CPU (gloo, tiny sizes; what CI runs): ``--device cpu --model gpt:tiny --batch 4 --seq 16``.
 
-``--model`` is a reference spec (``autoshard models``) or a Hugging Face Llama of
-``benchmarks/hf_policy.py`` (``hf-llama:7b``, Llama-2-7B's shapes; ``hf-llama:tiny`` for the CPU),
-random weights, nothing read from a hub. Every config runs it as it runs a reference model:
-captured on the meta device in the compute dtype, each trainer built from the seeded fp32
-weights (``common.reference_model``). Without ``transformers`` every row of an ``hf-llama``
-run is ``skipped: transformers not installed`` (the files are still written).
+``--model`` is a reference spec (``autoshard models``) or a Hugging Face model of the zoo
+``benchmarks/hf_zoo.py`` (``hf-llama:7b``, ``hf-qwen2:1.5b``, ``hf-gpt2:350m``, ``hf-gemma:2b``,
+``hf-phi:2.7b``, ``hf-mixtral:1.5b``, ...; ``FAMILY:tiny`` for the CPU), random weights,
+nothing read from a hub. Every config runs it as it runs a reference model: captured on the meta
+device in the compute dtype, each trainer built from the seeded fp32 weights
+(``common.reference_model``). The zoo is planned data-parallel only (``hf_zoo.mesh_pins``: tp = 1
+in the search and no forced TP variant; the zoo's docstring says why). Without ``transformers``
+every row of an ``hf-*`` run is ``skipped: transformers not installed`` (the files are still
+written).
 
 Steps, in one process group:
 
@@ -106,7 +109,7 @@ from benchmarks.baselines.common import (  # noqa: E402
     synchronize,
 )
 from benchmarks.baselines.plans import MODES, broadcast_plans, search_plans  # noqa: E402
-from benchmarks.hf_policy import is_hf_spec  # noqa: E402
+from benchmarks.hf_zoo import is_hf_spec  # noqa: E402
 
 log = logging.getLogger("benchmarks.run")
 
@@ -124,7 +127,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     """The command line (module docstring)."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="llama:350m",
-                   help="reference model spec (see `autoshard models`) or hf-llama:SIZE (benchmarks/hf_policy.py)")
+                   help="reference model spec (see `autoshard models`) or a Hugging Face spec such as hf-qwen2:1.5b "
+                        "(benchmarks/hf_zoo.py)")
     p.add_argument("--batch", type=int, default=8, help="global batch (sequences per step over all ranks)")
     p.add_argument("--seq", type=int, default=2048, help="sequence length")
     p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per rank per step (baselines)")
@@ -174,7 +178,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         args.variants = [v.strip() for v in args.variants.split(",") if v.strip()]
         args.plans = "forced"
     if args.attn is not None and is_hf_spec(args.model):
-        p.error(f"--attn with {args.model}: the Hugging Face policy runs SDPA (benchmarks/hf_policy.py)")
+        p.error(f"--attn with {args.model}: the Hugging Face policies run SDPA (benchmarks/hf_zoo.py)")
     return args
 
 
@@ -192,10 +196,12 @@ def _init_distributed(device: str) -> bool:
     return True
 
 
-def _capture(spec: RunSpec, cache_dir: Path | None = None):
+def _capture(spec: RunSpec, cache_dir: Path | None = None, compiled: bool = False):
     """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls,
-    and in ``cache_dir`` (``--graph-cache``) across processes."""
-    key = (spec.model, spec.seq_len, spec.compute_dtype, tuple(sorted(spec.model_overrides.items())))
+    and in ``cache_dir`` (``--graph-cache``) across processes. ``compiled`` (plans for a GPU cluster, where
+    the runtime compiles): the graph also carries the compiled step's block-activation scale
+    (``ModelGraph.with_compiled_saved_scale``, traced on meta: seconds per model)."""
+    key = (spec.model, spec.seq_len, spec.compute_dtype, tuple(sorted(spec.model_overrides.items())), compiled)
     if cache_dir is None:
         return _capture_cached(*key)
     return _capture_file(cache_dir, key)
@@ -205,8 +211,8 @@ def _capture_file(cache_dir: Path, key: tuple):
     """Load the pickled graph of ``key`` from ``cache_dir``, else capture it and (rank 0) write it atomically."""
     import pickle
 
-    model, seq_len, dtype, overrides = key
-    extra = "".join(f"_{k}-{v}" for k, v in overrides)
+    model, seq_len, dtype, overrides, compiled = key
+    extra = "".join(f"_{k}-{v}" for k, v in overrides) + ("_compiled" if compiled else "")
     path = cache_dir / f"{model.replace(':', '_')}_s{seq_len}_{str(dtype).rsplit('.', 1)[-1]}{extra}.pkl"
     if path.exists():
         try:
@@ -223,22 +229,25 @@ def _capture_file(cache_dir: Path, key: tuple):
 
 
 @functools.lru_cache(maxsize=4)
-def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, overrides: tuple = ()):
+def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, overrides: tuple = (), compiled: bool = False):
+    from autoshard.passes.capture import capture
+
     seq_lens = (max(2, seq_len // 2), seq_len)
-    if is_hf_spec(model):  # a Hugging Face trunk on meta, buffers on the CPU (benchmarks/hf_policy.py)
-        from autoshard.passes.capture import capture
+    if is_hf_spec(model):  # a Hugging Face trunk on meta, buffers on the CPU (benchmarks/hf_zoo.py)
         from benchmarks.baselines.common import hf_overrides
-        from benchmarks.hf_policy import build_hf_policy
+        from benchmarks.hf_zoo import build_hf_policy
 
-        return capture(build_hf_policy(model, device="meta", dtype=dtype, **hf_overrides(dict(overrides))),
-                       name=model, seq_lens=seq_lens)
-    from autoshard.passes.capture import capture_reference
+        meta = build_hf_policy(model, device="meta", dtype=dtype, **hf_overrides(dict(overrides)))
+    else:
+        from autoshard.models import build
 
-    return capture_reference(model, seq_lens=seq_lens, dtype=dtype, **dict(overrides))
+        meta = build(model, device="meta", dtype=dtype, **dict(overrides))
+    graph = capture(meta, name=model, seq_lens=seq_lens)
+    return graph.with_compiled_saved_scale(meta, seq_len) if compiled else graph
 
 
 def hf_available() -> bool:
-    """Whether ``transformers`` imports here (``hf-llama`` models need it)."""
+    """Whether ``transformers`` imports here (``hf-*`` models need it)."""
     try:
         import transformers  # noqa: F401
     except ImportError:
@@ -451,7 +460,7 @@ def _benchmark(args: argparse.Namespace) -> None:
     if is_hf_spec(spec.model) and not hf_available():
         _skip_all(args, spec, detected, world, rank, "skipped: transformers not installed")
         return
-    graph = _capture(spec, args.graph_cache)
+    graph = _capture(spec, args.graph_cache, compiled=not detected.runs_on_cpu)
     if args.list_plans:
         world = detected.world_size if args.cluster else world
         _list_plans(graph, _plans(graph, calibrated or detected, spec, args, world, rank), detected, calibrated,
@@ -468,6 +477,7 @@ def _benchmark(args: argparse.Namespace) -> None:
         row["tp"], row["sp"] = plan.mesh.tp, any(s.sp for s in plan.layers)  # loss pairs (report.loss_agreement)
         row["predicted"] = _predict(graph, plan, detected, spec)
         row["predicted_calibrated"] = _predict(graph, plan, calibrated, spec)
+        row["plan_dict"] = plan.to_dict()  # the whole plan, so a later cost model can re-predict the row
         rows.append(report.finish_row(row, meta))
         if rank == 0:
             report.write(args.out, meta, rows)

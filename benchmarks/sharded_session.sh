@@ -5,13 +5,18 @@
 #   OUT=/some/dir [NPROC=2] benchmarks/sharded_session.sh
 #
 # Models (MODELS, priority order; default "llama:7b hf-llama:7b llama:1.3b"; hf-llama:7b is a Hugging Face
-# Llama-2-7B config with random weights, benchmarks/hf_policy.py). Configs (CONFIGS, default
+# Llama-2-7B config with random weights, and every hf-* spec of the zoo benchmarks/hf_zoo.py runs too:
+# hf-qwen2:1.5b, hf-gpt2:350m, hf-gemma:2b, hf-phi:2.7b, hf-mixtral:1.5b, ...). Configs (CONFIGS, default
 # autoshard,fsdp2-compiled,fsdp2-noreshard-compiled,fsdp2,deepspeed-z3): the plan searched for
 # CLUSTER (default h100-sxm:1x$NPROC: 80 GB cards, also when H200s come), FSDP2 compiled per block with
 # reshard_after_forward True and False (torchtitan's recipe), FSDP2 eager, DeepSpeed ZeRO-3.
 # Shape: seq SEQ (2048), bf16, AdamW (lr LR, 1e-5: 1e-4 diverged on 7B in every framework), STEPS (10) of
-# which WARMUP (3) untimed; global batch = NPROC × sequences per GPU: 2 for *:7b, 8 for *:1.3b, 4 otherwise
-# (BATCH_PER_GPU overrides all).
+# which WARMUP (3) untimed; global batch = NPROC × sequences per GPU (80 GB cards at seq 2048): 2 for *:7b,
+# 8 for *:1.3b and the zoo's models below 1.5B (hf-llama:1b, hf-qwen2:0.5b, hf-gpt2:350m/774m, hf-phi:1.3b,
+# hf-mixtral:1.5b: 1.5B in all, 0.4B active), 4 for hf-gemma:2b, hf-phi:2.7b, hf-qwen2:1.5b and hf-gpt2:1.5b
+# (at 8 the last two predict 84-86 GiB for FSDP2's nearest plan: a 152k vocabulary, 48 GPT-2
+# blocks), 4 otherwise (BATCH_PER_GPU overrides all). Folder tags drop the colon (llama7b_x2), or make it an
+# underscore after a family ending in a digit (hf-qwen2_1.5b_x2).
 # Order: for each model, rounds FIRST_ROUND (1) to ROUNDS (3), each round every config once: a session cut short keeps
 # complete rounds of the first model, and a slow period of the machine falls on all its configs alike.
 # Profile: the processes of round PROFILE_ROUND (default 1; 0: none) add run.py --profile: one more step
@@ -24,7 +29,7 @@
 # named at the end (run it in another call with MODELS/ROUNDS; sharded_summary.py takes several session
 # folders and pools their processes).
 # Configs whose package is missing are recorded as skipped without starting a process (deepspeed for
-# deepspeed-*, transformers for hf-llama:*).
+# deepspeed-*, transformers for hf-*:*).
 # CLUSTER=detected plans for this machine as Cluster.detect() sees it (no --cluster); CALIBRATION=FILE passes
 # run.py --calibration FILE (its calibrated prediction, and the search on the calibrated cluster); RUN_ARGS adds
 # run.py arguments to every process (benchmarks/zoo_campaign.sh: --plans forced --variants ...).
@@ -83,9 +88,15 @@ per_gpu() {  # per_gpu MODEL: sequences per GPU in a step (the header says which
   if [[ -n ${BATCH_PER_GPU:-} ]]; then echo "$BATCH_PER_GPU"; return; fi
   case "$1" in
     *:7b) echo 2 ;;
-    *:1.3b) echo 8 ;;
+    hf-gemma:2b | hf-phi:2.7b | hf-qwen2:1.5b | hf-gpt2:1.5b) echo 4 ;;
+    *:1.3b | hf-llama:1b | hf-qwen2:0.5b | hf-gpt2:350m | hf-gpt2:774m | hf-mixtral:1.5b) echo 8 ;;
     *) echo "${DEFAULT_PER_GPU:-$([[ $DRY == 1 ]] && echo 2 || echo 4)}" ;;
   esac
+}
+
+tag_of() {  # tag_of MODEL: the folder tag, llama:7b → llama7b, hf-qwen2:1.5b → hf-qwen2_1.5b
+  local family="${1%%:*}" size="${1#*:}"
+  if [[ $family == *[0-9] ]]; then echo "${family}_$size"; else echo "$family$size"; fi
 }
 
 have() {  # have MODULE: whether MODULE is importable here (found, not imported: deepspeed takes ~8 s)
@@ -93,7 +104,7 @@ have() {  # have MODULE: whether MODULE is importable here (found, not imported:
 }
 
 missing() {  # missing MODEL CONFIG: the status of a row that needs a package not installed here, else nothing
-  if [[ $1 == hf-llama:* ]] && ! have transformers; then echo "skipped: transformers not installed"; return; fi
+  if [[ $1 == hf-*:* ]] && ! have transformers; then echo "skipped: transformers not installed"; return; fi
   if [[ $2 == deepspeed-* ]] && ! have deepspeed; then echo "skipped: deepspeed not installed"; return; fi
   if [[ $2 == megatron-* ]] && ! have megatron; then echo "skipped: megatron-core not installed"; fi
 }
@@ -111,7 +122,7 @@ pack() {  # the tree into one archive under $OUT (skipped when the tree is under
 
 run_one() {  # run_one MODEL CONFIG ROUND: one torchrun of run.py (or a skipped record), its proc.json
   local model="$1" config="$2" round="$3"
-  local group="${model//:/}_x$NPROC"
+  local group; group="$(tag_of "$model")_x$NPROC"
   local dir="$WORK/$group/${config}_r$round"
   local common=("\"model\": \"$model\"" "\"config\": \"$config\"" "\"round\": $round" "\"nproc\": $NPROC"
     "\"started\": $(date +%s)")

@@ -19,6 +19,9 @@
 # The calibration file is the only thing measured on the machine that the predictions read.
 # benchmarks/zoo_summary.py turns the trees into the accuracy table (step and memory errors per plan, predicted
 # and measured ratios of the searched plan to the baselines).
+# Files: the session trees and logs go to $WORK (default /tmp/zoo_work), packed with the calibration into
+# $OUT/zoo.tgz after each phase; $OUT keeps only zoo.tgz, zoo.md, campaign-level logs and the calibration
+# files (few files: a device call returns a limited number).
 set -uo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 OUT="${OUT:?set OUT to the results folder}"
@@ -27,21 +30,23 @@ BUDGET_S="${BUDGET_S:-560}"
 PYTHON="${PYTHON:-python3}"
 VARIANTS="${VARIANTS:-replicate,zero3}"
 CONFIGS="autoshard,${BASELINES:-fsdp2-noreshard-compiled}"
-mkdir -p "$OUT"
+WORK="${WORK:-/tmp/zoo_work}"
+mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
 source "$ROOT/benchmarks/gpu_env.sh"
 
 calibrate() {  # calibrate GPUS NPROC FILE
   local t0=$SECONDS
   CUDA_VISIBLE_DEVICES="$1" timeout 240 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$2" \
-    -m autoshard.calibrate --out "$3" --raw "${3%.json}_raw.json" > "${3%.json}.log" 2>&1
-  echo "=== calibrate on GPUs $1: rc=$? in $((SECONDS - t0))s: $(tail -1 "${3%.json}.log" | cut -c1-300)"
+    -m autoshard.calibrate --out "$3" --raw "$WORK/$(basename "${3%.json}")_raw.json" \
+    > "$WORK/$(basename "${3%.json}").log" 2>&1
+  echo "=== calibrate on GPUs $1: rc=$? in $((SECONDS - t0))s: $(tail -1 "$WORK/$(basename "${3%.json}").log" | cut -c1-300)"
 }
 
 session() {  # session NAME GPUS NPROC MODELS BUDGET CALIBRATION
   CUDA_VISIBLE_DEVICES="$2" NPROC="$3" MODELS="$4" CONFIGS="$CONFIGS" ROUNDS="${ROUNDS:-1}" BUDGET_S="$5" \
     CLUSTER=detected CALIBRATION="$6" RUN_LIMIT="${RUN_LIMIT:-420}" RUN_ARGS="--plans forced --variants $VARIANTS" PROFILE_ROUND=0 \
-    OUT="$OUT/$1" bash "$ROOT/benchmarks/sharded_session.sh" > /dev/null 2>&1
+    OUT="$WORK/$1" bash "$ROOT/benchmarks/sharded_session.sh" > /dev/null 2>&1
 }
 
 pairs() {  # pairs BUDGET
@@ -63,5 +68,7 @@ case "$PHASE" in
   both) x4 "${X4_BUDGET_S:-240}"; pairs "$BUDGET_S" ;;
   *) echo "unknown phase $PHASE (pairs | x4 | both)" >&2; exit 2 ;;
 esac
-"$PYTHON" benchmarks/zoo_summary.py "$OUT" > "$OUT/zoo.md" 2> "$OUT/zoo_summary.err"
+cp "$OUT"/cal_*.json "$WORK"/ 2>/dev/null
+tar czf "$OUT/zoo.tgz" -C "$WORK" .
+"$PYTHON" benchmarks/zoo_summary.py "$WORK" > "$OUT/zoo.md" 2> "$WORK/zoo_summary.err"
 cat "$OUT/zoo.md"

@@ -9,7 +9,8 @@ FLOPs (multiply-add = 2):
 
 * matmul family (``MATMUL_OPS``): ``2·M·N·K``. ``linear(x[..., K], W[N, K])``:
   ``M = numel(x)/K``; ``mm``/``bmm``/``matmul``: ``2·numel(out)·K`` with ``K`` the
-  last dim of the first operand; ``einsum`` of two operands: ``2·Π(sizes of all
+  last dim of the first operand (``_grouped_mm(x[S, K], W[E, K, N], offs)``, each
+  row through one group's weight: ``2·S·N·K``); ``einsum`` of two operands: ``2·Π(sizes of all
   indices)``. A bias (``linear``, ``addmm``, ``baddbmm``) adds ``numel(out)``
   elementwise FLOPs.
 * SDPA (``aten.scaled_dot_product_attention`` and its fused variants):
@@ -48,7 +49,8 @@ import torch
 from torch import fx
 
 MATMUL_OPS = frozenset(
-    {"aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm", "aten.einsum"}
+    {"aten.linear", "aten.mm", "aten.bmm", "aten.matmul", "aten.addmm", "aten.baddbmm", "aten.einsum",
+     "aten._grouped_mm"}
 )
 SDPA_OPS = frozenset(
     {
@@ -93,7 +95,8 @@ ELEMENTWISE_FLOPS = {
             "aten.logical_not", "aten.bitwise_not", "aten.bitwise_and", "aten.bitwise_or", "aten.exp",
             "aten.log", "aten.tanh", "aten.sin", "aten.cos", "aten.relu", "aten.tril", "aten.triu",
             "aten.square", "aten.erf", "aten.sign", "aten.scatter", "aten.scatter_add", "aten.index_add",
-            "aten.index_put", "aten.masked_scatter", "aten.lerp",
+            "aten.index_put", "aten.masked_scatter", "aten.lerp", "aten.clamp_", "aten.div_", "aten.masked_fill_",
+            "aten.index_put_", "aten.floor_divide",
         ),
         1,
     ),
@@ -115,7 +118,7 @@ ELEMENTWISE_FLOPS = {
 REDUCTION_FLOPS = {
     **dict.fromkeys(
         ("aten.sum", "aten.mean", "aten.amax", "aten.amin", "aten.max", "aten.min", "aten.cumsum",
-         "aten.argmax", "aten.argmin", "aten.topk", "aten.sort", "aten.any", "aten.all"),
+         "aten.argmax", "aten.argmin", "aten.topk", "aten.sort", "aten.any", "aten.all", "aten.histc"),
         1,
     ),
     "aten.var": 3,

@@ -3,7 +3,10 @@
 Attribution rule (also in ``capture``'s docstring): a ``call_function`` node
 belongs to the deepest module of ``node.meta["nn_module_stack"]`` that is a
 layer; otherwise to the layer of the nearest preceding node; nodes before the
-first layer node go to that first layer.
+first layer node go to that first layer. A higher-order op that runs a
+subgraph under another grad or autocast mode (``wrap_with_set_grad_enabled``:
+a ``torch.no_grad()`` region inside the model, such as Hugging Face's rotary
+table) is priced by the ops of its subgraph, in the wrapper's layer.
 
 An export failure becomes a ``CaptureError`` naming the module and op: the
 module is the innermost traceback frame whose first argument (``self``) is a
@@ -179,23 +182,57 @@ def price(exported: Exported, size: costs.SizeEval) -> dict[str, Accum]:
     out: dict[str, Accum] = {}
     for node, layer in exported.owner.items():
         acc = out.setdefault(layer, Accum())
-        name = costs.op_name(node)
-        if not costs.is_known(name):
-            acc.unaccounted[name] += 1
+        body = _wrapped_subgraph(node, exported)
+        if body is not None:  # a grad-mode / autocast region: its ops are priced one by one
+            acc.counted[costs.op_name(node)] += 1
+            sub, weight_like = body
+            for inner in sub.graph.nodes:
+                if inner.op == "call_function":
+                    _price_node(inner, size, weight_like, acc)
             continue
-        try:
-            cost = costs.node_cost(node, size, exported.weight_like)
-        except costs.UnresolvedShape:
-            acc.unaccounted[f"{name} (data-dependent shape)"] += 1
-            continue
-        acc.counted[name] += 1
-        acc.matmul_flops += cost.matmul_flops
-        acc.elementwise_flops += cost.elementwise_flops
-        acc.bytes += cost.bytes
-        if name in costs.SDPA_OPS or (name in costs.MATMUL_OPS and _activation_product(node, exported.weight_like)):
-            acc.attention_op_flops += cost.matmul_flops
+        _price_node(node, size, exported.weight_like, acc)
     _boundary_bytes(exported, size, out)
     return out
+
+
+def _price_node(node: fx.Node, size: costs.SizeEval, weight_like: frozenset[fx.Node], acc: Accum) -> None:
+    name = costs.op_name(node)
+    if not costs.is_known(name):
+        acc.unaccounted[name] += 1
+        return
+    try:
+        cost = costs.node_cost(node, size, weight_like)
+    except costs.UnresolvedShape:
+        acc.unaccounted[f"{name} (data-dependent shape)"] += 1
+        return
+    acc.counted[name] += 1
+    acc.matmul_flops += cost.matmul_flops
+    acc.elementwise_flops += cost.elementwise_flops
+    acc.bytes += cost.bytes
+    if name in costs.SDPA_OPS or (name in costs.MATMUL_OPS and _activation_product(node, weight_like)):
+        acc.attention_op_flops += cost.matmul_flops
+
+
+# Higher-order ops that run a subgraph (a ``get_attr`` argument) in place under another grad or
+# autocast mode: export keeps ``with torch.no_grad():`` inside a model (Hugging Face's rotary
+# embedding) as ``wrap_with_set_grad_enabled(False, submod, *operands)``.
+_WRAPPERS = frozenset({"torch.ops.higher_order.wrap_with_set_grad_enabled",
+                       "torch.ops.higher_order.wrap_with_autocast"})
+
+
+def _wrapped_subgraph(node: fx.Node, exported: Exported) -> tuple[fx.GraphModule, frozenset[fx.Node]] | None:
+    """The subgraph a wrapper ``node`` runs and its weight-like nodes (operands bound to weight-like
+    nodes outside, and what is computed only from them); ``None`` for any other node."""
+    if costs.op_name(node) not in _WRAPPERS:
+        return None
+    position = next((i for i, a in enumerate(node.args) if isinstance(a, fx.Node) and a.op == "get_attr"), None)
+    if position is None:
+        return None
+    sub = getattr(exported.program.graph_module, node.args[position].target)
+    operands = node.args[position + 1:]
+    placeholders = [n for n in sub.graph.nodes if n.op == "placeholder"]
+    weights = {p.name for p, a in zip(placeholders, operands) if isinstance(a, fx.Node) and a in exported.weight_like}
+    return sub, frozenset(costs.weight_like_nodes(sub.graph, weights))
 
 
 def _activation_product(node: fx.Node, weight_like: frozenset[fx.Node]) -> bool:

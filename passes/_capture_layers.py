@@ -20,7 +20,9 @@ Layer discovery (registration order of the model's modules):
 Kinds come from the module's last name component and type (see ``layer_kind``);
 the reference models' fixed names (``embed``, ``pos_embed``, ``attn_norm``,
 ``attn``, ``mlp_norm``, ``mlp``, ``moe``, ``norm``, ``head``, ``value_head``) all
-resolve by name.
+resolve by name. A module holding 3-D parameters (stacked experts) is a ``moe``
+layer, unless it has a block container child: a trunk wrapper such as Hugging
+Face's ``model`` (``model.layers.i.mlp.experts``) is searched, not one layer.
 
 Tensor-parallel roles come from ``model.tp_roles()`` when the model has it (any
 alias of a tied parameter may be named). Otherwise, the heuristic:
@@ -87,13 +89,18 @@ def layer_kind(name: str, module: nn.Module) -> str:
         return "embedding"
     if "norm" in leaf or leaf.startswith("ln") or isinstance(module, (nn.LayerNorm, nn.RMSNorm)):
         return "norm"
-    if leaf in _MOE_NAMES or any(p.dim() == 3 for p in module.parameters()):
+    if leaf in _MOE_NAMES or (any(p.dim() == 3 for p in module.parameters()) and not _holds_blocks(module)):
         return "moe"
     if "attn" in leaf or "attention" in leaf:
         return "attention"
     if leaf in _MLP_NAMES:
         return "mlp"
     return "other"
+
+
+def _holds_blocks(module: nn.Module) -> bool:
+    """Whether ``module`` has a block container child: a trunk (``model.layers``), never one layer."""
+    return any(isinstance(child, (nn.ModuleList, nn.ModuleDict)) for child in module.children())
 
 
 def find_layers(model: nn.Module) -> list[LayerSpec]:
@@ -276,8 +283,9 @@ def shape_meta(spec: LayerSpec, model: nn.Module, hidden: int, vocab: int) -> di
         experts = _first_attr(sources, _EXPERTS_ATTRS) or (stacked[0].shape[0] if stacked else None)
         meta["num_experts"] = experts
         meta["top_k"] = _first_attr(sources, _TOPK_ATTRS)
-        widths = [d for d in stacked[0].shape[1:] if d != hidden] if stacked else []
-        meta["ffn_hidden"] = _first_attr((spec.module,), _FFN_ATTRS) or (widths[0] if widths else None)
+        # the smallest non-hidden width: f, also when gate and up are fused ([E, 2f, h] next to [E, h, f])
+        widths = [d for p in stacked for d in p.shape[1:] if d != hidden]
+        meta["ffn_hidden"] = _first_attr((spec.module,), _FFN_ATTRS) or min(widths, default=None)
     elif spec.kind in ("embedding", "head") and _vocab_of(spec.module) == vocab:
         meta["vocab"] = vocab
     return meta

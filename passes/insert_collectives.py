@@ -44,7 +44,10 @@ value head) get per-rank partial gradients; each use is wrapped in
 ``copy_to_tp`` (identity forward, all-reduce over tp backward), so the grad is
 summed over tp in the graph and the optimizer sees full, tp-replicated
 gradients. Decision: one all-reduce per such parameter per micro-batch
-(Megatron batches them once per step; these are hidden-sized vectors).
+(Megatron batches them once per step; these are hidden-sized vectors). Every
+value left on ``seq_shard`` records ``node.meta["autoshard"]["seq_shard"] =
+(sequence dim, tp)``: ``split_pipeline`` sends such a value across a stage
+boundary as this rank's chunk.
 
 A node's consumer placement comes from its parameter: a linear whose weight
 is tp-split on dim 0 with role column is column-parallel (its output is
@@ -240,6 +243,11 @@ class _TPRewriter:
                 self.output(node)
             else:
                 self.state.setdefault(node, "replicate")
+        for node, placement in self.state.items():  # split_pipeline sizes stage boundaries from it
+            if placement == "seq_shard":
+                record = node.meta.get(META_KEY) or {}
+                record["seq_shard"] = (self.seq_dim(node, node.name), self.ctx.size("tp"))
+                node.meta[META_KEY] = record
 
     def visit(self, node: fx.Node) -> str:
         weight = self.param_of(node.args[1]) if len(node.args) > 1 else None

@@ -94,6 +94,8 @@ class PipelineSplit(nn.Module):
             self.add_module(f"stage_{k}", module)
         self.layout = layout
         self.boundary_vals: dict[int, list] = vals["boundaries"]  # stage k → fake vals of its positional inputs
+        # stage k → per input, (tensor dim, tp) when it is sequence-sharded (SP), else None (``_seq_shard``)
+        self.boundary_shards: dict[int, list] = vals["boundary_shards"]
         self.input_vals: dict[str, torch.Tensor] = vals["inputs"]  # user input name → fake val
         self.output_vals: list = vals["outputs"]  # the model's output leaves
         self.output_spec = vals["output_spec"]  # their pytree structure
@@ -112,8 +114,14 @@ class PipelineSplit(nn.Module):
         return out
 
     def boundary_shapes(self, k: int, inputs: dict[str, torch.Tensor]) -> list[torch.Size]:
-        """Concrete shapes of stage ``k``'s positional inputs for user inputs ``inputs`` (e.g. one micro-batch)."""
-        return self._concrete_shapes(self.boundary_vals[k], inputs)
+        """Concrete shapes of stage ``k``'s positional inputs for user inputs ``inputs`` (e.g. one micro-batch):
+        a sequence-sharded value (SP) has ``1/tp`` of the global sequence dim."""
+        shapes = self._concrete_shapes(self.boundary_vals[k], inputs)
+        for i, shard in enumerate(self.boundary_shards[k]):
+            if shard is not None:
+                dim, tp = shard
+                shapes[i] = torch.Size(size // tp if d == dim else size for d, size in enumerate(shapes[i]))
+        return shapes
 
     def output_shapes(self, inputs: dict[str, torch.Tensor]) -> list[torch.Size]:
         """Concrete shapes of the model's output leaves for user inputs ``inputs``."""
@@ -161,6 +169,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> nn.Module:
     leaves = list(next(n for n in graph.nodes if n.op == "output").args[0])
     vals = {
         "boundaries": {k: [_val(n) for n in boundaries[k]] for k in range(num_stages)},
+        "boundary_shards": {k: [_seq_shard(n) for n in boundaries[k]] for k in range(num_stages)},
         "inputs": {n.name: n.meta["val"] for n in placeholders},
         "outputs": [_val(n) for n in leaves],
         "output_spec": _output_spec(graph, len(leaves)),
@@ -240,13 +249,19 @@ def _val(node: fx.Node):
     """The export's fake value of ``node`` (global shape, symbolic batch/seq dims).
 
     A node a pass inserted (Megatron f/g, the logits all-gather) has none: it
-    takes its first input's, which these ops preserve in global shape. Decision:
-    boundaries sit between plan layers, where activations are tp-replicated, so the
-    global shape is the shape sent (sequence-parallel boundaries would not be).
+    takes its first input's, which these ops preserve in global shape. Between
+    plan layers activations are tp-replicated, so the global shape is the shape
+    sent, except under sequence parallelism (``_seq_shard``).
     """
     while "val" not in node.meta and node.all_input_nodes:
         node = node.all_input_nodes[0]
     return node.meta.get("val")
+
+
+def _seq_shard(node: fx.Node) -> tuple[int, int] | None:
+    """(sequence dim, tp) of a value ``insert_collectives`` left sequence-sharded (SP), else None: this
+    rank sends and receives its ``1/tp`` chunk of that dim."""
+    return (node.meta.get(META_KEY) or {}).get("seq_shard")
 
 
 def _boundaries(graph: fx.Graph, stages: dict, num_stages: int) -> list[list[fx.Node]]:

@@ -156,8 +156,11 @@ class _Slot:
         self.grad: torch.Tensor | None = None
 
     def _own_chunk(self, flat: torch.Tensor) -> torch.Tensor:
-        padded = F.pad(flat, (0, self.chunk * self.ctx.size("dp") - flat.numel()))
-        return padded.view(self.ctx.size("dp"), self.chunk)[self.ctx.coord("dp")]
+        """This rank's chunk of ``flat`` zero-padded to ``chunk·dp``, as a new chunk-sized tensor: a view would
+        keep the whole (padded) gradient alive through the update."""
+        start = self.ctx.coord("dp") * self.chunk
+        piece = flat[start:start + self.chunk]
+        return F.pad(piece, (0, self.chunk - piece.numel())) if piece.numel() < self.chunk else piece.clone()
 
     @property
     def replication(self) -> int:

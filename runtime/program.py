@@ -285,8 +285,46 @@ def _known_inductor_options(options: dict) -> dict:
         import torch._inductor.fx_passes.bucketing  # noqa: F401
     except ImportError:  # an inductor without these passes: their options are dropped below
         pass
+    _gqa_flop_formulas()
     known = inductor_config.get_config_copy()
     return {k: v for k, v in options.items() if k in known}
+
+
+def _gqa_flop_formulas() -> None:
+    """Let inductor count the FLOPs of grouped-query SDPA (fewer key/value heads than query heads).
+
+    Inductor's compute/communication scheduling estimates a node's runtime from
+    ``torch.utils.flop_counter``; before torch 2.13 its SDPA formulas assert equal head counts, so
+    compiling any GQA model whose graph holds collectives (Llama-2-70B, Llama-3, Qwen2, Mistral, ...)
+    failed with "sdpa_flop_count: query/key/value shapes are incompatible" (measured on torch 2.11,
+    H200). Where the installed formula refuses GQA, the SDPA entries of the registry count the
+    key/value heads broadcast to the query's, as the kernels compute them; elsewhere nothing changes.
+    """
+    from torch.utils import flop_counter as fc
+
+    try:
+        fc.sdpa_flop_count((1, 4, 8, 16), (1, 2, 8, 16), (1, 2, 8, 16))
+        return  # this torch counts GQA itself
+    except AssertionError:
+        pass
+
+    def heads_of(query, *kv):
+        return tuple((t[0], query[1], *t[2:]) for t in kv)
+
+    def forward(query, key, value, *_args, out_shape=None, **_kwargs) -> int:
+        return fc.sdpa_flop_count(query, *heads_of(query, key, value))
+
+    def backward(grad_out, query, key, value, *_args, out_shape=None, **_kwargs) -> int:
+        return fc.sdpa_backward_flop_count(grad_out, query, *heads_of(query, key, value))
+
+    aten = torch.ops.aten
+    for op in (aten._scaled_dot_product_efficient_attention, aten._scaled_dot_product_flash_attention,
+               aten._scaled_dot_product_cudnn_attention):
+        fc.flop_registry[op] = fc.shape_wrapper(forward)
+    for op in (aten._scaled_dot_product_efficient_attention_backward,
+               aten._scaled_dot_product_flash_attention_backward,
+               aten._scaled_dot_product_cudnn_attention_backward):
+        fc.flop_registry[op] = fc.shape_wrapper(backward)
 
 
 def _check_plan(plan: Plan, graph: ModelGraph) -> None:

@@ -15,7 +15,7 @@ because ``pip download`` with deps would also fetch torch and the CUDA stack.
 Packages the target already has are named with ``--skip`` (defaults below: a CUDA image's, plus
 what this project's GPU machine also has; ``--bare-image`` keeps only the former).
 
-``--hf`` also carries the Hugging Face stack that ``benchmarks/hf_policy.py`` (the ``hf-llama``
+``--hf`` also carries the Hugging Face stack that ``benchmarks/hf_zoo.py`` (the ``hf-*``
 models of ``benchmarks/run.py``, ``materialize_bench.py``) and safetensors weights need:
 transformers and safetensors at the versions measured, with whatever of their dependencies
 the target lacks (the project's GPU image has them all: not needed there; about 24 MiB, of the
@@ -48,7 +48,7 @@ CUDA_IMAGE = {
     "nvidia-ml-py", "torchvision", "pillow",
 }
 # Also in this project's GPU image ("cuda": torch 2.11, Python 3.12; its package list as read on
-# 2026-11-17): the Hugging Face stack (transformers 5.17, safetensors 0.8: benchmarks/hf_policy.py and
+# 2026-11-17): the Hugging Face stack (transformers 5.17, safetensors 0.8: benchmarks/hf_zoo.py and
 # safetensors weights), three of CORE, and pandas with its needs (OR-Tools imports pandas). What it
 # lacks is OR-Tools itself and immutabledict; protobuf and absl-py are carried anyway (small, and
 # OR-Tools' generated code needs protobuf >= the version it was built with).

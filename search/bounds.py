@@ -2,7 +2,8 @@ r"""Lower bounds of one candidate (mesh, schedule) from its cost table: step tim
 
 Notation as in ``solver.py``: p pipeline ranks, ``slots = m + (p−1)/v``,
 classes c with ``n_c`` layers, options s with time t, tail, static bytes S,
-activations A (A' when the layer continues a checkpoint region), gather buffers G; ``f_k`` is
+activations A (A' when the layer continues a checkpoint region), backward buffers G and forward
+gathers H (``memory.live_buffers``); ``f_k`` is
 ``pipeline.in_flight(k)`` and ``M`` the per-rank limit.
 
 Time. The step is ``slots·T_max + max_k tail_k ≥ Σ_l (slots·t_l + tail_l)/p``;
@@ -13,7 +14,8 @@ on a rank ``< j`` in *every* placement CP-SAT may choose (``cpsat_model.stage_wi
 interleaved schedules have fixed chunks) and ``φ_j = min_{k<j} f_k``. Summing
 the memory rows of ranks ``0…j−1``:
 
-    Σ_{l∈L_j} (S_l + φ_j·Â_l) + (1 + prefetch)·max_{c∈L_j} min_s G_c  ≤  j·M        (row j)
+    Σ_{l∈L_j} (S_l + φ_j·Â_l) + max(max_{c∈L_j} min_s G_c, (1 + prefetch)·max_{c∈L_j} min_s H_c)  ≤  j·M
+                                                                                        (row j)
 
 Row ``p`` is the summed row of every rank with the least in-flight count;
 rows ``j < p`` see the first stages, which hold up to ``min(p, m)``
@@ -36,8 +38,9 @@ value over the rows and ``LAMBDA_GRID``. Both bounds are taken per global
 is ``max_j need_j / j`` with ``need_j`` the smallest left side of row j: some
 rank among the first j needs at least that much. The build rows (``build/stage<k>``: resident
 params and optimizer states R plus the largest build transient X of the rank) give a second
-memory bound the same way, ``Σ_{l∈L_j} min_s R_l + max_{c∈L_j} min_s X_c ≤ j·M``; the memory
-bound is the larger of the two (the time bound uses the step rows only).
+memory bound the same way, ``Σ_{l∈L_j} min_s R_l + max_{c∈L_j} min_s X_c ≤ j·M``, and the optimizer-step
+rows (``optstep/stage<k>``: O and Y in place of R and X) a third; the memory bound is the largest
+(the time bound uses the step rows only).
 """
 
 from __future__ import annotations
@@ -129,10 +132,12 @@ def _padded(options: Sequence[Sequence[Option]], sp: bool, slots: float, p: int,
     return cost, static, act, chain
 
 
-def _build_need(options: Sequence[Sequence[Option]], rows: MemoryRows) -> np.ndarray:
-    """(R,) smallest left side of the summed build rows of ranks ``0…j−1`` (module docstring)."""
-    resident = np.array([min(o.build_resident_bytes for o in opts) for opts in options])  # (C,)
-    transient = np.array([min(o.build_transient_bytes for o in opts) for opts in options])  # (C,)
+def _build_need(options: Sequence[Sequence[Option]], rows: MemoryRows, resident_attr: str = "build_resident_bytes",
+                transient_attr: str = "build_transient_bytes") -> np.ndarray:
+    """(R,) smallest left side of the summed build rows of ranks ``0…j−1`` (module docstring); with the
+    optimizer step's attributes, of its rows (``Σ O + max Y``, the same shape)."""
+    resident = np.array([min(getattr(o, resident_attr) for o in opts) for opts in options])  # (C,)
+    transient = np.array([min(getattr(o, transient_attr) for o in opts) for opts in options])  # (C,)
     return rows.counts @ resident + np.where(rows.counts > 0, transient[None, :], 0.0).max(axis=1)
 
 
@@ -145,7 +150,9 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
     p = mesh.pp
     slots = schedule.num_micro_batches + (p - 1) / virtual_stages(schedule)
     min_buffer = np.array([min(o.buffer_bytes for o in opts) for opts in options])  # (C,)
-    buffers = (1 + schedule.prefetch) * np.where(rows.counts > 0, min_buffer[None, :], 0.0).max(axis=1)  # (R,)
+    min_gathered = np.array([min(o.gathered_bytes for o in opts) for opts in options])  # (C,)
+    buffers = np.maximum(np.where(rows.counts > 0, min_buffer[None, :], 0.0).max(axis=1),  # (R,)
+                         (1 + schedule.prefetch) * np.where(rows.counts > 0, min_gathered[None, :], 0.0).max(axis=1))
     time_lb, mem_lb = math.inf, math.inf
     for sp in (False, True):
         padded = _padded(options, sp, slots, p, p == 1 and schedule.num_micro_batches == 1)
@@ -162,5 +169,7 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
         dual = value.min(axis=3).sum(axis=2) + lam * (buffers - rows.ranks * cap_bytes)[:, None]  # (R, Λ)
         time_lb = min(time_lb, float(dual.max()))
     if math.isfinite(mem_lb):
-        mem_lb = max(mem_lb, float(np.max(_build_need(options, rows) / rows.ranks)))
+        optimizer_step = _build_need(options, rows, "optimizer_step_bytes", "step_transient_bytes")
+        mem_lb = max(mem_lb, float(np.max(_build_need(options, rows) / rows.ranks)),
+                     float(np.max(optimizer_step / rows.ranks)))
     return time_lb, mem_lb

@@ -22,7 +22,7 @@ Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_overhead_s``, ``loss_*_s``,
     roof   = max(F_gemm/(peak·eff(w)) + F_attn/(peak·attn_eff) + F_ew/peak, bytes/(hbm·hbm_eff))
     fwd_compute = roof + k·o + loss_fwd        (k = FORWARD_KERNELS[kind], o = per-kernel floor)
     bwd_compute = 2·roof + 2·k·o + loss_bwd    (dgrad + wgrad; 2× the bytes and kernels too)
-    loss_fwd|bwd = T·vocab/t_mm · 18 B / (hbm·hbm_eff)   (head only: fp32 log-softmax)
+    loss_fwd|bwd = T·vocab · 18 B / (hbm·hbm_eff)   (head only: fp32 log-softmax over all V, every tp rank)
     recompute   = fwd_compute (full) | attention core (selective) | 0
 
 Measured (v4): when ``cluster.calibration`` holds the model probe's samples for the layer's
@@ -51,28 +51,28 @@ balanced routing EP leaves per-rank FLOPs unchanged (each rank runs E/ep experts
 on ep× the tokens); expert parameters are not split by tp.
 
 Critical-path communication per micro-batch (``tp_fwd_s`` … ``cp_bwd_s``; not
-overlapped; ``n_in/n_out = T·input/output_bytes_per_token``; a block layer's
-collectives move hidden-sized tensors, sized by ``n_out`` because capture's
-input bytes count the residual stream too; the SP forms move the same bytes
-as all-reduce = reduce-scatter + all-gather)::
+overlapped): the layer's declared TP/SP, EP and CP collectives (``autoshard/model_parallel.py``,
+``model_parallel_form``; its table lists them), each priced over its axis's group at its
+``payload_bytes`` (``p`` bytes per element: ``T·h`` hidden activations, ``T·V`` gathered logits,
+``E·C·h`` MoE capacity buffer)::
 
-    block (attention, mlp, …)  fwd AR(n_out) | SP: AG + RS(n_out)
-                               bwd AR(n_out) | SP: AG + RS(n_out)
-    embedding (vocab-parallel) fwd AR(n_out) | SP: RS(n_out);  bwd 0 | SP: AG(n_out)
-    head (vocab-parallel)      fwd 3·AR(4T)  (+ SP: AG(n_in)); bwd AR(n_in) | SP: RS(n_in)
-    MoE with EP                fwd 2·A2A(T·top_k·output_bytes_per_token), bwd the same
-    attention with cp > 1      fwd AG(K,V of b·s tokens), bwd RS(dK,dV)
-                               (all-gather context parallelism; K,V bytes
-                               = 2·output_bytes_per_token·kv_heads/heads / t_mm)
+    block (attention, mlp, …)  fwd AR(T·h·p) | SP: AG + RS;  bwd AR(T·h·p) | SP: RS + AG
+    embedding (vocab-parallel) fwd AR(T·h·p) | SP: RS;       bwd 0 | SP: AG
+    head (vocab-parallel)      fwd AG(T·V·p) (+ SP: AG(T·h·p)); bwd AR(T·h·p) | SP: RS
+    SP, tp-replicated params   bwd AR(gradient) per parameter
+    MoE with EP                fwd 2·A2A(E·C·h·p) over ep, bwd the same
+    attention with cp > 1      fwd AG(K,V), bwd RS(dK,dV) over cp (priced only: not run)
 
-Full recompute repeats the forward critical-path comm in backward.
+Full recompute repeats the forward critical-path comm in backward. A stage boundary
+(``boundary_send_s``) is the declared ``stage_boundary_form``: ``send_recv(T·h·p)`` forward and
+back (``/t`` under SP).
 
 Data-parallel communication per optimizer step (``dp_*``), over the gradient
 group of ``N`` ranks (``comm.dp_group``; HSDP: ``dp_shard_group`` then
 ``dp_replicate_group``), ``Ψ`` = local parameters after TP/EP, ``w``/``q`` =
-bytes per element of ``weight_comm``/``grad_comm`` (bf16 2, fp32 4, int8/fp8 1,
-int4 0.5; quantized types add a 4-byte scale per 128 elements), ``p`` = param
-bytes::
+bytes per element of ``weight_comm``/``grad_comm`` (bf16: the compute dtype, 2 or 4 in fp32
+training; fp32 4, int8/fp8 1, int4 0.5; quantized types add a 4-byte scale per block of up to 512
+elements: ``model_parallel.wire_bytes_per_element``), ``p`` = param bytes::
 
     replicate  grad_once  = AR(qΨ)                                  (DDP, no_sync: last micro-batch)
     zero1      grad_once  = RS(qΨ);            post_step = AG(pΨ)
@@ -82,7 +82,6 @@ bytes::
                                                                      on quantized gradient wires)
     zero3      gather_fwd = m·AG(wΨ); gather_bwd = m·AG(wΨ); grad_per_mb = m·RS(qΨ)
     HSDP       zero3 inside dp_shard + grad_once = AR(qΨ/N_shard) across dp_replicate
-    SP norms   grad_once += AR(gΨ_replicated) across tp (partial grads of sequence shards)
 
 Every collective also launches copy kernels on the compute stream
 (``dp_kernels_s``, never hidden; 0 without data parallelism): ``o`` × (1 per
@@ -135,7 +134,7 @@ parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11; m
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
 Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
 
-    peak_k = Σ (params + grads + optimizer) + (1 + prefetch)·max buffers
+    peak_k = Σ (params + grads + optimizer) + max(max buffers, (1 + prefetch)·max gathered)
              + in_flight_k·Σ activations
 
 except with one micro-batch on one stage (m = 1, pp = 1), where ``Σ grads + in_flight·Σ
@@ -152,10 +151,18 @@ the same params and device optimizer states, no gradients, activations or buffer
 largest parameter region being read, twice in fp32::
 
     build_k = Σ (params + optimizer) + 8·max_w E(w)
-    rank k's peak = max(peak_k, build_k)        (``Predictions.memory_by_stage``; the search's limit)
+
+The optimizer step (``search/memory.py``, "Optimizer step"; the working set each layer's form
+declares, ``autoshard/data_parallel.step_working_set``) holds the model states, the backward's
+gradients until the sync ends, the fp32 gradients the update reads where they are tensors of their
+own (``step_grads``) and the copies of the bucket being packed (``step_transient``, a max)::
+
+    opt_k  = Σ (params + grads + optimizer + step_grads) + max step_transient
+    rank k's peak = max(peak_k, opt_k, build_k)  (``Predictions.memory_by_stage``; the search's limit)
 
 ``Predictions.build_peak_bytes`` = max_k build_k; ``memory_breakdown["build_transient"]`` is the
-peak rank's ``8·max E``.
+peak rank's ``8·max E``, ``["step_grads"]`` and ``["step_transient"]`` its optimizer-step terms.
+On CPU ranks (``cluster.runs_on_cpu``) offload's host states are the rank's own memory and count.
 
 Peaks are bytes of live tensors (``torch.cuda.max_memory_allocated``). When the runtime compiles
 the plan (a GPU cluster, ep = cp = 1) and the graph carries the model's ``compiled_saved_scale``
@@ -174,6 +181,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
 
+from autoshard import model_parallel
 from autoshard.cluster import COMPILED_SAVED_SCALE_KEY, Cluster
 from autoshard.errors import PlanError
 from autoshard.graph import LayerInfo, ModelGraph
@@ -187,7 +195,14 @@ from autoshard.search.layer_terms import (
     comm_bytes_per_element,
     usable_memory_bytes,
 )
-from autoshard.search.memory import MemoryBreakdown, build_peak_bytes, rank_memory, state_bytes
+from autoshard.search.memory import (
+    MemoryBreakdown,
+    build_peak_bytes,
+    live_buffers,
+    optimizer_step_peak_bytes,
+    rank_memory,
+    state_bytes,
+)
 from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank
 from autoshard.train import TrainSpec
 
@@ -208,7 +223,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "8"  # plans record it (fingerprints); bump when a prediction of the same plan changes
+COST_MODEL_VERSION = "9"  # plans record it (fingerprints); bump when a prediction of the same plan changes
 
 
 @dataclass(frozen=True)
@@ -262,8 +277,9 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
     shape_key = ("sh", strategy.tp, strategy.sp, strategy.ep, strategy.recompute)
     if shape_key not in memo:
         sh = layer_terms.sharding(layer, strategy, mesh, schedule, train.seq_len)
-        memo[shape_key] = (sh, layer_terms.compute_terms(layer, strategy, sh, cluster, train),
-                           layer_terms.critical_terms(layer, strategy, sh, mesh, cluster))
+        memo[shape_key] = (sh, layer_terms.compute_terms(layer, strategy, sh, cluster, train,
+                                                         layer_terms.runs_compiled(mesh, cluster)),
+                           layer_terms.critical_terms(layer, strategy, sh, mesh, cluster, sizes.param))
     sh, compute, critical = memo[shape_key]
     group_key = ("groups", strategy.state, strategy.tp, strategy.ep)
     if group_key not in memo:
@@ -284,7 +300,8 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
         comm_exposed_s=dp["dp_exposed_s"],
         comm_total_s=dp["dp_total_s"],
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
-        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form),
+        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form,
+                                        schedule.bucket_bytes, cluster.runs_on_cpu),
         detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,
@@ -322,6 +339,7 @@ def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train
     """
     peak, eff = layer_terms.peak_flops(cluster, train), layer_terms.matmul_efficiency(cluster)
     attn_eff, hbm = layer_terms.attention_efficiency(cluster), layer_terms.hbm_bandwidth(cluster)
+    compiled = layer_terms.runs_compiled(mesh, cluster)  # fused elementwise traffic
     overhead = (1.0 + layer_terms.BACKWARD_KERNEL_FACTOR) * layer_terms.kernel_overhead_s(cluster)
     loss_bytes = layer_terms.LOSS_BYTES_PER_LOGIT_FWD + layer_terms.LOSS_BYTES_PER_LOGIT_BWD
     tokens, s = train.global_batch * train.seq_len, train.seq_len
@@ -331,7 +349,11 @@ def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train
                   + tokens * layer.attention_flops_per_token_seq * s / (peak * attn_eff)
                   + tokens * layer.elementwise_flops_per_token / peak)
         score_bytes = ATTENTION_SCORE_TRAFFIC * tokens * layer.saved_interior_per_token_seq * s
-        memory = (tokens * layer.bytes_per_token + score_bytes) / hbm
+        moved = layer.bytes_per_token
+        if compiled:
+            moved = min(moved, layer.input_bytes_per_token + layer.output_bytes_per_token
+                        + layer.saved_boundary_per_token + layer.saved_interior_per_token)
+        memory = (tokens * moved + score_bytes) / hbm
         spread += 3.0 * max(matmul, memory)
         if layer.kind == "head":
             spread += tokens * (layer.vocab or 0) * loss_bytes / hbm
@@ -357,8 +379,9 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
         for layer, s, entry in zip(graph.layers, strategies, entries)
     ]
     scale = compiled_activation_scale(graph, plan, cluster)
-    if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks
-        costs = [replace(c, memory=replace(c.memory, activations=c.memory.activations * scale))
+    if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks (not fewer gathered weights)
+        costs = [replace(c, memory=replace(c.memory, activations=(c.memory.activations - c.memory.kept_gathered) * scale
+                                           + c.memory.kept_gathered))
                  if layer.block is not None else c for layer, c in zip(graph.layers, costs)]
     p2p = _boundary_p2p(graph, strategies, ranks, mesh, cluster, schedule, train)
     stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh) for k in range(mesh.pp)]
@@ -440,6 +463,7 @@ class _RankTotals:
     activations: float  # all in-flight micro-batches
     grads_beside_activations: bool = True  # False: one micro-batch on one stage (module docstring)
     build_bytes: float = 0.0  # build (materialization) peak: search/memory.build_peak_bytes
+    optimizer_step_bytes: float = 0.0  # gradient sync to write-back: search/memory.optimizer_step_peak_bytes
 
     @property
     def micro_batch_s(self) -> float:
@@ -450,9 +474,11 @@ class _RankTotals:
            mesh: Mesh) -> _RankTotals:
         mine = [c for c, k in zip(costs, ranks) if k == rank]
         summed = sum((c.memory for c in mine), MemoryBreakdown())
-        live_buffers = (1 + plan.schedule.prefetch) * max((c.memory.buffers for c in mine), default=0.0)
-        static = MemoryBreakdown(summed.params, summed.grads, summed.optimizer, 0.0, live_buffers, summed.host,
-                                 summed.build_transient)
+        buffers = live_buffers(max((c.memory.buffers for c in mine), default=0.0),
+                               max((c.memory.gathered for c in mine), default=0.0), plan.schedule.prefetch)
+        static = MemoryBreakdown(params=summed.params, grads=summed.grads, optimizer=summed.optimizer, buffers=buffers,
+                                 host=summed.host, build_transient=summed.build_transient, step_grads=summed.step_grads,
+                                 step_transient=summed.step_transient)
         return cls(
             compute_s=sum(c.compute_s for c in mine),
             critical_comm_s=sum(c.critical_comm_s for c in mine),
@@ -463,6 +489,7 @@ class _RankTotals:
             activations=summed.activations * in_flight(plan.schedule, mesh.pp, rank),
             grads_beside_activations=plan.schedule.num_micro_batches > 1 or mesh.pp > 1,
             build_bytes=build_peak_bytes(c.memory for c in mine),
+            optimizer_step_bytes=optimizer_step_peak_bytes(c.memory for c in mine),
         )
 
     def step_bytes(self) -> float:
@@ -471,8 +498,8 @@ class _RankTotals:
                            self.grads_beside_activations)
 
     def allocated_bytes(self) -> float:
-        """The rank's peak: the larger of the step's and the build's."""
-        return max(self.step_bytes(), self.build_bytes)
+        """The rank's peak: the largest of the forward/backward's, the optimizer step's and the build's."""
+        return max(self.step_bytes(), self.optimizer_step_bytes, self.build_bytes)
 
     def peak_bytes(self, cluster: Cluster) -> float:
         """Peak bytes of live tensors (what ``torch.cuda.max_memory_allocated`` reports); the allocator's
@@ -491,6 +518,9 @@ class _RankTotals:
             "headroom_reserved": int(layer_terms.reserved_bytes(cluster)),  # not in the peak
             "host": int(s.host),
             "build_transient": int(s.build_transient),  # build peak = params + optimizer + this
+            # optimizer-step peak = params + grads + optimizer + these two
+            "step_grads": int(s.step_grads),
+            "step_transient": int(s.step_transient),
         }
 
 
@@ -538,16 +568,18 @@ def _region_entries(graph: ModelGraph, strategies: list[LayerStrategy]) -> list[
 
 def boundary_send_s(layer: LayerInfo, sp: bool, mesh: Mesh, cluster: Cluster, schedule: Schedule,
                     train: TrainSpec) -> float:
-    """Send/recv seconds per micro-batch when a stage boundary follows ``layer``: its output forward
-    plus the gradient backward, ``2·send_recv(b·s/cp · output_bytes_per_token / (t if SP))``
-    over the pipeline group's link (``search/pipeline.py``)."""
+    """Send/recv seconds per micro-batch on the rank sending across a stage boundary that follows ``layer``:
+    the declared sender side (``model_parallel.stage_boundary_form``: the activation forward, its gradient
+    back), each ``send_recv(b·s/cp · h · p / (t if SP))`` over the pipeline group's link."""
     if mesh.pp == 1:
         return 0.0
     size, stride = comm.pp_group(mesh)
     link = comm.group_link(cluster, size, stride)
     tokens = schedule.micro_batch * train.seq_len / mesh.cp
-    sp_shard = mesh.tp if sp and mesh.tp > 1 else 1
-    return 2.0 * comm.send_recv_time(tokens * layer.output_bytes_per_token / sp_shard, link)
+    strategy = LayerStrategy(layer=layer.name, sp=sp)
+    compute_bytes = state_bytes(train).param
+    return sum(comm.send_recv_time(model_parallel.payload_bytes(c, layer, strategy, mesh, tokens, compute_bytes), link)
+               for c in model_parallel.stage_boundary_form(sends=True))
 
 
 def _boundary_p2p(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,

@@ -89,6 +89,9 @@ class _Builder:
     def g(self, o: Option) -> int:
         return int(math.ceil(o.buffer_bytes / KIB))
 
+    def h(self, o: Option) -> int:
+        return int(math.ceil(o.gathered_bytes / KIB))
+
     def gr(self, o: Option) -> int:
         return int(math.ceil(o.cost.memory.grads / KIB))
 
@@ -98,17 +101,36 @@ class _Builder:
     def x_build(self, o: Option) -> int:
         return _kib(o.build_transient_bytes)
 
+    def o_step(self, o: Option) -> int:
+        return _kib(o.optimizer_step_bytes)
+
+    def y_step(self, o: Option) -> int:
+        return _kib(o.step_transient_bytes)
+
     def a_chain(self, o: Option) -> int:
         return int(math.ceil(o.chain_bytes / KIB))
 
     def p2p(self, o: Option) -> int:
         return int(round(o.p2p_s / self.inp.unit_s))
 
-    # -- buffer_max/<class>/stage<k>: G_k ≥ gather buffer of every class on rank k --------------
+    # -- buffer_max/<class>/stage<k>: G_k ≥ backward buffers of every class on rank k ------------
+    # -- gathered_max/<class>/stage<k>: H_k ≥ forward gathered parameters of every class on rank k
     # -- build_max/<class>/stage<k>: X_k ≥ build transient of every class on rank k -------------
+    # -- optstep_max/<class>/stage<k>: Y_k ≥ optimizer-step bucket copies of every class on rank k
     def add_buffer_max(self, build_rows: bool) -> None:
-        """G_k, and X_k with the build rows, per rank (evaluate.py: the per-rank maxima)."""
+        """G_k, H_k, Y_k, and X_k with the build rows, per rank (evaluate.py: the per-rank maxima), and the
+        live buffers L_k ≥ G_k, L_k ≥ (1 + prefetch)·H_k (``memory.live_buffers``: a max, convex)."""
         self.g_rank = self._rank_max(self.g, "G", "buffer_max")
+        h_rank = self._rank_max(self.h, "H", "gathered_max")
+        factor = 1 + self.inp.schedule.prefetch
+        hi = lambda coef: max((coef(o) for opts in self.inp.options for o in opts), default=0)  # noqa: E731
+        self.live_rank = []
+        for k, (g, h) in enumerate(zip(self.g_rank, h_rank)):
+            live = self.model.new_int_var(0, max(hi(self.g), factor * hi(self.h)), f"L[{k}]")
+            self.model.add(live >= g).with_name(f"live_buffers/stage{k}")
+            self.model.add(live >= factor * h).with_name(f"live_buffers/stage{k}")
+            self.live_rank.append(live)
+        self.y_step_rank = self._rank_max(self.y_step, "Y", "optstep_max")
         self.x_rank = self._rank_max(self.x_build, "X", "build_max") if build_rows else None
 
     def _rank_max(self, coef, name: str, family: str) -> list[cp_model.IntVar]:
@@ -147,7 +169,7 @@ class _Builder:
     def class_expr(self, c: int, coef) -> cp_model.LinearExpr:
         return sum(coef(o) * x for o, x in zip(self.inp.options[c], self.x[c]))
 
-    # -- per-block linear terms (one IntVar per distinct block composition): T, tail, S, A, R ----
+    # -- per-block linear terms (one IntVar per distinct block composition): T, tail, S, A, R, Gr, O --
     def add_block_terms(self, build_rows: bool) -> None:
         self.block_terms: list[tuple] = []
         self.upper: dict[int, int] = {}
@@ -164,7 +186,8 @@ class _Builder:
                               self._block_var(sorted_members, self.s, "S"),
                               self._activation_var(tuple(members), tuple(chain)),
                               self._block_var(sorted_members, self.r, "R") if build_rows else None,
-                              self._block_var(sorted_members, self.gr, "Gr") if self.grads_apart else None)
+                              self._block_var(sorted_members, self.gr, "Gr") if self.grads_apart else None,
+                              self._block_var(sorted_members, self.o_step, "O"))
             self.block_terms.append(cache[key])
 
     def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
@@ -271,7 +294,7 @@ class _Builder:
         for k in range(p):
             m.add(self.t_max >= self._rank_sum(k, 0) + p2p[k][0]).with_name(f"stage_time/stage{k}")
             flight_v = int(round(in_flight(inp.schedule, p, k) * v))
-            live_buffers = (1 + inp.schedule.prefetch) * v * self.g_rank[k]
+            live_buffers = v * self.live_rank[k]
             if self.grads_apart:  # S − Gr + buffers + max(Gr, A) ≤ M, exact: the max is convex
                 grads, acts = self._rank_sum(k, 5), self._rank_sum(k, 3)
                 peak_hi = max(sum(self._ub(t[5]) for t in self.block_terms),
@@ -289,6 +312,9 @@ class _Builder:
             # a layer inside a fully recomputed block keeps no activation), so it has its own row.
             if self.x_rank is not None:
                 m.add(self._rank_sum(k, 4) + self.x_rank[k] <= cap_kib).with_name(f"build/stage{k}")
+            # The optimizer step (Σ O + max Y: model states, the fp32 gradients it reads, a packed
+            # bucket) is not implied by mem/stage<k> either: its gradient copies can exceed activations.
+            m.add(self._rank_sum(k, 6) + self.y_step_rank[k] <= cap_kib).with_name(f"optstep/stage{k}")
             m.add(v * self.z >= slots_v * self.t_max + v * self._rank_sum(k, 1)).with_name(f"step/stage{k}")
         if inp.cutoff_s is not None:
             m.add(self.z <= max(int(math.floor(inp.cutoff_s / inp.unit_s)) - 1, 0)).with_name("cutoff")

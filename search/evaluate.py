@@ -11,9 +11,12 @@ Per layer ``l`` with strategy ``s`` (``LayerCost`` of the cost function):
     t_l    = fwd_s + bwd_s                       per micro-batch, seconds
     tail_l = comm_exposed_s + optimizer_s        per optimizer step, seconds
     S_l    = params + grads + optimizer          bytes, static
-    G_l    = buffers                             bytes, gather buffer of the layer
+    G_l    = buffers                             bytes, buffers of the layer's backward
+    H_l    = gathered                            bytes, the layer's gathered parameters in forward
     R_l    = params + optimizer                  bytes, what the build leaves resident
     X_l    = build_transient                     bytes, largest parameter region being built
+    O_l    = S_l + step_grads                    bytes, what the optimizer step holds (``memory.py``)
+    Y_l    = step_transient                      bytes, copies of the gradient bucket being packed
     A_l    = activations                         bytes, one micro-batch; A'_l when the layer
                                                  continues a checkpoint region (below)
     P_l    = send/recv of the layer's output     seconds per micro-batch, paid when a stage
@@ -23,9 +26,10 @@ Per pipeline rank ``r`` (layers of every virtual stage on ``r``), with ``m``
 micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
     T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
-    M_r   = Σ S_l + (1 + prefetch) · max_{l on r} G_l + f_r · Σ A_l      (step peak; ``memory.rank_memory``)
+    M_r   = Σ S_l + max(max G_l, (1 + prefetch) · max H_l) + f_r · Σ A_l   (step peak; ``memory.rank_memory``)
     B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
-    peak_r = max(M_r, B_r)
+    O_r   = Σ O_l + max_{l on r} Y_l                        (optimizer step; ``memory.optimizer_step_peak_bytes``)
+    peak_r = max(M_r, O_r, B_r)
     step  = max_r [ (m + (p − 1)/v) · max_r' T_r' + tail_r ]
 
 exactly ``cost_model.predict`` (stage-boundary send/recv, the per-rank buffer
@@ -58,7 +62,7 @@ from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Predictions, Schedule
 from autoshard.search import cost_model
 from autoshard.search.cost_model import LayerCost
-from autoshard.search.memory import rank_memory
+from autoshard.search.memory import live_buffers, rank_memory
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import strategy_key
 from autoshard.train import TrainSpec
@@ -92,6 +96,10 @@ class Option:
     def buffer_bytes(self) -> float:
         return self.cost.memory.buffers
 
+    @property
+    def gathered_bytes(self) -> float:
+        return self.cost.memory.gathered
+
     def static_floor(self, grads_apart: bool) -> float:
         """What of ``static_bytes`` a memory lower bound may add to the activations: all of it, or
         without the gradients when they are not live beside the activations (one micro-batch on one
@@ -109,6 +117,16 @@ class Option:
         return self.cost.memory.build_transient
 
     @property
+    def optimizer_step_bytes(self) -> float:
+        """O: params + grads + optimizer + the fp32 gradients the optimizer step holds."""
+        return self.cost.memory.optimizer_step_resident
+
+    @property
+    def step_transient_bytes(self) -> float:
+        """Y: copies of the gradient bucket being packed in the optimizer step."""
+        return self.cost.memory.step_transient
+
+    @property
     def activation_bytes(self) -> float:
         return self.cost.memory.activations
 
@@ -124,7 +142,8 @@ class Option:
     def vector(self, build: bool = True) -> tuple[float, ...]:
         """The numbers the objective and the memory rows read (``build``: the build rows' too)."""
         step = (self.time_s, self.tail_s, self.static_bytes, self.buffer_bytes, self.activation_bytes,
-                self.chain_bytes, self.p2p_s)
+                self.chain_bytes, self.p2p_s, self.optimizer_step_bytes, self.step_transient_bytes,
+                self.gathered_bytes)
         build_numbers = (self.build_resident_bytes, self.build_transient_bytes) if build else ()
         return step + build_numbers + (float(self.full_recompute),)
 
@@ -136,7 +155,7 @@ class Evaluation:
     step_s: float
     rank_time_s: tuple[float, ...]  # T_r, per micro-batch
     rank_tail_s: tuple[float, ...]
-    rank_memory_bytes: tuple[float, ...]  # max(M_r, B_r): the rank's peak, step or build
+    rank_memory_bytes: tuple[float, ...]  # max(M_r, O_r, B_r): the rank's peak, step, optimizer step or build
     bubble_s: float
     compute_s: float  # m · max T_r
     critical_rank: int
@@ -160,7 +179,7 @@ def prune_dominated(options: Sequence[Option], *, build: bool = True) -> list[Op
     """
     if len(options) <= 1:
         return list(options)
-    values = np.array([o.vector(build) for o in options])  # (n, 8 or 10)
+    values = np.array([o.vector(build) for o in options])  # (n, 11 or 13)
     sps = np.array([(o.strategy.sp, o.full_recompute) for o in options])  # (n, 2)
     le = (values[:, None, :] <= values[None, :, :]).all(axis=2)  # le[j, i]: j ≤ i everywhere
     lt = (values[:, None, :] < values[None, :, :]).any(axis=2)
@@ -225,7 +244,8 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
     """
     pp = mesh.pp
-    t, tail, static, act, buf, grads, resident, transient = ([0.0] * pp for _ in range(8))
+    t, tail, static, act, buf, grads, resident, transient, opt, opt_transient, gathered = (
+        [0.0] * pp for _ in range(11))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
     for i, (option, r) in enumerate(zip(layer_options, ranks)):
@@ -237,12 +257,15 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
         grads[r] += option.cost.memory.grads
         act[r] += acts[i]
         buf[r] = max(buf[r], option.buffer_bytes)
+        gathered[r] = max(gathered[r], option.gathered_bytes)
         resident[r] += option.build_resident_bytes
         transient[r] = max(transient[r], option.build_transient_bytes)
+        opt[r] += option.optimizer_step_bytes
+        opt_transient[r] = max(opt_transient[r], option.step_transient_bytes)
     build = tuple(resident[r] + transient[r] for r in range(pp))  # memory.build_peak_bytes, from the sums
-    memory = tuple(max(rank_memory(static[r], grads[r], (1 + schedule.prefetch) * buf[r],
+    memory = tuple(max(rank_memory(static[r], grads[r], live_buffers(buf[r], gathered[r], schedule.prefetch),
                                    in_flight(schedule, pp, r) * act[r], schedule.num_micro_batches > 1 or pp > 1),
-                       build[r]) for r in range(pp))
+                       opt[r] + opt_transient[r], build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
     per_rank = [slots * t_max + tail[r] for r in range(pp)]
@@ -262,16 +285,18 @@ def fallback_predictions(graph: ModelGraph, layer_options: Sequence[Option], sta
     acts = layer_activation_bytes(layer_options, continues)
     r = ev.critical_rank
     breakdown: dict[str, int] = {"params": 0, "grads": 0, "optimizer": 0, "activations": 0, "buffers": 0,
-                                 "build_transient": 0}
+                                 "build_transient": 0, "step_grads": 0, "step_transient": 0}
     peak_rank = int(np.argmax(ev.rank_memory_bytes))
     mine = [(o, a) for o, a, stage in zip(layer_options, acts, stages) if rank_of(stage, mesh.pp, schedule) == peak_rank]
     for option, act in mine:
         mem = option.cost.memory
-        for key in ("params", "grads", "optimizer"):
+        for key in ("params", "grads", "optimizer", "step_grads"):
             breakdown[key] += int(getattr(mem, key))
         breakdown["activations"] += int(in_flight(schedule, mesh.pp, peak_rank) * act)
-    breakdown["buffers"] = int((1 + schedule.prefetch) * max((o.buffer_bytes for o, _ in mine), default=0.0))
+    breakdown["buffers"] = int(live_buffers(max((o.buffer_bytes for o, _ in mine), default=0.0),
+                                            max((o.gathered_bytes for o, _ in mine), default=0.0), schedule.prefetch))
     breakdown["build_transient"] = int(max((o.build_transient_bytes for o, _ in mine), default=0.0))
+    breakdown["step_transient"] = int(max((o.step_transient_bytes for o, _ in mine), default=0.0))
     exposed = sum(o.cost.comm_exposed_s for o, s in zip(layer_options, stages) if rank_of(s, mesh.pp, schedule) == r)
     optimizer = sum(o.cost.optimizer_s for o, s in zip(layer_options, stages) if rank_of(s, mesh.pp, schedule) == r)
     tokens = train.global_batch * train.seq_len
@@ -297,11 +322,11 @@ class CostTable:
     stage-boundary send/recv ``P`` (``cost_model.boundary_send_s``); other cost
     functions price neither.
 
-    Sharing across schedules: the real cost model reads only ``micro_batch``
-    and ``num_micro_batches`` of the schedule (``layer_terms``: tokens per
-    micro-batch, gathers/reductions per step), so its entries are keyed by
-    those two and reused by every pipeline schedule (1F1B, GPipe, interleaved
-    with any ``v``) of the same mesh and micro-batch; ``tests/test_cost_model.py``
+    Sharing across schedules: the real cost model reads only ``micro_batch``,
+    ``num_micro_batches`` and ``bucket_bytes`` of the schedule (``layer_terms``: tokens per
+    micro-batch, gathers/reductions per step, the optimizer step's packed bucket), so its
+    entries are keyed by those three and reused by every pipeline schedule (1F1B, GPipe,
+    interleaved with any ``v``) of the same mesh and micro-batch; ``tests/test_cost_model.py``
     checks that premise. Other cost functions are keyed by the whole schedule.
     """
 
@@ -331,7 +356,7 @@ class CostTable:
 
     def schedule_key(self, schedule: Schedule) -> tuple | Schedule:
         """The part of ``schedule`` the cost function reads (class docstring)."""
-        return (schedule.micro_batch, schedule.num_micro_batches) if self.real else schedule
+        return (schedule.micro_batch, schedule.num_micro_batches, schedule.bucket_bytes) if self.real else schedule
 
     def _fill(self, layer: LayerInfo, strategies: Sequence[LayerStrategy], mesh: Mesh, schedule: Schedule) -> None:
         self.calls += len(strategies)

@@ -82,22 +82,25 @@ def _rank_tables(class_of_layer: Sequence[int], stages: Sequence[int], continues
 
 def _rank_memory(options: Sequence[Sequence[Option]], picks: np.ndarray, counts: np.ndarray, chained: np.ndarray,
                  flight: np.ndarray, prefetch: int) -> np.ndarray:
-    """(A, P) per-rank memory of ``evaluate`` for each assignment row of ``picks`` (A, C): the larger of
-    the step peak (gradients summed with activations, as the CP-SAT rows) and the build peak."""
+    """(A, P) per-rank memory of ``evaluate`` for each assignment row of ``picks`` (A, C): the largest of
+    the step peak (gradients summed with activations, as the CP-SAT rows), the optimizer step's and the
+    build peak."""
     def per_class(attr):  # (A, C)
         return np.array([[getattr(options[c][i], attr) for c, i in enumerate(row)] for row in picks])
 
-    static, act, chain, buf, resident, transient = (per_class(a) for a in (
+    static, act, chain, buf, resident, transient, opt, opt_transient, gathered = (per_class(a) for a in (
         "static_bytes", "activation_bytes", "chain_bytes", "buffer_bytes", "build_resident_bytes",
-        "build_transient_bytes"))
+        "build_transient_bytes", "optimizer_step_bytes", "step_transient_bytes", "gathered_bytes"))
     full = per_class("full_recompute").astype(float)  # (A, C)
     saving = full[:, None, :] * full[:, :, None] * (act - chain)[:, None, :]  # (A, C', C)
     activations = act @ counts.T - np.einsum("kpc,apc->ak", chained, saving)  # (A, P)
     present = counts > 0  # (P, C)
-    buffers = np.where(present[None], buf[:, None, :], 0.0).max(axis=2)  # (A, P)
-    step = static @ counts.T + (1 + prefetch) * buffers + flight[None, :] * activations
+    buffers = np.maximum(np.where(present[None], buf[:, None, :], 0.0).max(axis=2),  # (A, P): memory.live_buffers
+                         (1 + prefetch) * np.where(present[None], gathered[:, None, :], 0.0).max(axis=2))
+    step = static @ counts.T + buffers + flight[None, :] * activations
     build = resident @ counts.T + np.where(present[None], transient[:, None, :], 0.0).max(axis=2)  # (A, P)
-    return np.maximum(step, build)
+    optimizer_step = opt @ counts.T + np.where(present[None], opt_transient[:, None, :], 0.0).max(axis=2)  # (A, P)
+    return np.maximum(np.maximum(step, build), optimizer_step)
 
 
 def upper_bound(options: Sequence[Sequence[Option]], class_of_layer: Sequence[int], anchors: Sequence[int],

@@ -7,21 +7,25 @@ under the names that docstring (and ``LayerCost.detail``) uses.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
+from autoshard import model_parallel
 from autoshard.cluster import Cluster
 from autoshard.graph import LayerInfo
-from autoshard.data_parallel import DataParallelForm, data_parallel_form
+from autoshard.data_parallel import DataParallelForm, data_parallel_form, step_working_set
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.search import comm, measured
 from autoshard.search.memory import (
     TP_SPLIT_ROLES,
+    STEP_GRAD_BYTES,
     MemoryBreakdown,
     StateBytes,
     activation_bytes,
     build_region_elements,
     build_transient_bytes,
     model_state_memory,
+    step_grad_bytes,
+    step_pack_bytes,
     tp_shardable,
 )
 from autoshard.train import TrainSpec
@@ -32,13 +36,9 @@ OVERLAP_EFFICIENCY = 0.8  # fraction of a compute window a collective can hide b
 # compute they hide behind. Each second of comm hidden under compute costs this many seconds.
 OVERLAP_CONTENTION = 0.1
 QUANT_KERNEL_EFFICIENCY = 0.9  # quantize/dequantize kernels vs raw HBM bandwidth (REFERENCES: ≥ 90% goal)
-QUANT_GROUP_ELEMENTS = 128  # elements per fp32 scale in quantized collectives
-QUANT_SCALE_BYTES = 4
 ATTENTION_SCORE_TRAFFIC = 2.0  # saved score tensors: written once, read once
 ALLOCATOR_FRAGMENTATION = 0.05
 RESERVED_BYTES = 2**30
-LOSS_REDUCTIONS = 3  # vocab-parallel cross-entropy: max, sum-exp, target logit
-LOSS_REDUCTION_BYTES = 4  # fp32 per token
 
 # ---- the time a FLOP/byte roofline does not see (docs/cost-model.md, "Overheads") ----------------
 # Per-kernel floor: CUDA launch (2–5 µs) + eager PyTorch dispatch (Python → ATen → stream, 4–10 µs
@@ -96,15 +96,14 @@ OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 11, "sgd": 5}
 # the head's captured saved bytes.
 LOSS_PEAK_BYTES_PER_LOGIT = 12.0
 
-_COMM_DTYPE_BYTES = {"bf16": 2.0, "fp32": 4.0, "fp8": 1.0, "int8": 1.0, "int4": 0.5}
 _QUANTIZED = ("fp8", "int8", "int4")
 _SHARDED_STATES = ("zero1", "zero2", "zero3", "offload")
 
 
-def comm_bytes_per_element(dtype: str) -> float:
-    """Wire bytes per element of a collective in ``dtype``, scales included."""
-    scale = QUANT_SCALE_BYTES / QUANT_GROUP_ELEMENTS if dtype in _QUANTIZED else 0.0
-    return _COMM_DTYPE_BYTES[dtype] + scale
+def comm_bytes_per_element(dtype: str, compute_bytes: float = 2.0) -> float:
+    """Wire bytes per element of a collective on the ``dtype`` wire, scales included
+    (``model_parallel.wire_bytes_per_element``: ``"bf16"`` is the compute dtype, ``compute_bytes``)."""
+    return model_parallel.wire_bytes_per_element(dtype, compute_bytes)
 
 
 def usable_memory_bytes(cluster: Cluster) -> float:
@@ -222,8 +221,15 @@ def sharding(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Sc
 
 
 def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, cluster: Cluster,
-                   train: TrainSpec) -> dict[str, float]:
-    """Forward/backward/recompute compute seconds of one micro-batch (module docstring)."""
+                   train: TrainSpec, compiled: bool = False) -> dict[str, float]:
+    """Forward/backward/recompute compute seconds of one micro-batch (module docstring).
+
+    ``compiled`` (``runs_compiled``): the runtime compiles the plan, so elementwise chains are fused:
+    the memory term moves the layer's inputs, outputs and saved activations once instead of every
+    eager op's operands (capture's per-op traffic stays the upper bound). The per-kernel floor is
+    the same eager count at the calibrated ``kernel_overhead_s`` either way: replacing it with the
+    GPU's gap between kernels replayed from a CUDA graph (about 2 µs) under-predicted compiled steps
+    of models the project did not write by 7-20% (2 x H200, 2026-11-27, docs/cost-model.md)."""
     peak, hbm = peak_flops(cluster, train), hbm_bandwidth(cluster)
     t, s = sh.tokens, sh.seq_len
     split = sh.elementwise_split(layer)
@@ -234,10 +240,15 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
     attn_s = attn_flops / (peak * attention_efficiency(cluster))
     score_bytes = ATTENTION_SCORE_TRAFFIC * t * layer.saved_interior_per_token_seq * s / sh.tp_interior
     fwd_matmul = gemm_flops / (peak * gemm_eff) + attn_s + t * layer.elementwise_flops_per_token * split / peak
-    fwd_memory = (t * layer.bytes_per_token * split + score_bytes) / hbm
+    if compiled:
+        fused = (layer.input_bytes_per_token + layer.output_bytes_per_token + layer.saved_boundary_per_token
+                 + layer.saved_interior_per_token)
+        fwd_memory = (t * min(fused, layer.bytes_per_token) * split + score_bytes) / hbm
+    else:
+        fwd_memory = (t * layer.bytes_per_token * split + score_bytes) / hbm
     roofline = max(fwd_matmul, fwd_memory)
     overhead = forward_kernels(layer) * kernel_overhead_s(cluster)
-    logits = t * (layer.vocab or 0) / sh.tp_mm if layer.kind == "head" else 0.0
+    logits = t * (layer.vocab or 0) if layer.kind == "head" else 0.0  # all V on every tp rank (gathered logits)
     loss_fwd, loss_bwd = logits * LOSS_BYTES_PER_LOGIT_FWD / hbm, logits * LOSS_BYTES_PER_LOGIT_BWD / hbm
     fwd = roofline + overhead + loss_fwd
     bwd = 2.0 * roofline + BACKWARD_KERNEL_FACTOR * overhead + loss_bwd
@@ -281,72 +292,28 @@ def probed_time(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, cluster
 # ---- critical-path communication -------------------------------------------------------------
 
 
-def _tp_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh,
-             cluster: Cluster) -> tuple[float, float]:
-    """(fwd, bwd) seconds of Megatron TP/SP collectives for one micro-batch."""
-    if sh.tp_mm == 1:
-        return 0.0, 0.0
-    size, stride = comm.tp_group(mesh)
-    link = comm.group_link(cluster, size, stride)
-
-    def ar(n: float) -> float:
-        return comm.all_reduce_time(n, size, link)
-
-    def ag(n: float) -> float:
-        return comm.all_gather_time(n, size, link)
-
-    def rs(n: float) -> float:
-        return comm.reduce_scatter_time(n, size, link)
-
-    # A block layer's input may hold several tensors (capture counts the residual stream too);
-    # every TP collective of a block moves one hidden-sized activation: the layer's output.
-    n_in, n_out = sh.tokens * layer.input_bytes_per_token, sh.tokens * layer.output_bytes_per_token
-    sp = strategy.sp
-    if layer.kind == "embedding":
-        return (rs(n_out), ag(n_out)) if sp else (ar(n_out), 0.0)
-    if layer.kind == "head":
-        loss = LOSS_REDUCTIONS * ar(LOSS_REDUCTION_BYTES * sh.tokens)
-        return (loss + ag(n_in), rs(n_in)) if sp else (loss, ar(n_in))
-    if sp:
-        return ag(n_out) + rs(n_out), ag(n_out) + rs(n_out)
-    return ar(n_out), ar(n_out)
+_CRITICAL_GROUPS = {"tp": comm.tp_group, "ep": comm.ep_group, "cp": comm.cp_group}
+_TIMED = {"all_gather": comm.all_gather_time, "reduce_scatter": comm.reduce_scatter_time,
+          "all_reduce": comm.all_reduce_time, "all_to_all": comm.all_to_all_time}
 
 
-def _ep_comm(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh, cluster: Cluster) -> float:
-    """Seconds of one direction (fwd or bwd) of MoE dispatch + combine all-to-alls."""
-    if not (strategy.ep and mesh.ep > 1 and layer.kind == "moe"):
-        return 0.0
-    size, stride = comm.ep_group(mesh)
-    routed = sh.tokens / sh.tp_boundary * (layer.top_k or 1) * layer.output_bytes_per_token  # hidden-sized
-    return 2.0 * comm.all_to_all_time(routed, size, comm.group_link(cluster, size, stride))
-
-
-def _cp_comm(layer: LayerInfo, sh: Sharding, mesh: Mesh, cluster: Cluster) -> float:
-    """Seconds of the K,V all-gather (fwd) = dK,dV reduce-scatter (bwd) of context parallelism."""
-    if mesh.cp == 1 or layer.kind != "attention":
-        return 0.0
-    kv_ratio = layer.num_kv_heads / layer.num_heads if layer.num_heads and layer.num_kv_heads else 1.0
-    kv_bytes = sh.tokens * mesh.cp * 2.0 * layer.output_bytes_per_token * kv_ratio / sh.tp_mm
-    size, stride = comm.cp_group(mesh)
-    return comm.all_gather_time(kv_bytes, size, comm.group_link(cluster, size, stride))
-
-
-def critical_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh,
-                    cluster: Cluster) -> dict[str, float]:
-    """TP/SP, EP and CP seconds on the critical path of one micro-batch, by direction."""
-    tp_fwd, tp_bwd = _tp_comm(layer, strategy, sh, mesh, cluster)
-    ep = _ep_comm(layer, strategy, sh, mesh, cluster)
-    cp = _cp_comm(layer, sh, mesh, cluster)
-    fwd = tp_fwd + ep + cp
-    return {
-        "tp_fwd_s": tp_fwd,
-        "tp_bwd_s": tp_bwd,
-        "ep_fwd_s": ep,
-        "ep_bwd_s": ep,
-        "cp_fwd_s": cp,
-        "cp_bwd_s": cp,
-        "recompute_comm_s": fwd if strategy.recompute == "full" else 0.0,
-    }
+def critical_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh: Mesh, cluster: Cluster,
+                   compute_bytes: float = 2.0) -> dict[str, float]:
+    """TP/SP, EP and CP seconds on the critical path of one micro-batch, by direction: one time per
+    collective of the layer's declared form (``autoshard/model_parallel.py``) that runs per micro-batch,
+    over its axis's group, of ``payload_bytes`` at ``compute_bytes`` per element (the training precision).
+    The expert gradients' per-step all-reduce is priced with the data-parallel terms (``param_groups``)."""
+    terms = dict.fromkeys(("tp_fwd_s", "tp_bwd_s", "ep_fwd_s", "ep_bwd_s", "cp_fwd_s", "cp_bwd_s"), 0.0)
+    for c in model_parallel.model_parallel_form(layer, strategy, mesh):
+        if not c.per_micro_batch:
+            continue
+        size, stride = _CRITICAL_GROUPS[c.axis](mesh)
+        nbytes = model_parallel.payload_bytes(c, layer, strategy, mesh, sh.tokens, compute_bytes)
+        seconds = c.count * _TIMED[c.kind](nbytes / c.count, size, comm.group_link(cluster, size, stride))
+        terms[f"{c.axis}_{'fwd' if c.phase == 'forward' else 'bwd'}_s"] += seconds
+    fwd = terms["tp_fwd_s"] + terms["ep_fwd_s"] + terms["cp_fwd_s"]
+    terms["recompute_comm_s"] = fwd if strategy.recompute == "full" else 0.0
+    return terms
 
 
 # ---- data-parallel communication, optimizer, model states --------------------------------------
@@ -389,8 +356,8 @@ def _dp_group_terms(group: ParamGroup, strategy: LayerStrategy, form: DataParall
     """Per-step data-parallel comm of one parameter group: one time per collective of the layer's declared
     form (``autoshard/data_parallel.py``), in the term of its phase (module docstring table)."""
     m = schedule.num_micro_batches
-    wire = {"weight": comm_bytes_per_element(strategy.weight_comm), "param": sizes.param,
-            "grad": comm_bytes_per_element(strategy.grad_comm)}
+    wire = {"weight": comm_bytes_per_element(strategy.weight_comm, sizes.param), "param": sizes.param,
+            "grad": comm_bytes_per_element(strategy.grad_comm, sizes.grad)}
     timed = {"all_gather": comm.all_gather_time, "reduce_scatter": comm.reduce_scatter_time,
              "all_reduce": comm.all_reduce_time}
     terms = dict.fromkeys(("gather_fwd", "gather_bwd", "grad_per_mb", "grad_once", "grad_after", "post_step"), 0.0)
@@ -433,16 +400,6 @@ def _quant_kernel_time(group: ParamGroup, strategy: LayerStrategy, cluster: Clus
     return kernel_bytes / rate
 
 
-def _sp_grad_allreduce(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: Cluster,
-                       sizes: StateBytes) -> float:
-    """All-reduce across tp of the grads of tp-replicated params that saw sequence shards (SP)."""
-    if not (strategy.sp and mesh.tp > 1):
-        return 0.0
-    replicated = sum(p.numel for p in layer.params if p.tp_role not in TP_SPLIT_ROLES + ("expert",))
-    size, stride = comm.tp_group(mesh)
-    return comm.all_reduce_time(replicated * sizes.grad, size, comm.group_link(cluster, size, stride))
-
-
 def layer_form(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Schedule,
                cluster: Cluster) -> DataParallelForm:
     """The declared data-parallel form of ``layer`` (``autoshard/data_parallel.py``) on a plan for ``cluster``."""
@@ -459,7 +416,6 @@ def dp_terms(layer: LayerInfo, strategy: LayerStrategy, form: DataParallelForm, 
     for group in groups:
         for key, value in _dp_group_terms(group, strategy, form, cluster, schedule, sizes).items():
             total[key] += value
-    total["grad_once"] += _sp_grad_allreduce(layer, strategy, mesh, cluster, sizes)
     f, m, kappa = overlap_efficiency(cluster), schedule.num_micro_batches, overlap_contention(cluster)
     bwd_window = compute["bwd_compute_s"] + compute["recompute_s"]
     # the ZeRO-1/2 parameter gather hides under the forward only where the runtime gathers the layer in
@@ -526,26 +482,47 @@ def memory_state(strategy: LayerStrategy, form: DataParallelForm) -> str:
     (``runtime/optimizer.py``): both accumulate the full gradient through the step's micro-batches
     and reduce-scatter it once after the backward (the ``zero1`` row: full gradients), except where
     the layer is gathered in the compiled forward graph, whose backward reduce-scatters each layer's
-    gradient as it is produced (the ``zero2`` row: sharded gradients, one layer's full gradient as
-    the buffer)."""
+    gradient as it is produced (the ``zero2`` row: sharded gradients, one layer's full gradient and
+    its reduce-scatter copy-in as the buffer; ``layer_memory`` holds its parameters as the shard
+    and the gathered ones as saved for backward)."""
     if strategy.state in ("zero1", "zero2"):
         return "zero2" if form.grads == "shard" else "zero1"
     return strategy.state
 
 
 def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh, sh: Sharding,
-                 sizes: StateBytes, region_entry: bool, form: DataParallelForm) -> MemoryBreakdown:
-    """Model states of every parameter group (as the runtime holds them: ``memory_state``) plus one
-    micro-batch of activations."""
+                 sizes: StateBytes, region_entry: bool, form: DataParallelForm, bucket_bytes: int,
+                 host_is_device: bool) -> MemoryBreakdown:
+    """Model states of every parameter group (as the runtime holds them: ``memory_state``), one
+    micro-batch of activations and the optimizer step's working set (``step_working_set``; memory.py,
+    "Optimizer step"). ``host_is_device``: CPU ranks, whose host memory is their device memory."""
     states = MemoryBreakdown()
     state = memory_state(strategy, form)
+    work = step_working_set(form, compute_fp32=sizes.grad == STEP_GRAD_BYTES)
+    on_device = strategy.state != "offload" or host_is_device  # offload's step gradient is on the host
+    # ZeRO-1/2 gathered in the forward graph: held as the dim-0 shard; the gathered parameters are kept
+    # from the layer's forward to its backward, saved tensors like its activations (autoshard/data_parallel.py)
+    kept = strategy.state in ("zero1", "zero2") and form.held == "shard"
     for group in groups:
-        states = states + model_state_memory(group.psi, state, _shard_degree(group, strategy.state), sizes)
+        degree = _shard_degree(group, strategy.state)
+        group_states = model_state_memory(group.psi, state, degree, sizes)
+        if kept:
+            gathered = group_states.params
+            group_states = replace(group_states, params=gathered / degree, activations=gathered, kept_gathered=gathered)
+        if host_is_device:
+            group_states = replace(group_states, optimizer=group_states.optimizer + group_states.host, host=0.0)
+        states = states + group_states + MemoryBreakdown(
+            step_grads=step_grad_bytes(work.grad, group.psi, degree) if on_device else 0.0)
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
+    # per parameter: its local shard as held (a gathered-in-forward ZeRO-1/2 layer: ZeRO-3's), as the buckets hold it
+    regions = build_regions(layer, replace(strategy, state="zero3") if form.held == "shard" else strategy, mesh)
+    # quantized wires are reduced one parameter at a time (qgZ), not in buckets; their own transients are not priced
+    pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions],
+                           0 if strategy.grad_comm in _QUANTIZED else bucket_bytes)
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
-    build = build_transient_bytes(build_regions(layer, strategy, mesh))
-    return states + MemoryBreakdown(activations=acts + loss_bytes(layer, sh), build_transient=build)
+    return states + MemoryBreakdown(activations=acts + loss_bytes(layer, sh),
+                                    build_transient=build_transient_bytes(regions), step_transient=pack)
 
 
 def build_regions(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) -> list[int]:

@@ -7,26 +7,34 @@ Model states (Rajbhandari et al. 2020, "ZeRO", §3 and Table 1), with ``p`` =
 parameter bytes, ``g`` = gradient bytes, ``K`` = optimizer-state bytes per
 parameter:
 
-    state       params   grads    optimizer   buffers (transient)        host
-    replicate   pΨ       gΨ       KΨ          0                          0
-    zero1       pΨ       gΨ       KΨ/N        0                          0
-    zero2       pΨ       gΨ/N     KΨ/N        gΨ   (unsharded grad)       0
-    zero3       pΨ/N     gΨ/N     KΨ/N        (p+g)Ψ (gathered layer)     0
-    offload     pΨ       gΨ       0           0                          KΨ/N
+    state       params   grads    optimizer   buffers (transient)   gathered   host
+    replicate   pΨ       gΨ       KΨ          0                     0          0
+    zero1       pΨ       gΨ       KΨ/N        0                     0          0
+    zero2       pΨ       gΨ/N     KΨ/N        2gΨ                   0          0
+    zero3       pΨ/N     gΨ/N     KΨ/N        (p+2g)Ψ               pΨ         0
+    offload     pΨ       gΨ       0           0                     0          KΨ/N
 
-These are the paper's rows. The cost model uses them for the runtime's form of each state
+These are the paper's rows, with the runtime's buffers. The cost model uses them for the runtime's form of each state
 (``search/layer_terms.memory_state``): its ZeRO-2 accumulates full gradients and reduces once per
 step (the ``zero1`` row), except for a layer gathered in the compiled forward graph, where ZeRO-1
-and ZeRO-2 both reduce-scatter in the backward (the ``zero2`` row).
+and ZeRO-2 both reduce-scatter in the backward (the ``zero2`` row), hold the parameters as the
+dim-0 shard (pΨ/N) and keep the gathered ones (pΨ) from the forward to the backward: saved
+tensors, priced with the activations (``kept_gathered``; not scaled for compiled graphs).
 
 Mixed precision (``precision="bf16"``): p = g = 2, K = 12 for AdamW (fp32
 master 4 + momentum 4 + variance 4; ``TrainSpec.optimizer_state_bytes_per_param``),
-4 for SGD (fp32 master). Full fp32 (``precision="fp32"``): p = g = 4 and the
-fp32 parameters are the master copy, so K drops the master: 8 for AdamW, 0 for
-SGD. ``buffers`` is what one layer needs while it runs (its gathered
-parameters and unsharded gradient before the reduce-scatter); only the largest
-layer's buffers (times the prefetch depth) live at once, so whole-stage peaks
-take a max over layers, never a sum.
+4 for SGD (fp32 master). Full fp32 (``precision="fp32"``): p = g = 4 and K is
+the same: the runtime keeps its fp32 master apart from the compute parameters
+(``runtime/optimizer.py``: the update writes the master, the write-back copies
+it into the parameter). ``buffers`` is what one layer holds while its backward runs: its
+gathered parameters (ZeRO-3), its unsharded gradient and that gradient's reduce-scatter
+copy-in (the packed layer, ``passes/_zero3.py``). ``gathered`` is a layer's gathered parameters
+in the forward, where ``schedule.prefetch`` more heavy layers' gathers are in flight. A rank's
+live buffers are ``max(max buffers, (1 + prefetch)·max gathered)`` over its layers
+(``live_buffers``), never a sum. The backward prefetch (one layer ahead) and the reduce-scatter
+still pending from the layer after (``passes/recompute.py``, ``passes/_zero3.py``) are the
+neighbouring norms of an attention or MLP layer, which capture makes layers of their own: light,
+so not priced.
 
 Activations of one micro-batch (Korthikanti et al. 2022, Table 2), from the
 captured per-token coefficients of ``LayerInfo`` (B = saved_boundary, I =
@@ -65,8 +73,22 @@ gives the first rank)::
 ``params`` and ``optimizer`` are the table's device columns (offload's
 optimizer states are on the host); gradients, activations and gather buffers
 do not exist yet. Only one parameter is read at a time, so layers combine the
-transient by a max, never a sum (``MemoryBreakdown.__add__``). The rank's
-predicted peak is ``max(step peak, build peak)``.
+transient by a max, never a sum (``MemoryBreakdown.__add__``).
+
+Optimizer step (the working set ``autoshard/data_parallel.step_working_set`` declares per layer).
+From the gradient sync to the write-back a rank holds its params, optimizer states and the
+backward's gradients (freed once every bucket is reduced), plus the fp32 gradient the update reads
+where it is a tensor of its own (``step_grads``: 4 bytes × Ψ for "full", Ψ/N for "chunk" and
+"shard", 0 for "none"), plus the copies of the bucket being packed (``step_transient``: ``pack`` ×
+the largest bucket, ``max(largest member, min(bucket_bytes, Σ members))`` over the layer's
+gradients in their dtype; one bucket is packed at a time, so a max over layers)::
+
+    optimizer_step = Σ (params + grads + optimizer + step_grads) + max step_transient
+
+The update itself (fused AdamW, SGD) allocates nothing. Offload's chunk is on the host on a GPU
+(not counted), on the device on CPU ranks, where host and device are the same memory: there the
+host column counts as device optimizer states (``layer_terms.layer_memory``). The rank's predicted
+peak is ``max(step peak, optimizer step, build peak)``.
 """
 
 from __future__ import annotations
@@ -95,9 +117,13 @@ class MemoryBreakdown:
     grads: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0  # for ONE micro-batch in flight
-    buffers: float = 0.0  # collective / gather buffers
+    kept_gathered: float = 0.0  # of activations: gathered parameters the forward keeps for backward
+    buffers: float = 0.0  # collective / gather buffers of the layer's backward
+    gathered: float = 0.0  # the layer's gathered parameters in forward (ZeRO-3); prefetch keeps more alive
     host: float = 0.0  # bytes in host memory (ZeRO-Offload optimizer states); not device memory
     build_transient: float = 0.0  # while building: the largest parameter region, read + fp32 copy (a max)
+    step_grads: float = 0.0  # optimizer step: fp32 gradients the update reads, when tensors of their own
+    step_transient: float = 0.0  # optimizer step: copies of the gradient bucket being packed (a max)
 
     @property
     def total_static(self) -> float:
@@ -113,16 +139,26 @@ class MemoryBreakdown:
         """params + optimizer on the device: what the build leaves resident (module docstring)."""
         return self.params + self.optimizer
 
+    @property
+    def optimizer_step_resident(self) -> float:
+        """params + grads + optimizer + step_grads: what the optimizer step holds besides its bucket."""
+        return self.model_states + self.step_grads
+
     def __add__(self, other: MemoryBreakdown) -> MemoryBreakdown:
-        """Field-wise sum, except ``build_transient``: one parameter is built at a time, so a max."""
+        """Field-wise sum, except ``build_transient`` and ``step_transient``: one parameter is built, one
+        bucket packed at a time, so a max."""
         return MemoryBreakdown(
             params=self.params + other.params,
             grads=self.grads + other.grads,
             optimizer=self.optimizer + other.optimizer,
             activations=self.activations + other.activations,
+            kept_gathered=self.kept_gathered + other.kept_gathered,
             buffers=self.buffers + other.buffers,
+            gathered=self.gathered + other.gathered,
             host=self.host + other.host,
             build_transient=max(self.build_transient, other.build_transient),
+            step_grads=self.step_grads + other.step_grads,
+            step_transient=max(self.step_transient, other.step_transient),
         )
 
 
@@ -139,7 +175,7 @@ def state_bytes(train: TrainSpec) -> StateBytes:
     """p, g and K for ``train``'s precision and optimizer (module docstring)."""
     k = train.optimizer_state_bytes_per_param
     if train.precision == "fp32":
-        return StateBytes(param=4, grad=4, optimizer=k - 4)  # fp32 params are the master copy
+        return StateBytes(param=4, grad=4, optimizer=k)  # the fp32 master is a copy of its own
     return StateBytes(param=2, grad=2, optimizer=k)
 
 
@@ -154,9 +190,9 @@ def model_state_memory(psi: float, state: str, shard_degree: int, sizes: StateBy
     if state == "zero1":
         return MemoryBreakdown(params=p, grads=g, optimizer=k / n)
     if state == "zero2":
-        return MemoryBreakdown(params=p, grads=g / n, optimizer=k / n, buffers=g)
+        return MemoryBreakdown(params=p, grads=g / n, optimizer=k / n, buffers=2 * g)
     if state == "zero3":
-        return MemoryBreakdown(params=p / n, grads=g / n, optimizer=k / n, buffers=p + g)
+        return MemoryBreakdown(params=p / n, grads=g / n, optimizer=k / n, buffers=p + 2 * g, gathered=p)
     return MemoryBreakdown(params=p, grads=g, optimizer=0.0, host=k / n)  # offload
 
 
@@ -195,6 +231,12 @@ def activation_bytes(
     return tokens * (layer.saved_boundary_per_token / tp_boundary + interior / tp_interior)
 
 
+def live_buffers(max_buffers: float, max_gathered: float, prefetch: int) -> float:
+    """Gather / collective buffers live at once on a rank (module docstring): the largest layer's backward
+    buffers, or ``1 + prefetch`` of its forward gathers, whichever is larger."""
+    return max(max_buffers, (1 + prefetch) * max_gathered)
+
+
 def rank_memory(static: float, grads: float, buffers: float, activations: float, grads_beside_activations: bool) -> float:
     """Peak bytes of one rank: ``static`` (params + grads + optimizer) + buffers + activations, except
     with one micro-batch on one stage (``grads_beside_activations`` False), where gradients and
@@ -231,6 +273,34 @@ def build_region_elements(param: ParamInfo, strategy: LayerStrategy, tp: int, ep
 def build_transient_bytes(region_elements: Iterable[int]) -> float:
     """``BUILD_BYTES_PER_ELEMENT · max E(w)`` bytes over the regions a rank reads (0 for none)."""
     return float(BUILD_BYTES_PER_ELEMENT * max(region_elements, default=0))
+
+
+# The update reads fp32 gradients (``runtime/optimizer.py``, ``_Slot.set_grad``).
+STEP_GRAD_BYTES = 4
+_STEP_GRAD_FRACTION = {"none": 0.0, "full": 1.0}  # "chunk" / "shard": 1/N
+
+
+def step_grad_bytes(grad: str, psi: float, shard_degree: int) -> float:
+    """Bytes of the fp32 gradient the optimizer step holds for ``psi`` parameters (module docstring):
+    ``grad`` is ``StepWorkingSet.grad``; "chunk" and "shard" are 1/``shard_degree`` of them."""
+    return STEP_GRAD_BYTES * psi * _STEP_GRAD_FRACTION.get(grad, 1.0 / max(1, shard_degree))
+
+
+def step_pack_bytes(pack: int, member_bytes: Iterable[float], bucket_bytes: int) -> float:
+    """``pack`` copies of the largest gradient bucket the members fill (module docstring): a bucket holds
+    members up to ``bucket_bytes``, a larger member a bucket of its own; ``bucket_bytes`` 0: one per member."""
+    sizes = list(member_bytes)
+    if not pack or not sizes:
+        return 0.0
+    largest = max(sizes)
+    return float(pack * (largest if bucket_bytes <= 0 else max(largest, min(bucket_bytes, sum(sizes)))))
+
+
+def optimizer_step_peak_bytes(layers: Iterable[MemoryBreakdown]) -> float:
+    """Optimizer-step peak of one rank, bytes: ``Σ (params + grads + optimizer + step_grads) + max
+    step_transient`` over the ``MemoryBreakdown`` of every layer the rank holds (module docstring)."""
+    total = sum(layers, MemoryBreakdown())
+    return total.optimizer_step_resident + total.step_transient
 
 
 def build_peak_bytes(layers: Iterable[MemoryBreakdown]) -> float:

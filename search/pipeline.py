@@ -11,10 +11,10 @@ Step time of the pipelined part (Narayanan et al. 2021, §2.2):
     gpipe, 1f1b          (m + p − 1) · T          bubble (p − 1) · T
     interleaved_1f1b     (m + (p − 1)/v) · T      bubble (p − 1)/v · T
 
-Stage boundary traffic: one activation forward and one gradient backward per
-micro-batch, ``b·s/cp · output_bytes_per_token`` of the stage's last layer
-(divided by tp when that layer runs sequence-parallel), priced as
-``send_recv``; interleaving crosses ``v`` times as many boundaries.
+Stage boundary traffic: the declared ``stage_boundary_form`` (``autoshard/model_parallel.py``):
+one activation forward and its gradient backward per micro-batch, ``b·s/cp · h`` in the training
+precision (divided by tp when the layer before the boundary runs sequence-parallel), priced as
+``send_recv`` (``cost_model.boundary_send_s``); interleaving crosses ``v`` times as many boundaries.
 
 Micro-batches whose activations rank ``k`` holds at once (``in_flight``), in
 units of the whole rank's activations for one micro-batch:

@@ -31,14 +31,18 @@ n_{c,b} layers of class c riding on block b, ranks k:
     sp ∈ {0,1} (tp > 1)           Σ_{s: s.sp} x[c,s] = sp              sp_consistent/<c>      add_strategy_choice
     y[b,k] ∈ {0,1}, k ∈ W(b)      Σ_k y[b,k] = 1, st_b = Σ_k k·y[b,k]  stage_assign/<b>       add_stage_assignment
                                   st_b ≤ st_{b+1} ≤ st_b + 1           stage_contiguous/<b>   add_stage_assignment
-    V_b = Σ_c n_{c,b} Σ_s x[c,s]·V[c,s]  for V ∈ {t, tail, S, A, R}                           add_block_terms
+    V_b = Σ_c n_{c,b} Σ_s x[c,s]·V[c,s]  for V ∈ {t, tail, S, A, R, O}                        add_block_terms
     G_k ≥ Σ_s x[c,s]·G[c,s]  (c on rank k)                             buffer_max/<c>/stage<k> add_buffer_max
+    H_k ≥ Σ_s x[c,s]·H[c,s]  (c on rank k)                             gathered_max/<c>/stage<k> add_buffer_max
+    L_k ≥ G_k,  L_k ≥ (1+prefetch)·H_k                                 live_buffers/stage<k>  add_buffer_max
     X_k ≥ Σ_s x[c,s]·X[c,s]  (c on rank k)                             build_max/<c>/stage<k>  add_buffer_max
+    Y_k ≥ Σ_s x[c,s]·Y[c,s]  (c on rank k)                             optstep_max/<c>/stage<k> add_buffer_max
     A_b −= Σ (A−A')[c,s]·z,  z ≤ x[c,s], z ≤ full(c_prev)             chain_region/<c>       add_block_terms
     T_max ≥ Σ_b y[b,k]·t_b + P_k                                       stage_time/stage<k>    add_stage_rows_and_objective
-    Σ_b y[b,k]·(S_b + f_k·A_b) + (1+prefetch)·G_k ≤ M                 mem/stage<k>           add_stage_rows_and_objective
-      (pp = m = 1: Σ_b (S_b − Gr_b) + max(Σ Gr_b, f·Σ A_b) + (1+prefetch)·G ≤ M; Gr = gradients)
+    Σ_b y[b,k]·(S_b + f_k·A_b) + L_k ≤ M                              mem/stage<k>           add_stage_rows_and_objective
+      (pp = m = 1: Σ_b (S_b − Gr_b) + max(Σ Gr_b, f·Σ A_b) + L_k ≤ M; Gr = gradients)
     Σ_b y[b,k]·R_b + X_k ≤ M                                          build/stage<k>         add_stage_rows_and_objective
+    Σ_b y[b,k]·O_b + Y_k ≤ M                                          optstep/stage<k>       add_stage_rows_and_objective
     Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective
     minimise  W·Z + Σ_{c,s} h(c,s)·x[c,s] + Σ_b g(b)·st_b
 
@@ -48,8 +52,10 @@ is an upper bound, so the optimum sets them to the product. f_k is
 ``pipeline.in_flight`` (1F1B: min(p−k, m); GPipe: m; interleaved: Megatron's
 warm-up count / v; rows are multiplied by v to stay integral). M is the
 per-rank limit ``(max_memory_bytes or device memory) · (1 − headroom)``. ``mem`` bounds the step
-peak, ``build`` the build peak (R = params + device optimizer states, X = the largest parameter
-region being built: ``search/memory.py``); the rank's peak is the larger, so both must fit. The
+peak, ``optstep`` the optimizer step's (O = params + grads + optimizer + the fp32 gradients the
+update reads, Y = the copies of the gradient bucket being packed), ``build`` the build peak (R =
+params + device optimizer states, X = the largest parameter region being built:
+``search/memory.py``); the rank's peak is the largest, so all must fit. The
 build rows are added lazily (``_solve_lazily``): the model without them is solved first, and solved
 again with them only when its answer does not fit them.
 W(b) is a window: stage boundary k lies within ``max(2, ⌈B/p⌉)`` blocks of

@@ -23,6 +23,7 @@ from autoshard.search.memory import (
     build_peak_bytes,
     build_region_elements,
     build_transient_bytes,
+    rank_memory,
 )
 from autoshard.train import TrainSpec
 
@@ -41,11 +42,18 @@ def make_plan(graph: ModelGraph, mesh: Mesh, schedule: Schedule, **strategy) -> 
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=schedule)
 
 
-def step_bytes(pred: Predictions) -> int:
-    """The step peak of the peak rank from its breakdown, for m = 1 and pp = 1 (the only case here),
-    where gradients and activations are not live together (``memory.rank_memory``)."""
+def step_bytes(pred: Predictions, micro_batches: int = 1) -> int:
+    """The forward/backward peak of the peak rank from its breakdown, pp = 1 (``memory.rank_memory``: with
+    one micro-batch gradients and activations are not live together)."""
     b = pred.memory_breakdown
-    return b["params"] + b["optimizer"] + b["buffers"] + max(b["grads"], b["activations"])
+    return int(rank_memory(b["params"] + b["grads"] + b["optimizer"], b["grads"], b["buffers"], b["activations"],
+                           micro_batches > 1))
+
+
+def optimizer_step_bytes(pred: Predictions) -> int:
+    """The optimizer-step peak of the peak rank from its breakdown (``memory.optimizer_step_peak_bytes``)."""
+    b = pred.memory_breakdown
+    return b["params"] + b["grads"] + b["optimizer"] + b["step_grads"] + b["step_transient"]
 
 
 # ---- regions -----------------------------------------------------------------------------------
@@ -89,7 +97,10 @@ PSI_TP2 = 4096 + 2 * (64 + 6144 + 64 + 12_288) + 64 + 4096 + 65  # 45 441: vocab
 HAND = {
     # dp 2: every layer holds the whole parameter; largest region 8192 → 65 536 B
     "replicate": 2 * PSI + 12 * PSI + 8 * 8192,  # 1 332 494
-    "zero1": 2 * PSI + 12 * PSI // 2 + 8 * 8192,  # optimizer states halved: 789 512
+    # two micro-batches: optimizer states halved, whole parameters held: 789 512
+    "zero1": 2 * PSI + 12 * PSI // 2 + 8 * 8192,
+    # one micro-batch on a GPU: gathered in the compiled forward, held (and built) as ZeRO-3's shards
+    "zero1_gathered": 2 * PSI // 2 + 12 * PSI // 2 + 8 * 4096,  # 666 247
     # params and states halved; regions are dim-0 chunks: embed/head/gate/up (64, 64), down (32, 128): 4096
     "zero3": 2 * PSI // 2 + 12 * PSI // 2 + 8 * 4096,  # 666 247
     # tp 2: the local parameters of 45 441 elements; largest region 4096 (gate (64, 64), down (64, 64), embed)
@@ -110,12 +121,16 @@ def test_build_peak_of_llama_tiny_by_hand(llama_tiny, case):
     if case == "tp2":
         mesh, schedule, strategy = Mesh(tp=2), Schedule(micro_batch=2), dict(tp="megatron")
     else:
-        mesh, schedule, strategy = Mesh(dp_shard=2), Schedule(micro_batch=1), dict(state=case)
+        mesh, strategy = Mesh(dp_shard=2), dict(state=case.removesuffix("_gathered"))
+        schedule = Schedule(micro_batch=1, num_micro_batches=2 if case == "zero1" else 1)
     plan = make_plan(graph, mesh, schedule, **strategy)
-    pred = predict(graph, plan, make_cluster(2), TrainSpec(global_batch=2, seq_len=16))
+    train = TrainSpec(global_batch=2 * schedule.num_micro_batches, seq_len=16)
+    pred = predict(graph, plan, make_cluster(2), train)
     assert pred.build_peak_bytes == HAND[case]
-    assert pred.memory_breakdown["build_transient"] == {"zero3": 8 * 4096, "tp2": 8 * 4096}.get(case, 8 * 8192)
-    assert pred.peak_memory_bytes == max(step_bytes(pred), pred.build_peak_bytes)
+    sharded = ("zero3", "zero1_gathered", "tp2")
+    assert pred.memory_breakdown["build_transient"] == (8 * 4096 if case in sharded else 8 * 8192)
+    assert pred.peak_memory_bytes == max(step_bytes(pred, schedule.num_micro_batches), optimizer_step_bytes(pred),
+                                         pred.build_peak_bytes)
 
 
 # ---- a build peak above the step peak ----------------------------------------------------------
@@ -153,14 +168,18 @@ def test_build_peak_above_step_peak_is_the_peak():
 
 
 def test_search_keeps_the_build_peak_under_the_limit():
-    """Unconstrained, the search shards only the optimizer states of the embedding (zero2: 11 B per
-    parameter in the step, 16 B while building). A limit between those two peaks binds only through
-    the build/stage rows: the search must pick another plan, whose predicted peak, build included, fits."""
-    graph, cluster = embedding_heavy_graph(), make_cluster(2)
+    """With the optimizer update priced free (a calibration), DDP and ZeRO-1 tie on time and the search
+    keeps the embedding DDP: 16 B per parameter in the forward/backward, 20 B in the optimizer step (its
+    gradient's fp32 copy), 14 B + 8 B per element of the largest region while building. A limit between
+    the optimizer step's peak and the build's binds only through the build/stage rows: the search must
+    pick another plan, whose predicted peak, build included, fits."""
+    graph, cluster = embedding_heavy_graph(), replace(make_cluster(2), calibration={"adamw_s_per_param": 0.0})
     train, fixed = TrainSpec(global_batch=2, seq_len=8), {"dp_shard": 2, "tp": 1, "pp": 1}
     loose = solve(graph, cluster, train, constraints=Constraints(mesh=fixed), time_limit_s=30)
-    assert step_bytes(loose.predictions) < loose.predictions.build_peak_bytes == loose.predictions.peak_memory_bytes
-    limit = (step_bytes(loose.predictions) + loose.predictions.build_peak_bytes) // 2
+    running = max(step_bytes(loose.predictions), optimizer_step_bytes(loose.predictions))
+    assert loose.strategy("embed").state == "replicate"
+    assert running < loose.predictions.build_peak_bytes == loose.predictions.peak_memory_bytes
+    limit = (running + loose.predictions.build_peak_bytes) // 2
     tight = solve(graph, cluster, train, time_limit_s=30,
                   constraints=Constraints(mesh=fixed, max_memory_bytes=limit, memory_headroom=0.0))
     assert tight.strategy("embed").state != loose.strategy("embed").state

@@ -6,7 +6,6 @@ only once ``autoshard.passes.capture.capture_reference`` exists.
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 
 import pytest
@@ -140,9 +139,10 @@ def test_zero_table1_reproduced_to_printed_precision():
 
 
 def test_fp32_and_sgd_state_bytes():
-    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, precision="fp32")) == StateBytes(4, 4, 8)
+    # the runtime keeps its fp32 master apart from fp32 compute parameters: K is the same in both precisions
+    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, precision="fp32")) == StateBytes(4, 4, 12)
     assert state_bytes(TrainSpec(global_batch=1, seq_len=1, optimizer="sgd")) == StateBytes(2, 2, 4)
-    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, optimizer="sgd", precision="fp32")) == StateBytes(4, 4, 0)
+    assert state_bytes(TrainSpec(global_batch=1, seq_len=1, optimizer="sgd", precision="fp32")) == StateBytes(4, 4, 4)
 
 
 # ---- (2) Korthikanti Table 2 -----------------------------------------------------------------
@@ -293,6 +293,28 @@ def test_tp_comm_on_critical_path():
     assert plain.fwd_s + plain.bwd_s == pytest.approx(plain.compute_s + plain.critical_comm_s)
 
 
+def test_model_parallel_comm_prices_what_the_runtime_runs():
+    """autoshard/model_parallel.py (held to the runtime by tests/test_conformance_mixed.py): EP moves the
+    whole [E, C, h] capacity buffer, the rows the expert GEMMs run on (E·T dropless, k·T routed), twice
+    each way; SP all-reduces each tp-replicated parameter's gradient once per micro-batch, on the critical
+    path of the backward."""
+    h, tokens, one = 1024, 2 * 512, lambda nbytes, g: (g - 1) * (1e-5 + nbytes / g / 100e9)  # intra-node ring
+    train, schedule = TrainSpec(global_batch=4, seq_len=512), Schedule(micro_batch=2, num_micro_batches=2)
+    per_row = 2 * 4 * h * h  # FLOPs of one buffer row through one expert's [4h, h] weight
+    for rows in (8, 2):  # dropless (every expert on all T tokens), routed (top-2)
+        moe = LayerInfo(name="moe", kind="moe", index=0, block=0, class_id="moe", hidden=h, num_experts=8, top_k=2,
+                        params=(ParamInfo("moe.w", (8, 4 * h, h), "bf16", "expert"),), output_bytes_per_token=2 * h,
+                        matmul_flops_per_token=rows * per_row)
+        ep = layer_cost(moe, LayerStrategy(layer="moe", ep=True), Mesh(dp_shard=2, ep=2), make_cluster(), train,
+                        schedule)
+        assert ep.detail["ep_fwd_s"] == pytest.approx(2 * one(rows * tokens * h * 2, 2))
+        assert ep.detail["ep_bwd_s"] == ep.detail["ep_fwd_s"]
+    norm = gpt_block(0, h, 16)[0]  # two tp-replicated vectors of h
+    sp = layer_cost(norm, LayerStrategy(layer=norm.name, sp=True), Mesh(tp=4), make_cluster(), train, schedule)
+    assert sp.detail["tp_bwd_s"] == pytest.approx(2 * 2 * one(h * 2, 4))  # one all-reduce per parameter
+    assert sp.detail["tp_fwd_s"] == 0.0 and sp.detail["dp_grad_once_s"] == 0.0
+
+
 # ---- (4) monotonicity and sanity -------------------------------------------------------------
 
 
@@ -303,13 +325,15 @@ def replace_batch(train: TrainSpec, global_batch: int) -> TrainSpec:
 def test_zero_stages_order_memory():
     layer = gpt_block(0, 1024, 16)[3]
     mesh, train, schedule = Mesh(dp_shard=8), TrainSpec(global_batch=8, seq_len=128), Schedule()
-    static, grads = {}, {}
+    static, grads, acts = {}, {}, {}
     for state in ("replicate", "zero1", "zero2", "zero3"):
         cost = layer_cost(layer, LayerStrategy(layer=layer.name, state=state), mesh, make_cluster(1), train, schedule)
-        static[state], grads[state] = cost.memory.model_states, cost.memory.grads
+        static[state], grads[state], acts[state] = cost.memory.model_states, cost.memory.grads, cost.memory.activations
     # one micro-batch on a GPU cluster: ZeRO-1 and ZeRO-2 are gathered in the compiled forward graph and
-    # reduce-scatter in its backward (sharded gradients, layer_terms.memory_state)
-    assert static["zero3"] < static["zero2"] == static["zero1"] < static["replicate"]
+    # reduce-scatter in its backward (sharded gradients, layer_terms.memory_state); held as ZeRO-3's shards
+    # between steps, they keep the gathered parameters (2 B each) from the forward to the backward
+    assert static["zero3"] == static["zero2"] == static["zero1"] < static["replicate"]
+    assert acts["zero1"] == acts["zero2"] == pytest.approx(acts["zero3"] + 2 * layer.param_count)
     assert grads["zero1"] == grads["zero2"] == pytest.approx(grads["replicate"] / 8)
     # several micro-batches: the runtime accumulates full gradients for both and reduces once per step
     accumulating = Schedule(micro_batch=1, num_micro_batches=8)
@@ -402,7 +426,8 @@ def test_precision_selects_peak_and_state_bytes():
     bf16 = layer_cost(layer, st, *args, TrainSpec(global_batch=1, seq_len=2048), Schedule())
     fp32 = layer_cost(layer, st, *args, TrainSpec(global_batch=1, seq_len=2048, precision="fp32"), Schedule())
     assert fp32.detail["fwd_matmul_s"] == pytest.approx(10 * bf16.detail["fwd_matmul_s"])  # 1e14 vs 1e15 FLOP/s
-    assert fp32.memory.model_states == pytest.approx(bf16.memory.model_states)  # (4+4+8)Ψ = (2+2+12)Ψ
+    # (4+4+12)Ψ against (2+2+12)Ψ: the fp32 master is a copy of its own in both
+    assert fp32.memory.model_states == pytest.approx(bf16.memory.model_states * 20 / 16)
 
 
 def test_layer_cost_table_matches_layer_cost():
@@ -416,7 +441,7 @@ def test_layer_cost_table_matches_layer_cost():
 
 def test_layer_cost_reads_only_micro_batch_and_count_of_schedule():
     """The solver's cost table shares entries across pipeline schedules of one (micro_batch,
-    num_micro_batches) (``evaluate.CostTable``); this is the premise it rests on."""
+    num_micro_batches, bucket_bytes) (``evaluate.CostTable``); this is the premise it rests on."""
     layer = gpt_block(0, 256, 4)[1]
     strategies = [LayerStrategy(layer=layer.name, state=s, recompute=r, tp="megatron", sp=sp)
                   for s in ("replicate", "zero3") for r in ("none", "full") for sp in (False, True)]
@@ -429,6 +454,8 @@ def test_layer_cost_reads_only_micro_batch_and_count_of_schedule():
         assert layer_cost_table(layer, strategies, mesh, cluster, train, other) == want
     changed = layer_cost_table(layer, strategies, mesh, cluster, train, replace(base, num_micro_batches=8))
     assert changed != want  # the count matters (gathers per step), so the key must hold it
+    # the bucket size too: the optimizer step packs one bucket (search/memory.py, "Optimizer step")
+    assert layer_cost_table(layer, strategies, mesh, cluster, train, replace(base, bucket_bytes=1 << 10)) != want
 
 
 # ---- (5) pipeline ----------------------------------------------------------------------------
@@ -557,6 +584,22 @@ def test_per_kernel_floor_by_kind_and_calibrated():
     assert slow.detail["fwd_overhead_s"] == pytest.approx(8 * 20e-6)
 
 
+def test_compiled_elementwise_moves_layer_boundary_bytes_once():
+    """A compiled plan fuses a norm's eager chain: its memory term moves the layer's inputs, outputs and
+    saved activations once (capture's every-op traffic bounds it above); eager keeps every op's traffic."""
+    block_norm = gpt_block(0, 4096, 32)[0]
+    fused = (block_norm.input_bytes_per_token + block_norm.output_bytes_per_token
+             + block_norm.saved_boundary_per_token + block_norm.saved_interior_per_token)
+    norm = replace(block_norm, bytes_per_token=6 * fused)  # an fp32 eager chain: every op reads and writes
+    train = TrainSpec(global_batch=1, seq_len=4096)
+    eager, compiled = (_one(norm, mesh=m, train=train) for m in (Mesh(dp_shard=2, ep=2), Mesh(dp_shard=2)))
+    hbm = make_cluster(1).device.achieved_hbm_bandwidth
+    assert eager.detail["fwd_memory_s"] == pytest.approx(4096 * 6 * fused / hbm)
+    assert compiled.detail["fwd_memory_s"] == pytest.approx(4096 * fused / hbm)
+    light = _one(block_norm, mesh=Mesh(dp_shard=2), train=train)  # capture's traffic is the upper bound
+    assert light.detail["fwd_memory_s"] == pytest.approx(4096 * block_norm.bytes_per_token / hbm)
+
+
 def test_small_gemms_run_below_large_gemm_efficiency():
     mlp = gpt_block(0, 1024, 16)[3]
     small, large = (_one(mlp, train=TrainSpec(global_batch=1, seq_len=s)) for s in (64, 8192))
@@ -579,7 +622,9 @@ def test_attention_core_at_attention_efficiency():
     assert slower.detail["fwd_matmul_s"] - base.detail["fwd_matmul_s"] == pytest.approx(attn_s)
 
 
-def test_vocab_loss_is_memory_bound_and_vocab_parallel():
+def test_vocab_loss_is_memory_bound_over_the_gathered_logits():
+    """The runtime all-gathers a vocab-parallel head's logits and runs the loss over all V on every tp rank
+    (autoshard/model_parallel.py): the loss costs what it costs unsplit, and the gather is on the critical path."""
     head = LayerInfo(name="head", kind="head", index=0, block=None, class_id="head", params=(), vocab=32000,
                      matmul_flops_per_token=2 * 32000 * 1024, output_bytes_per_token=2 * 32000)
     train, hbm = TrainSpec(global_batch=1, seq_len=1024), make_cluster(1).device.achieved_hbm_bandwidth
@@ -587,7 +632,8 @@ def test_vocab_loss_is_memory_bound_and_vocab_parallel():
     logits = 1024 * 32000  # one micro-batch of one sequence
     assert plain.detail["loss_fwd_s"] == pytest.approx(logits * layer_terms.LOSS_BYTES_PER_LOGIT_FWD / hbm)
     assert plain.detail["loss_bwd_s"] == pytest.approx(logits * layer_terms.LOSS_BYTES_PER_LOGIT_BWD / hbm)
-    assert vocab.detail["loss_fwd_s"] == pytest.approx(plain.detail["loss_fwd_s"] / 2)
+    assert vocab.detail["loss_fwd_s"] == pytest.approx(plain.detail["loss_fwd_s"])
+    assert vocab.detail["tp_fwd_s"] == pytest.approx(1e-5 + logits * 2 / 2 / 100e9)  # AG of the bf16 logits, t = 2
     kernels = 1 + layer_terms.LOSS_KERNELS  # the GEMM + the loss kernels
     assert plain.detail["fwd_overhead_s"] == pytest.approx(kernels * layer_terms.KERNEL_OVERHEAD_S)
     assert _one(replace(head, vocab=None)).detail["loss_fwd_s"] == 0.0

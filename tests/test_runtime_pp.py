@@ -1,4 +1,4 @@
-"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B; × ZeRO, × TP) equals single-device training.
+"""Pipeline parallelism (GPipe, 1F1B, interleaved 1F1B; × ZeRO, × TP, × TP+SP) equals single-device training.
 
 A 4-block tiny Llama (untied head) is split into 2 stages (pp=2) or 4 virtual
 stages on 2 ranks (interleaved, v=2). Each case trains 3 SGD steps (fp32, 2
@@ -121,6 +121,8 @@ CASES_4 = {
     "pp2_dp2_zero3_1f1b": (Mesh(pp=2, dp_shard=2), "1f1b", 1, {"state": "zero3"}),
     "pp2_dp2_zero1_interleaved": (Mesh(pp=2, dp_shard=2), "interleaved_1f1b", 2, {"state": "zero1"}),
     "pp2_tp2_gpipe": (Mesh(pp=2, tp=2), "gpipe", 1, {"tp": "megatron"}),
+    # sequence-parallel boundaries: each tp rank sends its sequence chunk (passes/split_pipeline.py)
+    "pp2_tp2_sp_1f1b": (Mesh(pp=2, tp=2), "1f1b", 1, {"tp": "megatron", "sp": True}),
 }
 
 

@@ -113,7 +113,7 @@ def test_run_accepts_hf_specs_and_the_compiled_fsdp2_configs(tmp_path):
 
 
 def test_hf_helpers_of_common():
-    assert common.is_hf_spec("hf-llama:7b") and not common.is_hf_spec("llama:7b")
+    assert common.is_hf_spec("hf-llama:7b") and common.is_hf_spec("hf-qwen2:1.5b") and not common.is_hf_spec("llama:7b")
     assert common.hf_overrides({"num_layers": 2, "attn_impl": "sdpa"}) == {"num_hidden_layers": 2}
     with pytest.raises(common.BaselineError):
         common.hf_overrides({"attn_impl": "math"})
@@ -122,12 +122,12 @@ def test_hf_helpers_of_common():
 def test_hf_capture_dispatch_and_graph_cache(tmp_path, monkeypatch):
     import importlib
 
-    from benchmarks import hf_policy
+    from benchmarks import hf_zoo
 
     capture_module = importlib.import_module("autoshard.passes.capture")  # the package exports a function so named
 
     calls = []
-    monkeypatch.setattr(hf_policy, "build_hf_policy", lambda spec, **kw: calls.append((spec, kw)) or "model")
+    monkeypatch.setattr(hf_zoo, "build_hf_policy", lambda spec, **kw: calls.append((spec, kw)) or "model")
     monkeypatch.setattr(capture_module, "capture", lambda model, **kw: {"captured": model, **kw})
     run._capture_cached.cache_clear()
     spec = common.RunSpec(model="hf-llama:tiny", global_batch=2, seq_len=16, num_layers=1, device="cpu")

@@ -25,9 +25,9 @@ the mesh, so the update equals the single-device update on the global batch.
 Meta build (``FSDP2Trainer(..., meta_model=MODEL)``, torchtitan's order; what
 ``benchmarks/materialize_bench.py`` runs): ``MODEL`` is built on the meta device
 (any policy with the reference models' ``forward`` and an ``init_rule(fqn)``: the
-reference models, ``benchmarks/hf_policy.HFLlamaPolicy``); ``fully_shard`` it as
+reference models, the ``benchmarks/hf_zoo.py`` policies); ``fully_shard`` it as
 above (blocks are ``model.blocks`` or, for a Hugging Face trunk,
-``model.model.layers``), ``to_empty(device)``, then ``init_local_shards``: each
+``model.decoder_layers``), ``to_empty(device)``, then ``init_local_shards``: each
 rank fills only its own shard of each parameter, with ``autoshard.init``'s
 counter-based values (``init_region`` at the shard's global offset), so the
 weights equal a single-device ``init_weights(seed)`` and autoshard's sharded
@@ -147,12 +147,13 @@ def _shard(model: nn.Module, mesh, spec: RunSpec, options: FSDP2Options) -> nn.M
 
 
 def _blocks(model: nn.Module) -> nn.ModuleList:
-    """The repeated blocks: ``model.blocks`` (reference policies) or ``model.model.layers`` (a HF trunk)."""
+    """The repeated blocks: ``model.blocks`` (reference policies) or ``model.decoder_layers`` (a HF trunk's
+    ``layers``, GPT-2's ``h``)."""
     blocks = getattr(model, "blocks", None)
     if blocks is None:
-        blocks = getattr(getattr(model, "model", None), "layers", None)
+        blocks = getattr(model, "decoder_layers", None)
     if not isinstance(blocks, nn.ModuleList):
-        raise BaselineError(f"{type(model).__name__}: no block list at model.blocks or model.model.layers to shard")
+        raise BaselineError(f"{type(model).__name__}: no block list at model.blocks or model.decoder_layers to shard")
     return blocks
 
 

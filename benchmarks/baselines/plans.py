@@ -33,6 +33,10 @@ should keep first, the most informative contrasts first:
     15    pp2-gpipe, zero3-int4g, zero3-fp8w, offload
     ====  =========================  ==========================================================
 
+Model mesh pins (``hf_zoo.mesh_pins``): the Hugging Face zoo is planned with tp = 1 (the
+runtime's TP rewrite does not cover its layers; ``benchmarks/hf_zoo.py`` says why), in the best
+plan, the free search and every variant; a variant fixing tp > 1 is skipped for it.
+
 Fields a variant does not pin keep ``runtime_pin``'s defaults (no recompute,
 no SP, uncompressed communication) and pp = cp = ep = 1 unless the variant
 frees or fixes them. Variants the solver refuses (infeasible, indivisible:
@@ -63,6 +67,7 @@ from autoshard.graph import ModelGraph
 from autoshard.plan import Plan
 from benchmarks.baselines.autoshard_trainer import plan_constraints, train_spec
 from benchmarks.baselines.common import RunSpec
+from benchmarks.hf_zoo import mesh_pins
 
 log = logging.getLogger(__name__)
 
@@ -163,7 +168,7 @@ def _has_tied(graph: ModelGraph) -> bool:
 def _constraints(graph: ModelGraph, spec: RunSpec, variant: Variant):
     from autoshard.search import Constraints
 
-    base = plan_constraints(graph, spec.precision, mesh=dict(variant.mesh), **variant.pin)
+    base = plan_constraints(graph, spec.precision, mesh={**variant.mesh, **mesh_pins(spec.model)}, **variant.pin)
     with_params = {layer.class_id for layer in graph.layers if layer.params}
     pin = {}
     for cid, fields in base.pin.items():
@@ -173,11 +178,12 @@ def _constraints(graph: ModelGraph, spec: RunSpec, variant: Variant):
     return Constraints(mesh=base.mesh, pin=pin, schedule=variant.schedule)
 
 
-def _free_constraints(graph: ModelGraph):
-    """Only what the runtime cannot run at all: cp > 1; pp > 1 when a parameter is tied across layers."""
+def _free_constraints(graph: ModelGraph, spec: RunSpec):
+    """Only what the runtime cannot run at all: cp > 1; pp > 1 when a parameter is tied across layers;
+    the model's mesh pins (tp = 1 for the Hugging Face zoo)."""
     from autoshard.search import Constraints
 
-    return Constraints(mesh={"cp": 1, **({"pp": 1} if _has_tied(graph) else {})})
+    return Constraints(mesh={"cp": 1, **({"pp": 1} if _has_tied(graph) else {}), **mesh_pins(spec.model)})
 
 
 def _solve(graph: ModelGraph, cluster: Cluster, spec: RunSpec, constraints, micro_batch: int | None = None,
@@ -218,8 +224,12 @@ def _forced(graph: ModelGraph, cluster: Cluster, spec: RunSpec, world: int, only
     """``(name, plan or None)`` per forced variant (all, or ``only``), lazily (each is one search)."""
     free, selected = _selected(world, only)
     if free:
-        yield "autoshard-free", _solve(graph, cluster, spec, _free_constraints(graph), label="free")
+        yield "autoshard-free", _solve(graph, cluster, spec, _free_constraints(graph, spec), label="free")
+    pins = mesh_pins(spec.model)
     for variant in selected:
+        if any(variant.mesh.get(axis, value) != value for axis, value in pins.items()):
+            log.info("variant %s skipped: %s is planned with %s", variant.name, spec.model, pins)
+            continue
         micro = _half_micro(spec, world) if variant.half_micro else None
         if variant.half_micro and micro is None:
             continue
@@ -237,7 +247,7 @@ def search_plans(graph: ModelGraph, cluster: Cluster, spec: RunSpec, mode: str, 
         raise AutoshardError(f"--plans {mode!r}: allowed {MODES}")
     if max_plans < 1:
         raise AutoshardError(f"--max-plans {max_plans}: allowed >= 1; the best plan alone is --max-plans 1")
-    best = _solve(graph, cluster, spec, plan_constraints(graph, spec.precision))
+    best = _solve(graph, cluster, spec, plan_constraints(graph, spec.precision, mesh=mesh_pins(spec.model)))
     if best is None:
         raise AutoshardError(
             f"no runnable plan for {spec.model} at batch {spec.global_batch} x seq {spec.seq_len} on {cluster.name}; "
