@@ -39,16 +39,34 @@ GIB = 2**30
 
 
 def _results(root: Path) -> Iterator[tuple[str, dict]]:
-    """(where, results.json content) for every file under ``root`` and in its ``sharded.tgz`` archives."""
+    """(where, results.json content) for every file under ``root`` and in its ``.tgz`` archives, nested
+    ones included (``zoo_campaign.sh`` packs the sessions' ``sharded.tgz`` into ``zoo.tgz``)."""
     for path in sorted(root.rglob("results.json")):
         yield str(path.relative_to(root)), json.loads(path.read_text())
-    for archive in sorted(root.rglob("sharded.tgz")):
+    for archive in sorted(root.rglob("*.tgz")):
         with tarfile.open(archive) as tar:
-            for member in tar.getmembers():
-                if member.name.endswith("results.json"):
-                    data = tar.extractfile(member)
-                    if data is not None:
-                        yield f"{archive.parent.name}/{member.name.lstrip('./')}", json.load(io.TextIOWrapper(data))
+            yield from _archive_results(tar, archive.parent.name)
+
+
+def _archive_results(tar: tarfile.TarFile, where: str) -> Iterator[tuple[str, dict]]:
+    for member in tar.getmembers():
+        data = tar.extractfile(member) if member.isfile() else None
+        if data is None:
+            continue
+        name = f"{where}/{member.name.lstrip('./')}"
+        if member.name.endswith("results.json"):
+            yield name, json.load(io.TextIOWrapper(data))
+        elif member.name.endswith(".tgz"):
+            with tarfile.open(fileobj=io.BytesIO(data.read())) as inner:
+                yield from _archive_results(inner, name)
+
+
+def raw_rows(root: Path) -> Iterator[tuple[dict, dict]]:
+    """(run meta, row) of every measured (``ok``) row under ``root``, as ``run.py`` wrote them."""
+    for _where, data in _results(root):
+        for row in data.get("rows", []):
+            if row.get("status") == "ok":
+                yield data.get("meta", {}), row
 
 
 def rows_of(roots: list[Path]) -> list[dict[str, Any]]:
