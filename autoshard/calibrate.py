@@ -38,6 +38,15 @@ synchronised around each):
   when the world lies in one node, else ``inter_node`` (a ring across nodes
   pays the slowest link).
 
+- **overlap** (with a process group of ≥ 2 ranks): a chain of ``overlap_gemms`` ``n×n`` matmuls
+  (``n = overlap_gemm``, seconds ``t_c``) against an all-gather over the world started just before
+  it (``async_op``: NCCL's own stream, as the runtime's in-graph collectives), sized to take about
+  0.4·t_c and 2·t_c alone (``t_n``). The cost model prices a collective ``c`` hidden under compute
+  ``w`` as ``exposed = c − (1 − κ)·min(c, f·w)`` (``search/layer_terms``): with the small one fully
+  hidden, ``t_both = t_c + κ·t_n`` gives ``overlap_contention`` κ (what hidden communication slows
+  compute by: NCCL kernels take SMs and HBM bandwidth); with the big one, ``t_both = t_c + t_n −
+  (1 − κ)·f·t_c`` gives ``overlap_efficiency`` f (the share of a compute window a collective can
+  fill). Both clipped to [0, 1] (f above 0); every rank takes the slowest rank's times.
 - **optimizer** (``autoshard/calibrate_probe.py``): the AdamW slot step of
   ``runtime/optimizer.py`` (cast, norm, clip scale, update, write-back) over
   one flat fp32 buffer of ``optimizer_params`` elements and over
@@ -55,6 +64,7 @@ estimate, and a measured value above it means the preset is low, not that
 the model should expect more than peak. The file holds only the keys
 ``Cluster.with_calibration`` accepts (``device``, ``date``, ``matmul_efficiency``,
 ``hbm_efficiency``, ``attention_efficiency``, ``kernel_overhead_s``, ``gemm_knee_flops``, ``intra_node``/``inter_node``,
+``overlap_contention``, ``overlap_efficiency``,
 ``adamw_s_per_param``, ``adamw_s_per_tensor``, ``layer_times``); the raw samples go to
 ``--raw FILE`` when asked.
 
@@ -103,6 +113,9 @@ class CalibrationSizes:
     # (batch, heads, seq, head_dim) of the attention probe: the head widths of common models
     attention_shapes: tuple[tuple[int, int, int, int], ...] = ((4, 32, 2048, 128), (8, 16, 2048, 64),
                                                                 (2, 32, 4096, 128), (4, 8, 2048, 256))
+    overlap_gemm: int = 4096  # n of the overlap probe's matmuls
+    overlap_gemms: int = 40  # matmuls in its compute window (~8 ms on an H200)
+    overlap_base_bytes: int = 1 << 27  # the first all-gather, timed to size the two of the probe
     iters: int = 10
 
     @classmethod
@@ -110,7 +123,8 @@ class CalibrationSizes:
         """Tiny sizes: seconds on a CPU."""
         return cls(matmul_sizes=(32, 64, 128, 256), copy_bytes=1 << 22, message_bytes=(1 << 12, 1 << 18, 1 << 22),
                    overhead_ops=50, optimizer_params=1 << 16, optimizer_tensors=16,
-                   attention_shapes=((1, 2, 64, 16),), iters=3)
+                   attention_shapes=((1, 2, 64, 16),), overlap_gemm=128, overlap_gemms=8,
+                   overlap_base_bytes=1 << 18, iters=3)
 
 
 @dataclass(frozen=True)
@@ -137,12 +151,15 @@ class Calibration:
     link_level: str | None = None  # "intra_node" | "inter_node" | None (single rank)
     latency_s: float | None = None
     bandwidth: float | None = None
+    overlap_contention: float | None = None
+    overlap_efficiency: float | None = None
     adamw_s_per_param: float | None = None
     adamw_s_per_tensor: float | None = None
     layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
     copy_bytes_per_s: float = 0.0
     attention: tuple[dict[str, Any], ...] = ()  # {"shape": [b, h, s, d], "seconds": fwd + bwd, "efficiency"}
+    overlap: dict[str, float] = field(default_factory=dict)  # the overlap probe's times (measure_overlap)
     comm: tuple[CommSample, ...] = ()
 
     def to_file_dict(self) -> dict[str, Any]:
@@ -152,7 +169,7 @@ class Calibration:
                                "gemm_knee_flops": self.gemm_knee_flops}
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
-        for key in ("attention_efficiency", "adamw_s_per_param", "adamw_s_per_tensor", "layer_times"):
+        for key in ("attention_efficiency", "overlap_contention", "overlap_efficiency", "adamw_s_per_param", "adamw_s_per_tensor", "layer_times"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -160,7 +177,7 @@ class Calibration:
     def to_raw_dict(self) -> dict[str, Any]:
         """Everything measured, for ``--raw``."""
         return {**self.to_file_dict(), "matmul_flops_per_s": {str(k): v for k, v in self.matmul.items()},
-                "copy_bytes_per_s": self.copy_bytes_per_s, "attention": list(self.attention),
+                "copy_bytes_per_s": self.copy_bytes_per_s, "attention": list(self.attention), "overlap": self.overlap,
                 "comm": [asdict(s) for s in self.comm]}
 
 
@@ -265,6 +282,60 @@ def measure_collectives(message_bytes: Sequence[int], device: torch.device, iter
     return tuple(samples)
 
 
+def _slowest(seconds: float, device: torch.device) -> float:
+    """The largest of every rank's ``seconds``."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def measure_overlap(gemm: int, gemms: int, dtype: torch.dtype, device: torch.device, iters: int,
+                    base_bytes: int = 1 << 27) -> dict[str, float]:
+    """The overlap probe (module docstring): ``t_c``, and per comm size ``t_n`` and ``t_both``, slowest rank.
+    Each all-gather is sized from a first one of ``base_bytes`` (large enough to be bandwidth-bound, so
+    that scaling it by the wanted time holds)."""
+    world = dist.get_world_size()
+    a, b = torch.randn(gemm, gemm, device=device, dtype=dtype), torch.randn(gemm, gemm, device=device, dtype=dtype)
+
+    def compute() -> None:
+        for _ in range(gemms):
+            torch.mm(a, b)
+
+    def gather(shard: torch.Tensor, full: torch.Tensor) -> Any:
+        return _all_gather(full, shard, async_op=True)
+
+    t_c = _slowest(_median_seconds(compute, iters, device), device)
+    base = base_bytes
+    out: dict[str, float] = {"compute_s": t_c}
+    for label, target in (("small", 0.4), ("big", 2.0)):
+        numel = max(world, base // 4 // world * world)
+        full = torch.empty(numel, dtype=torch.float32, device=device)
+        shard = torch.ones(numel // world, dtype=torch.float32, device=device)
+        t_base = _slowest(_median_seconds(lambda: gather(shard, full).wait(), iters, device), device)
+        numel = max(world, int(numel * target * t_c / max(t_base, 1e-9)) // world * world)
+        full = torch.empty(numel, dtype=torch.float32, device=device)
+        shard = torch.ones(numel // world, dtype=torch.float32, device=device)
+
+        def both() -> None:
+            work = gather(shard, full)
+            compute()
+            work.wait()
+
+        out[f"{label}_bytes"] = float(numel * 4)
+        out[f"{label}_comm_s"] = _slowest(_median_seconds(lambda: gather(shard, full).wait(), iters, device), device)
+        out[f"{label}_both_s"] = _slowest(_median_seconds(both, iters, device), device)
+    return out
+
+
+def fit_overlap(times: dict[str, float]) -> tuple[float, float]:
+    """(κ, f) of the cost model's overlap law from ``measure_overlap``'s times (module docstring)."""
+    t_c = times["compute_s"]
+    kappa = (times["small_both_s"] - t_c) / times["small_comm_s"]
+    kappa = min(1.0, max(0.0, kappa))
+    f = (t_c + times["big_comm_s"] - times["big_both_s"]) / ((1.0 - kappa) * t_c) if kappa < 1.0 else _MIN_EFFICIENCY
+    return kappa, min(1.0, max(_MIN_EFFICIENCY, f))
+
+
 def fit_alpha_beta(samples: Sequence[CommSample]) -> tuple[float, float]:
     """Least-squares (α seconds, β bytes/s) of the ring model (module docstring) over ``samples``.
 
@@ -313,10 +384,15 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
                                   cluster.device.peak_flops[dtype])
     level = latency = bandwidth = None
     comm: tuple[CommSample, ...] = ()
+    overlap: dict[str, float] = {}
+    contention = overlap_eff = None
     if dist.is_initialized() and dist.get_world_size() > 1:
         comm = measure_collectives(sizes.message_bytes, device, sizes.iters)
         latency, bandwidth = fit_alpha_beta(comm)
         level = "inter_node" if dist.get_world_size() > cluster.devices_per_node else "intra_node"
+        overlap = measure_overlap(sizes.overlap_gemm, sizes.overlap_gemms, _DTYPES[dtype], device, sizes.iters,
+                                  sizes.overlap_base_bytes)
+        contention, overlap_eff = fit_overlap(overlap)
     per_param, per_tensor = probe_adamw(device, _DTYPES[dtype], big_params=sizes.optimizer_params,
                                         small_tensors=sizes.optimizer_tensors, iters=sizes.iters)
     layer_times = None
@@ -339,6 +415,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         kernel_overhead_s=overhead,
         gemm_knee_flops=fit_gemm_knee(matmul, cluster.device.peak_flops[dtype], overhead),
         link_level=level, latency_s=latency, bandwidth=bandwidth,
+        overlap_contention=contention, overlap_efficiency=overlap_eff, overlap=overlap,
         adamw_s_per_param=per_param, adamw_s_per_tensor=per_tensor, layer_times=layer_times,
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
@@ -416,8 +493,8 @@ def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
     args.out.write_text(json.dumps(result.to_file_dict(), indent=2) + "\n")
     if args.raw:
         args.raw.write_text(json.dumps(result.to_raw_dict(), indent=2) + "\n")
-    link = (f", {result.link_level}: α={result.latency_s * 1e6:.1f} µs β={result.bandwidth / 1e9:.1f} GB/s"
-            if result.link_level else "")
+    link = (f", {result.link_level}: α={result.latency_s * 1e6:.1f} µs β={result.bandwidth / 1e9:.1f} GB/s, "
+            f"overlap κ={result.overlap_contention:.2f} f={result.overlap_efficiency:.2f}" if result.link_level else "")
     probed = (f", {len(result.layer_times['samples'])} layer samples of {result.layer_times['model']}"
               if result.layer_times else "")
     line = (f"{result.device}: matmul efficiency {result.matmul_efficiency:.2f}, "
@@ -436,11 +513,13 @@ __all__ = [
     "calibrate",
     "calibrate_main",
     "fit_alpha_beta",
+    "fit_overlap",
     "fit_gemm_knee",
     "measure_attention",
     "measure_collectives",
     "measure_copy",
     "measure_kernel_overhead",
+    "measure_overlap",
     "measure_matmul",
 ]
 

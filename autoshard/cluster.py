@@ -65,10 +65,10 @@ _CLUSTER_KINDS = {
     "calibration": "calibration",
 }
 _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
-                     "attention_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
+                     "attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
                      "layer_times", "plan_residuals")
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
-_COST_MODEL_KEYS = ("attention_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
+_COST_MODEL_KEYS = ("attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
 COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibration key (search/cost_model.predict)
 # compiled: true when scaled to the compiled step (calibrate --compile), with the factors in

@@ -10,13 +10,14 @@ label fixes every layer (``dp_shard=N; zero3×K; m=1 mb=B``: one state on every 
 recorded without its plan cannot be rebuilt and is listed as such. The model is captured on the CPU as
 ``run.py`` captures it for a GPU (meta device, compute dtype, the compiled step's activation scale), the
 cluster is the card's preset (``h200:1xN``, ``h100-sxm:1xN``) with the folder's ``cal_x<N>.json``
-applied, and ``predict`` prices the plan. Printed next to the measurement and to the prediction the
+applied (``--add FILE``: keys measured later override it), and ``predict`` prices the plan. Printed next to the measurement and to the prediction the
 run recorded (the cost model of that day).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import re
 import statistics
 import sys
@@ -59,6 +60,11 @@ def main(argv: list[str]) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", type=Path)
     p.add_argument("--md", type=Path, help="also write the table here")
+    p.add_argument("--calibration", type=Path, help="price with this calibration file instead of each folder's "
+                   "cal_x<N>.json")
+    p.add_argument("--add", type=Path, metavar="FILE",
+                   help="calibration keys that override each folder's own (e.g. figures measured later: the "
+                        "overlap probe's overlap_contention and overlap_efficiency)")
     args = p.parse_args(argv)
     lines = ["| model | GPUs | config | plan | measured ms | recorded prediction | current prediction | current error "
              "| measured GiB | current GiB | memory error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -77,9 +83,13 @@ def main(argv: list[str]) -> int:
                 lines.append(head + " not rebuilt (mixed plan recorded without its plan) | – | – | – | – |")
                 continue
             cluster = Cluster.load(f"{card}:1x{world}")
-            cal = folder / f"cal_x{world}.json"
+            cal = args.calibration or folder / f"cal_x{world}.json"
             if cal.exists():
-                cluster = cluster.with_calibration(cal)
+                figures = json.loads(cal.read_text())
+                if args.add:
+                    figures.update({k: v for k, v in json.loads(args.add.read_text()).items()
+                                    if k not in ("device", "date")})
+                cluster = cluster.with_calibration(figures)
             pred = predict(graph, plan, cluster, TrainSpec(global_batch=meta["global_batch"], seq_len=meta["seq_len"],
                                                             precision=meta["precision"]))
             step_err = pred.step_time_s / row["median_step_s"] - 1

@@ -114,3 +114,32 @@ def test_gloo_world2_fits_a_link():
     assert file_dict[level]["bandwidth"] > 0 and file_dict[level]["latency"] >= 0
     applied = Cluster.detect().with_calibration(file_dict)
     assert getattr(applied, level).bandwidth == pytest.approx(file_dict[level]["bandwidth"])
+
+
+def test_fit_overlap_recovers_the_cost_models_law():
+    """Times generated from exposed = c − (1 − κ)·min(c, f·w): the fit returns κ and f, clipped to [0, 1]."""
+    from autoshard.calibrate import fit_overlap
+
+    kappa, f, t_c = 0.15, 0.7, 0.020
+
+    def both(t_n):
+        return t_c + t_n - (1 - kappa) * min(t_n, f * t_c)
+
+    times = {"compute_s": t_c, "small_comm_s": 0.008, "small_both_s": both(0.008),
+             "big_comm_s": 0.040, "big_both_s": both(0.040)}
+    assert fit_overlap(times) == pytest.approx((kappa, f))
+    serial = {**times, "small_both_s": t_c + 0.008, "big_both_s": t_c + 0.040}  # nothing overlaps
+    assert fit_overlap(serial)[0] == 1.0
+    free = {**times, "small_both_s": t_c, "big_both_s": 0.040}  # perfect overlap, no contention
+    assert fit_overlap(free) == pytest.approx((0.0, 1.0))
+
+
+def test_overlap_figures_reach_the_cost_model(tmp_path):
+    from autoshard.search.layer_terms import overlap_contention, overlap_efficiency
+
+    cluster = Cluster.parse("h100-sxm:1x2")
+    path = tmp_path / "cal.json"
+    path.write_text(json.dumps({"device": cluster.device.name, "matmul_efficiency": 0.7, "hbm_efficiency": 0.8,
+                                "overlap_contention": 0.25, "overlap_efficiency": 0.6}))
+    applied = cluster.with_calibration(path)
+    assert overlap_contention(applied) == 0.25 and overlap_efficiency(applied) == 0.6
