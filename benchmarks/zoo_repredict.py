@@ -1,7 +1,7 @@
 """Re-predict the rows of a zoo campaign with the current cost model (no GPU): a model change is judged on
 runs already made, with the calibration measured in the same call.
 
-    python benchmarks/zoo_repredict.py benchmarks/results/zoo_h200x2_2026-11-27/call2 [--md out.md]
+    python benchmarks/zoo_repredict.py benchmarks/results/zoo_h200_2026-11-27/call2 [--md out.md]
 
 For every autoshard row (``benchmarks/zoo_summary.rows_of``, archives included) the plan is the row's
 ``plan_dict`` (``benchmarks/run.py`` records it since 2026-11-27), else rebuilt from its label when the
