@@ -244,16 +244,22 @@ class HFPolicy(nn.Module):
 
 
 class RotaryPolicy(HFPolicy):
-    """Llama-style trunks (Llama, Qwen2, Gemma, Mixtral): ``embed_tokens``, ``rotary_emb``, ``layers``, ``norm``."""
+    """Rotary trunks: ``embed_tokens``, ``rotary_emb``, ``layers``, then the final norm ``final_norm``
+    (Llama, Qwen2, Gemma, Mixtral: ``norm``; Phi overrides the embedding and the norm's name)."""
+
+    final_norm = "norm"
+
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_tokens(input_ids)  # [B, S, h]; Gemma's module multiplies by sqrt(h) itself
 
     def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
         trunk = self.model
-        x = trunk.embed_tokens(input_ids)  # [B, S, h]; Gemma's module multiplies by sqrt(h) itself
+        x = self._embed(input_ids)
         positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, S]
-        rope = trunk.rotary_emb(x, position_ids=positions)  # (cos, sin), each [1, S, head_dim]
+        rope = trunk.rotary_emb(x, position_ids=positions)  # (cos, sin), each [1, S, rotary dims]
         for layer in trunk.layers:
             x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
-        return trunk.norm(x)
+        return getattr(trunk, self.final_norm)(x)
 
 
 class HFLlamaPolicy(RotaryPolicy):
@@ -281,20 +287,15 @@ class HFMixtralPolicy(RotaryPolicy):
     trunk_class = "MixtralModel"
 
 
-class HFPhiPolicy(HFPolicy):
+class HFPhiPolicy(RotaryPolicy):
     """``PhiModel`` trunk: ``embed_dropout`` after the embedding, ``final_layernorm``; ``lm_head`` has a bias."""
 
     trunk_class = "PhiModel"
     lm_head_bias = True
+    final_norm = "final_layernorm"
 
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
-        trunk = self.model
-        x = trunk.embed_dropout(trunk.embed_tokens(input_ids))  # [B, S, h]
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, S]
-        rope = trunk.rotary_emb(x, position_ids=positions)  # (cos, sin), each [1, S, rotary_dim]
-        for layer in trunk.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
-        return trunk.final_layernorm(x)
+    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model.embed_dropout(self.model.embed_tokens(input_ids))
 
 
 class HFGPT2Policy(HFPolicy):

@@ -49,9 +49,10 @@ def make_plan(spec: str, mesh: Mesh, choose) -> Plan:
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=MICRO))
 
 
-def single_device(spec: str):
-    """Losses and final parameters of plain single-device training (the reference)."""
-    model = build(spec)
+def single_device(spec: str, builder=build):
+    """Losses and final parameters of plain single-device training (the reference); ``builder(spec)`` makes
+    the model (default: a reference model)."""
+    model = builder(spec)
     params = [p for p in model.parameters()]
     losses = []
     for toks in batches():

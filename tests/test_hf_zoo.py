@@ -26,7 +26,7 @@ if str(ROOT) not in sys.path:
 pytest.importorskip("transformers")
 
 from _harness import run_gloo_cases  # noqa: E402
-from _runtime_cases import BATCH, OPT, SEQ, batches, check_against_reference, loss_fn  # noqa: E402
+from _runtime_cases import BATCH, OPT, SEQ, batches, check_against_reference, loss_fn, single_device  # noqa: E402
 from autoshard.passes import capture  # noqa: E402
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule  # noqa: E402
 from autoshard.train import TrainSpec  # noqa: E402
@@ -138,23 +138,8 @@ def _train(rank, world_size, spec, state, graph, plan):
 
 
 def _single_device(spec: str):
-    """Losses and final parameters of plain single-device training (as ``_runtime_cases.single_device``)."""
-    model = hf_zoo.build_hf_policy(spec, device="cpu")
-    params = list(model.parameters())
-    losses = []
-    for tokens in batches():
-        total = 0.0
-        for chunk in tokens.chunk(4, 0):  # dp=2 x micro=2 slices, same means as the sharded run
-            loss = loss_fn(model(chunk), chunk) / 4
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, OPT.max_grad_norm)
-        with torch.no_grad():
-            for p in params:
-                p -= OPT.lr * p.grad
-                p.grad = None
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}
+    """Losses and final parameters of plain single-device training of a zoo model."""
+    return single_device(spec, lambda name: hf_zoo.build_hf_policy(name, device="cpu"))
 
 
 CASES = {f"{spec}/{state}": (spec, state) for spec in TINY for state in ("replicate", "zero3")}
