@@ -228,8 +228,8 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
     the memory term moves the layer's inputs, outputs and saved activations once instead of every
     eager op's operands (capture's per-op traffic stays the upper bound). The per-kernel floor is
     the same eager count at the calibrated ``kernel_overhead_s`` either way: replacing it with the
-    GPU's gap between kernels replayed from a CUDA graph (about 2 µs) under-predicted compiled steps
-    of models the project did not write by 7-20% (2 x H200, 2026-11-27, docs/cost-model.md)."""
+    GPU's gap between kernels replayed from a CUDA graph (about 2 µs) under-predicts compiled steps
+    of models the project did not write (docs/cost-model.md, "Compute")."""
     peak, hbm = peak_flops(cluster, train), hbm_bandwidth(cluster)
     t, s = sh.tokens, sh.seq_len
     split = sh.elementwise_split(layer)
