@@ -12,7 +12,7 @@
 #   x4      calibrate on all 4 GPUs → $OUT/cal_x4.json, then X4 (model list) on 4 GPUs
 #   both    x4 with X4_BUDGET_S (240) of BUDGET_S, then pairs (calibrated again over 2 ranks) in the rest
 # Every autoshard process measures the searched plan and the forced variants VARIANTS (replicate,zero3:
-# benchmarks/baselines/plans.py), each compiled as the runtime compiles on CUDA; BASELINES (default
+# benchmarks/baselines/plans.py), each compiled as the runtime compiles on CUDA; BASELINES (empty: none; default
 # fsdp2-noreshard-compiled, the best hand-written baseline of the sharded campaign) run as their own
 # processes, and run.py predicts each with its nearest autoshard plan. Plans are searched for this machine as
 # detected (CLUSTER=detected: its memory), on the calibrated cluster. ROUNDS (1) rounds.
@@ -29,7 +29,8 @@ PHASE="${1:?phase: pairs | x4 | both}"
 BUDGET_S="${BUDGET_S:-560}"
 PYTHON="${PYTHON:-python3}"
 VARIANTS="${VARIANTS:-replicate,zero3}"
-CONFIGS="autoshard,${BASELINES:-fsdp2-noreshard-compiled}"
+BASELINES="${BASELINES-fsdp2-noreshard-compiled}"
+CONFIGS="autoshard${BASELINES:+,$BASELINES}"
 WORK="${WORK:-/tmp/zoo_work}"
 mkdir -p "$OUT" "$WORK"
 cd "$ROOT"
