@@ -377,8 +377,10 @@ def saved_bytes(spec: str, num_layers: int, seq_len: int, micro_batch: int, part
             total.append(value.numel() * value.element_size())
         return gm.forward
 
+    from torch._inductor.decomposition import select_decomp_table
+
     backend = aot_autograd(fw_compiler=forward_compiler, bw_compiler=lambda gm, _inputs: gm.forward,
-                           partition_fn=partition)
+                           partition_fn=partition, decompositions=select_decomp_table())  # as inductor traces
     tokens = torch.randint(0, 100, (micro_batch, seq_len), device="meta")
 
     def step(t: torch.Tensor) -> torch.Tensor:

@@ -9,9 +9,11 @@ label fixes every layer (``dp_shard=N; zero3×K; m=1 mb=B``: one state on every 
 ``replicate`` on the parameter-less ones, which hold nothing to shard); a searched mixed plan
 recorded without its plan cannot be rebuilt and is listed as such. The model is captured on the CPU as
 ``run.py`` captures it for a GPU (meta device, compute dtype, the compiled step's activation scale), the
-cluster is the card's preset (``h200:1xN``, ``h100-sxm:1xN``) with the folder's ``cal_x<N>.json``
-applied (``--add FILE``: keys measured later override it), and ``predict`` prices the plan. Printed next to the measurement and to the prediction the
-run recorded (the cost model of that day).
+cluster is the card's preset (``h200:1xN``, ``h100-sxm:1xN``) with the calibration measured over N GPUs
+in that call (``zoo_summary.calibration_file``: the folder's ``cal_x<N>.json``, else the one packed in its
+``zoo.tgz``; ``--add FILE``: keys measured later override it), and ``predict`` prices the plan. A results
+file repacked by a later call's archive counts once. Printed next to the measurement and to the prediction
+the run recorded (the cost model of that day).
 """
 
 from __future__ import annotations
@@ -55,7 +57,7 @@ def main(argv: list[str]) -> int:
     from autoshard.search.cost_model import predict
     from autoshard.train import TrainSpec
     from benchmarks import run
-    from benchmarks.zoo_summary import raw_rows
+    from benchmarks.zoo_summary import calibration_file, distinct_results
 
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", type=Path)
@@ -69,9 +71,10 @@ def main(argv: list[str]) -> int:
     lines = ["| model | GPUs | config | plan | measured ms | recorded prediction | current prediction | current error "
              "| measured GiB | current GiB | memory error |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     steps, mems = [], []
-    for folder in args.folders:
-        for meta, row in raw_rows(folder):
-            if not row["config"].startswith("autoshard"):
+    for folder, _where, data in distinct_results(args.folders):
+        meta = data.get("meta", {})
+        for row in data.get("rows", []):
+            if row.get("status") != "ok" or not row["config"].startswith("autoshard"):
                 continue
             world, card = meta["world_size"], _CARDS.get(meta.get("device_name", ""), "h100-sxm")
             graph = run._capture_cached(meta["model"], meta["seq_len"], torch.bfloat16, (), True)
@@ -83,9 +86,9 @@ def main(argv: list[str]) -> int:
                 lines.append(head + " not rebuilt (mixed plan recorded without its plan) | – | – | – | – |")
                 continue
             cluster = Cluster.load(f"{card}:1x{world}")
-            cal = args.calibration or folder / f"cal_x{world}.json"
-            if cal.exists():
-                figures = json.loads(cal.read_text())
+            figures = (json.loads(args.calibration.read_text()) if args.calibration
+                       else calibration_file(folder, world))
+            if figures is not None:
                 if args.add:
                     figures.update({k: v for k, v in json.loads(args.add.read_text()).items()
                                     if k not in ("device", "date")})

@@ -61,35 +61,52 @@ def _archive_results(tar: tarfile.TarFile, where: str) -> Iterator[tuple[str, di
                 yield from _archive_results(inner, name)
 
 
-def raw_rows(root: Path) -> Iterator[tuple[dict, dict]]:
-    """(run meta, row) of every measured (``ok``) row under ``root``, as ``run.py`` wrote them."""
-    for _where, data in _results(root):
-        for row in data.get("rows", []):
-            if row.get("status") == "ok":
-                yield data.get("meta", {}), row
+def distinct_results(roots: list[Path]) -> Iterator[tuple[Path, str, dict]]:
+    """(root, where, results.json content) over ``roots``, each distinct file once: a device call's
+    archive may repack a tree that an earlier call's archive already holds."""
+    seen = set()
+    for root in roots:
+        for where, data in _results(root):
+            key = json.dumps(data, sort_keys=True)
+            if key not in seen:
+                seen.add(key)
+                yield root, where, data
+
+
+def calibration_file(root: Path, world: int) -> dict | None:
+    """The calibration ``zoo_campaign.sh`` measured over ``world`` GPUs for the runs under ``root``:
+    ``root/cal_x<world>.json``, else the same file packed in ``root``'s ``zoo.tgz``."""
+    name = f"cal_x{world}.json"
+    if (root / name).exists():
+        return json.loads((root / name).read_text())
+    for archive in sorted(root.rglob("zoo.tgz")):
+        with tarfile.open(archive) as tar:
+            for member in tar.getmembers():
+                if member.isfile() and member.name.lstrip("./") == name:
+                    return json.load(tar.extractfile(member))
+    return None
 
 
 def rows_of(roots: list[Path]) -> list[dict[str, Any]]:
     """One record per measured row: model, world, card, config, plan, measured and predicted figures."""
     out = []
-    for root in roots:
-        for where, data in _results(root):
-            meta = data.get("meta", {})
-            for row in data.get("rows", []):
-                if row.get("status") != "ok":
-                    continue
-                pred = row.get("predicted_calibrated") or {}
-                calibrated = "step_time_s" in pred
-                if not calibrated:
-                    pred = row.get("predicted") or {}
-                if "step_time_s" not in pred:
-                    continue
-                out.append({"model": meta.get("model"), "world": meta.get("world_size"),
-                            "card": meta.get("device_name"), "card_bytes": meta.get("device_memory_bytes"),
-                            "config": row["config"], "plan": row.get("plan", ""), "where": where,
-                            "measured_s": row["median_step_s"], "measured_bytes": row.get("peak_memory_bytes"),
-                            "predicted_s": pred["step_time_s"], "predicted_bytes": pred.get("peak_memory_bytes"),
-                            "calibrated": calibrated})
+    for _root, where, data in distinct_results(roots):
+        meta = data.get("meta", {})
+        for row in data.get("rows", []):
+            if row.get("status") != "ok":
+                continue
+            pred = row.get("predicted_calibrated") or {}
+            calibrated = "step_time_s" in pred
+            if not calibrated:
+                pred = row.get("predicted") or {}
+            if "step_time_s" not in pred:
+                continue
+            out.append({"model": meta.get("model"), "world": meta.get("world_size"),
+                        "card": meta.get("device_name"), "card_bytes": meta.get("device_memory_bytes"),
+                        "config": row["config"], "plan": row.get("plan", ""), "where": where,
+                        "measured_s": row["median_step_s"], "measured_bytes": row.get("peak_memory_bytes"),
+                        "predicted_s": pred["step_time_s"], "predicted_bytes": pred.get("peak_memory_bytes"),
+                        "calibrated": calibrated})
     return out
 
 
