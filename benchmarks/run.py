@@ -294,6 +294,10 @@ def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, 
         row = {"config": name, "status": "ok", "losses": list(result.losses),
                "step_times_s": list(result.step_times_s), "median_step_s": result.median_step_s,
                "peak_memory_bytes": result.peak_memory_bytes, "build_s": built - start}
+        fallbacks = ((getattr(getattr(trainer, "program", None), "compile_options", None) or {})
+                     .get("fallbacks"))
+        if fallbacks:  # graphs compiled without inductor's overlap passes (runtime/inductor_fallback.py)
+            row["compile_fallbacks"] = list(fallbacks)
         if profile:
             row["profile"] = profile_step(trainer.step, batches[-1], device)
         if memory_snapshot and device.type == "cuda":

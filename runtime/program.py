@@ -55,6 +55,7 @@ from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.runtime import collectives
 from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
+from autoshard.runtime.inductor_fallback import overlap_on, overlap_safe_backend
 from autoshard.runtime.pipeline import PipelineEngine
 from autoshard.runtime.materialize import Wanted, bind_source, fill, meta_twin
 from autoshard.runtime.memory_report import BuildMemory, MemoryReport
@@ -101,10 +102,15 @@ class Program:
             if compile_overlap is not None:
                 self.compile_options = compile_options(plan, ctx.device, compile_overlap)
             inductor = _known_inductor_options(self.compile_options["inductor"]) if compile_backend == "inductor" else None
+            backend: str | Callable = compile_backend
+            if inductor and overlap_on(inductor):  # runtime/inductor_fallback.py: a graph the passes fail on
+                self.compile_options["fallbacks"] = []  # compiles without them, recorded here
+                backend = overlap_safe_backend(inductor, self.compile_options["fallbacks"])
+                inductor = None
             # one compiled graph per region and input shape (training shapes are fixed); the ZeRO-3 gathers
             # are functional collectives inductor schedules, the other autoshard:: collectives opaque calls
             def compile_fn(module: nn.Module) -> Callable:
-                return torch.compile(module, dynamic=False, backend=compile_backend, options=inductor or None)
+                return torch.compile(module, dynamic=False, backend=backend, options=inductor or None)
 
             if self.pipeline is not None:
                 self.pipeline.compile(compile_fn)
