@@ -26,6 +26,19 @@ micro-batch on one stage, ``Plan.compilable`` on a GPU; wires unquantized unless
 | zero3 | dim-0 shard over S | shard | per micro-batch: all-gather over S in forward, again in backward (not for an embedding, whose backward needs no weight, where compiled or on a quantized wire; the eager unquantized gather re-gathers it too), reduce-scatter over S in backward |
 | zero3 with R > 1 (HSDP) | as zero3 | as zero3 | + all-reduce over R of the shard's gradient: in the backward graph (compiled m = 1), else after the backward |
 
+Resident when (``DataParallelForm.optimizer``, ``gathered``, ``build``; priced by
+``search/layer_terms.layer_memory`` with the rows of ``search/memory.model_state_memory``):
+
+| state | optimizer state (fp32 master + moments) | full parameters beside the held ones | build reads at once |
+| --- | --- | --- | --- |
+| replicate | full | none | the full parameter |
+| zero1 / zero2, gathered in forward | shard over S | kept from the layer's forward to its backward (saved like its activations) | the shard |
+| zero1 / zero2, otherwise | its own 1/D chunk of the flat layer | none | the full parameter |
+| offload | 1/D chunk, on the host | none | the full parameter |
+| zero3 (and HSDP) | shard over S | transient: 1 + ``prefetch`` layers' gathers in flight, re-gathered in backward | the shard |
+
+With dp = 1 every state holds everything (offload: its optimizer state on the host).
+
 Reductions "after the backward" are the optimizer's (``runtime/optimizer.py``), exposed: the
 runtime's default (``build_program(overlap_grad_sync=False)``, measured faster on H100s) does not
 start them during the backward. ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
@@ -93,6 +106,10 @@ class DataParallelForm:
     held: str  # "full" | "shard" (dim 0 over dp_shard) between steps
     grads: str  # "full" | "shard" when the optimizer takes them
     collectives: tuple[Collective, ...]
+    # residency (module docstring, "Resident when"):
+    optimizer: str = "full"  # AdamW moments and fp32 master: "full" | "chunk" (1/D flat) | "shard" | "host" (1/D)
+    gathered: str = "none"  # full parameters beside the held ones: "none" | "kept" (forward to backward) | "transient"
+    build: str = "full"  # what one rank reads at once while building a parameter: "full" | "shard"
 
     def has(self, kind: str, axis: str | None = None, phase: str | None = None) -> bool:
         return any(c.kind == kind and axis in (None, c.axis) and phase in (None, c.phase) for c in self.collectives)
@@ -106,7 +123,7 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
     (their gradient is all-reduced over the expert-data-parallel group, ``runtime/optimizer.py``)."""
     state, m = strategy.state, num_micro_batches
     if mesh.dp == 1:
-        return DataParallelForm(state, "full", "full", ())
+        return DataParallelForm(state, "full", "full", (), optimizer="host" if state == "offload" else "full")
     one_step = compiled and m == 1 and mesh.pp == 1  # whole step in one graph: reductions can be nodes
     exact = strategy.grad_comm == "bf16" and strategy.weight_comm == "bf16"
 
@@ -122,12 +139,15 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
         if state != "offload" and zero12_gathered_in_forward(strategy, mesh, m, compiled):
             return DataParallelForm(state, "shard", "shard", (
                 c("all_gather", "dp_shard", "param", "forward", in_graph=True, hides="forward"),
-                c("reduce_scatter", "dp_shard", "grad", "backward", in_graph=True, hides="backward")))
+                c("reduce_scatter", "dp_shard", "grad", "backward", in_graph=True, hides="backward")),
+                optimizer="shard", gathered="kept", build="shard")
         gather = c("all_gather", "dp", "param", "after_update")
+        flat = "host" if state == "offload" else "chunk"
         if state != "offload" and one_step and exact:
             return DataParallelForm(state, "full", "full", (
-                c("all_reduce", "dp", "grad", "backward", in_graph=True, hides="backward"), gather))
-        return DataParallelForm(state, "full", "full", (c("reduce_scatter", "dp", "grad", "after_backward"), gather))
+                c("all_reduce", "dp", "grad", "backward", in_graph=True, hides="backward"), gather), optimizer=flat)
+        return DataParallelForm(state, "full", "full", (c("reduce_scatter", "dp", "grad", "after_backward"), gather),
+                                optimizer=flat)
     # zero3
     hsdp_in_graph = one_step and exact
     gathers = [c("all_gather", "dp_shard", "weight", "forward", per_mb=True, in_graph=compiled, hides="forward")]
@@ -140,7 +160,8 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
     if mesh.dp_replicate > 1:
         reduce.append(c("all_reduce", "dp_replicate", "grad", "backward" if hsdp_in_graph else "after_backward",
                         in_graph=hsdp_in_graph, hides="backward" if hsdp_in_graph else None))
-    return DataParallelForm(state, "shard", "shard", tuple(gathers + reduce))
+    return DataParallelForm(state, "shard", "shard", tuple(gathers + reduce), optimizer="shard", gathered="transient",
+                            build="shard")
 
 
 GRAD_COPIES = ("none", "full", "chunk", "shard")

@@ -258,7 +258,7 @@ def gathers_in_graph(strategy: LayerStrategy, ctx: RankContext, num_micro_batche
     the declared form (``autoshard/data_parallel.py``), which the cost model prices too.
     """
     form = data_parallel_form(strategy, ctx.mesh, num_micro_batches, ctx.compiled)
-    return strategy.state in ("zero1", "zero2") and form.held == "shard"
+    return form.gathered == "kept"
 
 
 def _expert_dim(fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext) -> int | None:

@@ -484,9 +484,11 @@ def memory_state(strategy: LayerStrategy, form: DataParallelForm) -> str:
     the layer is gathered in the compiled forward graph, whose backward reduce-scatters each layer's
     gradient as it is produced (the ``zero2`` row: sharded gradients, one layer's full gradient and
     its reduce-scatter copy-in as the buffer; ``layer_memory`` holds its parameters as the shard
-    and the gathered ones as saved for backward)."""
+    and the gathered ones as saved for backward). ZeRO-3 with dp = 1 holds everything, as replicate."""
     if strategy.state in ("zero1", "zero2"):
         return "zero2" if form.grads == "shard" else "zero1"
+    if strategy.state == "zero3" and form.held == "full":  # dp = 1: nothing to shard or gather
+        return "replicate"
     return strategy.state
 
 
@@ -502,7 +504,7 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     on_device = strategy.state != "offload" or host_is_device  # offload's step gradient is on the host
     # ZeRO-1/2 gathered in the forward graph: held as the dim-0 shard; the gathered parameters are kept
     # from the layer's forward to its backward, saved tensors like its activations (autoshard/data_parallel.py)
-    kept = strategy.state in ("zero1", "zero2") and form.held == "shard"
+    kept = form.gathered == "kept"
     for group in groups:
         degree = _shard_degree(group, strategy.state)
         group_states = model_state_memory(group.psi, state, degree, sizes)
@@ -516,7 +518,7 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
     # per parameter: its local shard as held (a gathered-in-forward ZeRO-1/2 layer: ZeRO-3's), as the buckets hold it
-    regions = build_regions(layer, replace(strategy, state="zero3") if form.held == "shard" else strategy, mesh)
+    regions = build_regions(layer, replace(strategy, state="zero3") if form.build == "shard" else strategy, mesh)
     # quantized wires are reduced one parameter at a time (qgZ), not in buckets; their own transients are not priced
     pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions],
                            0 if strategy.grad_comm in _QUANTIZED else bucket_bytes)
