@@ -243,6 +243,35 @@ def check_seq_len(spec: str, seq_len: int) -> None:
         raise AutoshardError(f"--seq {seq_len} exceeds {spec}'s max_seq_len={limit}; give --seq <= {limit}")
 
 
+# blocks traced for the compiled-activation scale: a ratio over identical blocks, so a few stand for all
+COMPILED_SCALE_BLOCKS = 4
+
+
+def with_compiled_activations(spec: str, graph: Any, cluster: Any, train: Any, stages: Stages) -> Any:
+    """``graph`` with its compiled step's block-activation scale (``passes/compiled_saved.py``) when the
+    runtime compiles on ``cluster`` (GPUs), as ``autoshard.compile`` measures it: traced on a meta copy of
+    reference model ``spec`` with at most ``COMPILED_SCALE_BLOCKS`` blocks (the scale is a ratio over
+    identical blocks). A trace that fails leaves it unmeasured, which the plan's caveats then say."""
+    if cluster.runs_on_cpu:
+        return graph
+    import torch
+
+    from autoshard.errors import CaptureError
+    from autoshard.models import build
+
+    with stages.stage("compiled", f"compiled activations of {spec} (AOT trace on meta)"):
+        try:
+            depth = {"num_layers": COMPILED_SCALE_BLOCKS} if _blocks(graph) > COMPILED_SCALE_BLOCKS else {}
+            model = build(spec, device="meta", dtype=torch.bfloat16, **depth)
+            return graph.with_compiled_saved_scale(model, train.seq_len)
+        except CaptureError:
+            return graph
+
+
+def _blocks(graph: Any) -> int:
+    return len({layer.block for layer in graph.layers if layer.block is not None})
+
+
 def capture_model(spec: str, stages: Stages) -> Any:
     """Capture reference model ``spec`` on meta under a progress row."""
     from autoshard.passes.capture import capture_reference
@@ -295,7 +324,7 @@ def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
     train = _train_spec(request, old)
     check_seq_len(spec, train.seq_len)
     with Stages(progress_console) as stages:
-        graph = capture_model(spec, stages)
+        graph = with_compiled_activations(spec, capture_model(spec, stages), cluster, train, stages)
         if request.reuse:
             plan = _reuse(old, request.reuse, graph, cluster, train)
         else:

@@ -1,0 +1,76 @@
+"""``autoshard plan`` on a GPU cluster prices compiled plans as the runtime compiles them: it traces the
+model's compiled-activation scale (``cli_search.with_compiled_activations``, at most
+``COMPILED_SCALE_BLOCKS`` blocks), so the plan's predictions carry no "compiled activations not
+measured" caveat and the same memory ``autoshard.compile`` would predict; CPU clusters run eager and
+trace nothing."""
+
+from __future__ import annotations
+
+import json
+
+import torch
+
+from autoshard import cli_search
+from autoshard.cli import main
+from autoshard.cluster import Cluster
+from autoshard.models import build
+from autoshard.passes.capture import capture_reference
+from autoshard.plan import Plan
+from autoshard.search.cost_model import predict
+from autoshard.train import TrainSpec
+
+ARGS = ("--batch", "16", "--seq", "128")
+
+
+def _caveats(path) -> list[str]:
+    return json.loads(path.read_text())["predictions"]["caveats"]
+
+
+def test_gpu_plan_measures_compiled_activations(capsys, tmp_path, monkeypatch):
+    traced = []
+    original = cli_search.with_compiled_activations
+
+    def spy(spec, graph, cluster, train, stages):
+        out = original(spec, graph, cluster, train, stages)
+        traced.append(out.compiled_saved_scale)
+        return out
+
+    monkeypatch.setattr(cli_search, "with_compiled_activations", spy)
+    gpu, cpu = tmp_path / "gpu.json", tmp_path / "cpu.json"
+    assert main(["plan", "llama:tiny", "--cluster", "h100-sxm:1x2", *ARGS, "-o", str(gpu)]) == 0
+    assert main(["plan", "llama:tiny", "--cluster", "cpu:1x2", *ARGS, "-o", str(cpu)]) == 0
+    capsys.readouterr()
+    assert traced[0] is not None and 0.3 < traced[0] < 1.0 and traced[1] is None
+    assert not any("compiled activations" in c for c in _caveats(gpu))
+
+    # the printed memory is predict's with the whole model's scale (the traced blocks stand for all)
+    plan = Plan.load(gpu)
+    graph = capture_reference("llama:tiny")
+    whole = graph.with_compiled_saved_scale(build("llama:tiny", device="meta", dtype=torch.bfloat16), 128)
+    expected = predict(whole, plan, Cluster.load("h100-sxm:1x2"), TrainSpec(global_batch=16, seq_len=128))
+    assert json.loads(gpu.read_text())["predictions"]["peak_memory_bytes"] == expected.peak_memory_bytes
+
+
+def test_deep_models_trace_a_few_blocks_that_stand_for_all(monkeypatch):
+    import io
+
+    from rich.console import Console
+
+    import autoshard.models as models
+
+    calls = {}
+    original = models.build
+
+    def counting_build(spec, **kwargs):
+        calls.update(kwargs)
+        return original(spec, **kwargs)
+
+    monkeypatch.setattr(models, "build", counting_build)
+    graph = capture_reference("llama:125m", seq_lens=(16, 32))
+    with cli_search.Stages(Console(file=io.StringIO())) as stages:
+        out = cli_search.with_compiled_activations("llama:125m", graph, Cluster.load("h100-sxm:1x2"),
+                                                   TrainSpec(global_batch=2, seq_len=32), stages)
+    assert calls.get("num_layers") == cli_search.COMPILED_SCALE_BLOCKS < 12
+    whole = graph.with_compiled_saved_scale(original("llama:125m", device="meta", dtype=torch.bfloat16), 32)
+    assert abs(out.compiled_saved_scale - whole.compiled_saved_scale) < 0.02, (out.compiled_saved_scale,
+                                                                                whole.compiled_saved_scale)
