@@ -91,20 +91,21 @@ def _cmd_models(args: argparse.Namespace, console: Any) -> int:
 
 
 def _args_capture(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("model", metavar="MODEL[:SIZE]", help="reference model, e.g. 'llama:tiny' (see 'autoshard models')")
+    parser.add_argument("model", metavar="MODEL", help="reference model 'family:size' (e.g. 'llama:tiny', see 'autoshard models'), or your own: 'package.module:factory' or 'path/to/file.py:factory' returning an nn.Module")
     parser.add_argument("--seq", type=_capture_seq, default=None, metavar="N", help="sequence length S: capture measures at S/2 and S, and the table reports per token at S")
     parser.add_argument("--batch", type=_positive_int, default=None, metavar="B", help="batch size of the example tokens (2 or more keeps the batch dim dynamic)")
 
 
 def _cmd_capture(args: argparse.Namespace, console: Any) -> int:
-    from autoshard.passes.capture import capture_reference, format_coverage, format_layer_table
+    from autoshard.cli_search import capture_spec
+    from autoshard.passes.capture import format_coverage, format_layer_table
 
     options: dict[str, Any] = {}
     if args.seq is not None:  # the two-point fit measures at S/2 and S, as capture does for example tokens
         options["seq_lens"] = (args.seq // 2, args.seq)
     if args.batch is not None:
         options["batch"] = args.batch
-    graph = capture_reference(args.model, **options)
+    graph = capture_spec(args.model, **options)
     _print_text(console, format_layer_table(graph, seq_len=args.seq))
     _print_text(console, format_coverage(graph))
     return EXIT_OK
@@ -145,7 +146,7 @@ def _args_plan(parser: argparse.ArgumentParser) -> None:
     from autoshard import cli_search
     from autoshard.train import COMM_PRECISIONS, OPTIMIZERS, PRECISIONS
 
-    parser.add_argument("model", nargs="?", metavar="MODEL[:SIZE]", help="reference model, e.g. 'llama:7b' (default with --plan/--retarget: the plan's model)")
+    parser.add_argument("model", nargs="?", metavar="MODEL", help="reference model (e.g. 'llama:7b') or 'package.module:factory' / 'file.py:factory' (default with --plan/--retarget: the plan's model)")
     parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES|FILE", help="the cluster to plan for, e.g. 'h100-sxm:2x8', or a YAML/JSON cluster file")
     parser.add_argument("--batch", type=_positive_int, metavar="B", help="global batch: sequences per optimizer step over all ranks (default with --plan/--retarget: the plan's)")
     parser.add_argument("--seq", type=_positive_int, metavar="S", help="tokens per sequence (default with --plan/--retarget: the plan's)")

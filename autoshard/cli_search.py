@@ -218,11 +218,16 @@ class Stages:
 
 # --------------------------------------------------------------------- models
 def reference_spec(spec: str, *, source: str | None = None) -> str:
-    """The canonical ``family:size`` of a reference model (``"LLAMA"`` → ``"llama:tiny"``).
+    """The canonical ``family:size`` of a reference model (``"LLAMA"`` → ``"llama:tiny"``); a factory spec
+    (``package.module:factory``, ``file.py:factory``: ``autoshard/models/source.py``) as given.
 
     ``source`` names the plan the spec came from, for a clearer error.
     """
     from autoshard.models import parse_spec
+    from autoshard.models.source import is_factory_spec
+
+    if is_factory_spec(spec):
+        return spec.strip()
 
     try:
         family, size = parse_spec(spec)
@@ -235,8 +240,12 @@ def reference_spec(spec: str, *, source: str | None = None) -> str:
 
 
 def check_seq_len(spec: str, seq_len: int) -> None:
-    """Refuse a sequence longer than the reference model's ``max_seq_len``."""
+    """Refuse a sequence longer than the reference model's ``max_seq_len`` (a factory's model: not checked)."""
     from autoshard.models import config_for
+    from autoshard.models.source import is_factory_spec
+
+    if is_factory_spec(spec):
+        return
 
     limit = config_for(spec).max_seq_len
     if seq_len > limit:
@@ -258,11 +267,15 @@ def with_compiled_activations(spec: str, graph: Any, cluster: Any, train: Any, s
 
     from autoshard.errors import CaptureError
     from autoshard.models import build
+    from autoshard.models.source import is_factory_spec, load_model
 
     with stages.stage("compiled", f"compiled activations of {spec} (AOT trace on meta)"):
         try:
-            depth = {"num_layers": COMPILED_SCALE_BLOCKS} if _blocks(graph) > COMPILED_SCALE_BLOCKS else {}
-            model = build(spec, device="meta", dtype=torch.bfloat16, **depth)
+            if is_factory_spec(spec):  # the user's model, whole
+                model, _ = load_model(spec)
+            else:
+                depth = {"num_layers": COMPILED_SCALE_BLOCKS} if _blocks(graph) > COMPILED_SCALE_BLOCKS else {}
+                model = build(spec, device="meta", dtype=torch.bfloat16, **depth)
             return graph.with_compiled_saved_scale(model, train.seq_len)
         except CaptureError:
             return graph
@@ -274,10 +287,18 @@ def _blocks(graph: Any) -> int:
 
 def capture_model(spec: str, stages: Stages) -> Any:
     """Capture reference model ``spec`` on meta under a progress row."""
-    from autoshard.passes.capture import capture_reference
-
     with stages.stage("capture", f"capture {spec} (torch.export on meta)"):
-        return capture_reference(spec)
+        return capture_spec(spec)
+
+
+def capture_spec(spec: str, **options: Any) -> Any:
+    """Capture a CLI ``MODEL`` (``autoshard/models/source.py``) built on meta in bf16; ``options`` go to
+    ``capture`` (``seq_lens``, ``batch``)."""
+    from autoshard.models.source import load_model
+    from autoshard.passes.capture import capture
+
+    model, name = load_model(spec)
+    return capture(model, name=name, **options)
 
 
 # ----------------------------------------------------------------------- plan
