@@ -224,9 +224,9 @@ def reference_spec(spec: str, *, source: str | None = None) -> str:
     ``source`` names the plan the spec came from, for a clearer error.
     """
     from autoshard.models import parse_spec
-    from autoshard.models.source import is_factory_spec
+    from autoshard.models.source import is_factory_spec, is_hf_config_spec
 
-    if is_factory_spec(spec):
+    if is_factory_spec(spec) or is_hf_config_spec(spec):
         return spec.strip()
 
     try:
@@ -242,9 +242,9 @@ def reference_spec(spec: str, *, source: str | None = None) -> str:
 def check_seq_len(spec: str, seq_len: int) -> None:
     """Refuse a sequence longer than the reference model's ``max_seq_len`` (a factory's model: not checked)."""
     from autoshard.models import config_for
-    from autoshard.models.source import is_factory_spec
+    from autoshard.models.source import is_factory_spec, is_hf_config_spec
 
-    if is_factory_spec(spec):
+    if is_factory_spec(spec) or is_hf_config_spec(spec):
         return
 
     limit = config_for(spec).max_seq_len
@@ -267,11 +267,11 @@ def with_compiled_activations(spec: str, graph: Any, cluster: Any, train: Any, s
 
     from autoshard.errors import CaptureError
     from autoshard.models import build
-    from autoshard.models.source import is_factory_spec, load_model
+    from autoshard.models.source import is_factory_spec, is_hf_config_spec, load_model
 
     with stages.stage("compiled", f"compiled activations of {spec} (AOT trace on meta)"):
         try:
-            if is_factory_spec(spec):  # the user's model, whole
+            if is_factory_spec(spec) or is_hf_config_spec(spec):  # the user's model, whole
                 model, _ = load_model(spec)
             else:
                 depth = {"num_layers": COMPILED_SCALE_BLOCKS} if _blocks(graph) > COMPILED_SCALE_BLOCKS else {}

@@ -139,187 +139,17 @@ transformers 5.17 and torch 2.13 on Llama, and the same for every family here:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
 import torch
-from torch import nn
-
-from autoshard.init import Constant, InitRule, Normal, init_tensor_
 
 
-def _transformers():
-    """The ``transformers`` package, with a one-line install hint when it is missing."""
-    try:
-        import transformers
-    except ImportError:
-        raise ImportError("the hf-* policies need the 'transformers' package: pip install transformers") from None
-    return transformers
 
-
-# --------------------------------------------------------------------------- policies
-
-
-class HFPolicy(nn.Module):
-    """A ``transformers`` trunk + LM head + value head (module docstring); subclasses write ``_trunk``."""
-
-    trunk_class = ""  # the transformers class of ``model``
-    lm_head_bias = False
-    norm_weight = 1.0  # HF's init of LayerNorm / RMSNorm weights
-
-    def __init__(self, config) -> None:
-        super().__init__()
-        self.config = config
-        self.model = getattr(_transformers(), self.trunk_class)(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.lm_head_bias)
-        self.value_head = nn.Linear(config.hidden_size, 1)
-        self.tie_weights()
-
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, S] → (logits [B, S, V], values [B, S]); causal, no padding ([Note: capturing ...])."""
-        x = self._trunk(input_ids)  # [B, S, h], after the final norm
-        return self.lm_head(x), self.value_head(x).squeeze(-1)
-
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
-        raise NotImplementedError
-
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        """The trunk's repeated blocks (FSDP2 shards one unit per block)."""
-        return self.model.layers
-
-    def tie_weights(self) -> None:
-        """Point ``lm_head.weight`` at the input embedding when the config ties them (again after ``to_empty``)."""
-        if self.config.tie_word_embeddings:
-            self.lm_head.weight = self.model.get_input_embeddings().weight
-
-    def init_rule(self, name: str) -> InitRule:
-        """How parameter ``name`` is initialised: by its module's type, as HF's ``_init_weights`` (module docstring)."""
-        module_name, _, leaf = name.rpartition(".")
-        module = self.get_submodule(module_name)
-        kind = type(module).__name__
-        if leaf == "bias":
-            return Constant(0.0)
-        if "LayerNorm" in kind or "RMSNorm" in kind:
-            return Constant(self.norm_weight)
-        if isinstance(module, (nn.Linear, nn.Embedding)) or kind in ("Conv1D", "MixtralExperts", "MixtralTopKRouter"):
-            return Normal(0.0, self._weight_std(module_name))
-        raise ValueError(f"parameter {name!r} of a {kind}: no init rule; allowed modules: Linear, Embedding, "
-                         "Conv1D, Mixtral experts and router, LayerNorm, RMSNorm (add the module's HF rule)")
-
-    def _weight_std(self, module_name: str) -> float:
-        del module_name  # GPT-2 scales its residual projections
-        return self.config.initializer_range
-
-    @torch.no_grad()
-    def init_buffers(self, device: str | torch.device | None = None) -> None:
-        """(Re)compute the rotary tables and Gemma's embedding scale, fp32, on ``device`` (default: where each
-        buffer is; the CPU when it is on meta). Any other buffer left on meta is refused."""
-        for name, module in self.named_modules():
-            where = device
-            if hasattr(module, "original_inv_freq"):  # every HF RotaryEmbedding
-                if module.rope_type != "default":
-                    raise ValueError(f"{name}: rope_type {module.rope_type!r}; init_buffers computes only the "
-                                     "default RoPE table")
-                where = where or ("cpu" if module.inv_freq.is_meta else module.inv_freq.device)
-                inv_freq, _ = module.compute_default_rope_parameters(module.config)  # [rotary_dim / 2], fp32
-                module.inv_freq = inv_freq.to(where)
-                module.original_inv_freq = inv_freq.to(where, copy=True)
-            elif hasattr(module, "scalar_embed_scale"):  # GemmaTextScaledWordEmbedding: sqrt(hidden)
-                where = where or ("cpu" if module.embed_scale.is_meta else module.embed_scale.device)
-                module.embed_scale = torch.tensor(module.scalar_embed_scale, device=where)
-        left = [name for name, buf in self.named_buffers() if buf.is_meta]
-        if left:
-            raise ValueError(f"buffers {left} have no values: init_buffers knows only rotary tables and Gemma's "
-                             "embed_scale")
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Initialise every materialised parameter with ``init_rule`` and ``seed``, then the buffers."""
-        for name, param in self.named_parameters():
-            if not param.is_meta:
-                init_tensor_(param, self.init_rule(name), seed, name)
-        self.init_buffers()
-
-
-class RotaryPolicy(HFPolicy):
-    """Rotary trunks: ``embed_tokens``, ``rotary_emb``, ``layers``, then the final norm ``final_norm``
-    (Llama, Qwen2, Gemma, Mixtral: ``norm``; Phi overrides the embedding and the norm's name)."""
-
-    final_norm = "norm"
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_tokens(input_ids)  # [B, S, h]; Gemma's module multiplies by sqrt(h) itself
-
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
-        trunk = self.model
-        x = self._embed(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, S]
-        rope = trunk.rotary_emb(x, position_ids=positions)  # (cos, sin), each [1, S, rotary dims]
-        for layer in trunk.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
-        return getattr(trunk, self.final_norm)(x)
-
-
-class HFLlamaPolicy(RotaryPolicy):
-    """``LlamaModel`` trunk (module docstring)."""
-
-    trunk_class = "LlamaModel"
-
-
-class HFQwen2Policy(RotaryPolicy):
-    """``Qwen2Model`` trunk (module docstring)."""
-
-    trunk_class = "Qwen2Model"
-
-
-class HFGemmaPolicy(RotaryPolicy):
-    """``GemmaModel`` trunk; its RMSNorm weights start at 0 (module docstring)."""
-
-    trunk_class = "GemmaModel"
-    norm_weight = 0.0
-
-
-class HFMixtralPolicy(RotaryPolicy):
-    """``MixtralModel`` trunk with the ``grouped_mm`` experts implementation (module docstring)."""
-
-    trunk_class = "MixtralModel"
-
-
-class HFPhiPolicy(RotaryPolicy):
-    """``PhiModel`` trunk: ``embed_dropout`` after the embedding, ``final_layernorm``; ``lm_head`` has a bias."""
-
-    trunk_class = "PhiModel"
-    lm_head_bias = True
-    final_norm = "final_layernorm"
-
-    def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.model.embed_dropout(self.model.embed_tokens(input_ids))
-
-
-class HFGPT2Policy(HFPolicy):
-    """``GPT2Model`` trunk: token + learned position embeddings, ``h`` blocks, ``ln_f`` (module docstring)."""
-
-    trunk_class = "GPT2Model"
-
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
-        trunk = self.model
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, S]
-        x = trunk.drop(trunk.wte(input_ids) + trunk.wpe(positions))  # [B, S, h]
-        for block in trunk.h:
-            x = block(x, attention_mask=None)
-        return trunk.ln_f(x)
-
-    @property
-    def decoder_layers(self) -> nn.ModuleList:
-        """GPT-2's blocks (``model.h``)."""
-        return self.model.h
-
-    def _weight_std(self, module_name: str) -> float:
-        if module_name.endswith(".c_proj"):  # attn.c_proj and mlp.c_proj: HF's GPT-2 residual scaling
-            return self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
-        return self.config.initializer_range
+from autoshard.models.hf import (  # noqa: F401 - the policies live in the package; re-exported here
+    HFGPT2Policy, HFGemmaPolicy, HFLlamaPolicy, HFMixtralPolicy, HFPhiPolicy, HFPolicy, HFQwen2Policy, RotaryPolicy,
+    _transformers, actor_critic,
+)
 
 
 # --------------------------------------------------------------------------- families and sizes
@@ -436,18 +266,8 @@ def build_hf_policy(spec: str, *, device: str | torch.device = "meta", dtype: to
     is materialised with ``to_empty``, re-tied and ``init_weights(seed)``. ``overrides`` go to the
     config.
     """
-    family, _ = split_spec(spec)
-    config = hf_config(spec, **overrides)
-    with torch.device("meta"):
-        model = family.policy(config)
-    model = model.to(dtype)
-    if torch.device(device).type == "meta":
-        model.init_buffers("cpu")
-    else:
-        model = model.to_empty(device=device)
-        model.tie_weights()
-        model.init_weights(seed)
-    return model
+    split_spec(spec)  # refuses a spec outside the zoo
+    return actor_critic(hf_config(spec, **overrides), device=device, dtype=dtype, seed=seed)
 
 
 # --------------------------------------------------------------------------- Llama helpers kept from hf_policy

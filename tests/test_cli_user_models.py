@@ -64,3 +64,41 @@ def test_bad_models_name_what_is_wrong(spec, message, capsys):
         load_model(spec)
     assert main(["plan", spec, "--cluster", "cpu:1x2", *ARGS]) != 0
     assert message.split(";")[0] in capsys.readouterr().err
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _saved(tmp_path, name, config) -> Path:
+    config.save_pretrained(tmp_path / name)
+    return tmp_path / name
+
+
+def test_hugging_face_config_directories_and_files(capsys, tmp_path):
+    """A Hugging Face model directory (``save_pretrained``'s config.json) or the JSON file itself plans
+    and explains through ``autoshard.models.hf.actor_critic``; an unsupported model type is refused with
+    the supported ones, a directory without config.json with the reason."""
+    llama = _saved(tmp_path, "llama", transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=256, max_position_embeddings=128))
+    gpt2 = _saved(tmp_path, "gpt2", transformers.GPT2Config(n_embd=64, n_layer=2, n_head=4, vocab_size=256,
+                                                           n_positions=128))
+    model, name = load_model(str(llama))
+    assert name == str(llama) and all(p.is_meta for p in model.parameters())
+    logits_shape = model.lm_head.weight.shape
+    assert tuple(logits_shape) == (256, 64) and model.config.use_cache is False
+
+    path = tmp_path / "plan.json"
+    assert main(["plan", str(llama), "--cluster", "cpu:1x2", *ARGS, "-o", str(path)]) == 0
+    assert main(["explain", str(path), "--layer", "model.layers.0.mlp"]) == 0
+    assert main(["capture", str(gpt2 / "config.json"), "--seq", "64"]) == 0
+    out = capsys.readouterr().out
+    assert "model.layers.0.mlp" in out and "model.h.1.attn" in out
+
+    bert = _saved(tmp_path, "bert", transformers.BertConfig(hidden_size=64, num_hidden_layers=1,
+                                                           num_attention_heads=4, intermediate_size=128))
+    with pytest.raises(ModelError, match="model_type 'bert' has no actor-critic policy here; supported: gemma, gpt2"):
+        load_model(str(bert))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ModelError, match="a directory without config.json"):
+        load_model(str(tmp_path / "empty"))

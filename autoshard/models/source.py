@@ -3,6 +3,8 @@
     MODEL := family:size              a reference policy (``autoshard models``), e.g. llama:7b
            | package.module:factory   a callable importable from sys.path (the current directory first)
            | path/to/file.py:factory  a callable defined in a Python file
+           | path/to/hf_model_dir     a Hugging Face model directory (its config.json), or
+           | path/to/config.json      the config file itself: ``autoshard.models.hf.actor_critic``
 
 ``load_model(spec)`` returns the module on the meta device (planning reads no weights) and the name
 plans record, so ``autoshard explain`` / ``plan --plan`` rebuild the same model later. A factory is
@@ -116,10 +118,25 @@ def build_from_factory(spec: str, *, device: str | torch.device = "meta",
     return model
 
 
+def is_hf_config_spec(spec: str) -> bool:
+    """Whether ``spec`` is a Hugging Face model directory (with ``config.json``) or a ``.json`` config file."""
+    path = Path(spec.strip()).expanduser()
+    return (path.is_dir() and (path / "config.json").is_file()) or (path.suffix == ".json" and path.is_file())
+
+
 def load_model(spec: str, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16,
                **overrides: object) -> tuple[nn.Module, str]:
     """(module, name to record in plans) for a CLI ``MODEL`` (module docstring). ``overrides`` go to a
     reference model's config only."""
+    if is_hf_config_spec(spec):
+        if overrides:
+            raise ModelError(f"model {spec!r}: config overrides ({', '.join(overrides)}) apply to reference models only")
+        from autoshard.models.hf import actor_critic, load_hf_config
+
+        return actor_critic(load_hf_config(spec), device=device, dtype=dtype), str(Path(spec.strip()).expanduser())
+    if Path(spec.strip()).expanduser().is_dir():
+        raise ModelError(f"model {spec!r}: a directory without config.json; a Hugging Face model directory holds one "
+                         "(save_pretrained writes it)")
     if is_factory_spec(spec):
         if overrides:
             raise ModelError(f"model {spec!r}: config overrides ({', '.join(overrides)}) apply to reference models only")
@@ -131,4 +148,4 @@ def load_model(spec: str, *, device: str | torch.device = "meta", dtype: torch.d
     return build(name, device=device, dtype=dtype, **overrides), name
 
 
-__all__ = ["build_from_factory", "is_factory_spec", "load_model", "resolve_factory"]
+__all__ = ["build_from_factory", "is_factory_spec", "is_hf_config_spec", "load_model", "resolve_factory"]
