@@ -6,7 +6,9 @@ with ``config.json`` or from the file) into the policy autoshard plans and train
 ``transformers`` trunk (``model``: embedding, decoder layers, final norm, rotary table or position
 embedding) + ``lm_head`` (Linear hidden → vocab, tied to the embedding when the config ties them) +
 ``value_head`` (Linear hidden → 1), with the reference policies' contract
-``forward(input_ids [B, S]) -> (logits [B, S, V], values [B, S])``. Built on meta it costs nothing
+``forward(input_ids [B, S]) -> (logits [B, S, V], values [B, S])``. ``from_causal_lm(hf_model)`` wraps
+a model the user already has (``LlamaForCausalLM.from_pretrained(local_dir)``, ...): its own trunk and
+``lm_head``, weights and ties as they are, plus a seeded value head. Built on meta it costs nothing
 (planning reads no weights); its buffers (rotary tables, Gemma's embedding scale) are computed on
 the CPU. The CLI takes such a directory or file as ``MODEL`` (``autoshard/models/source.py``).
 
@@ -50,13 +52,17 @@ class HFPolicy(nn.Module):
     lm_head_bias = False
     norm_weight = 1.0  # HF's init of LayerNorm / RMSNorm weights
 
-    def __init__(self, config) -> None:
+    def __init__(self, config, *, trunk: nn.Module | None = None, lm_head: nn.Linear | None = None) -> None:
+        """A new trunk and heads from ``config``, or an existing model's ``trunk`` and ``lm_head``
+        (``from_causal_lm``), which keep their weights and ties."""
         super().__init__()
         self.config = config
-        self.model = getattr(_transformers(), self.trunk_class)(config)
-        self.lm_head = nn.Linear(config.hidden_size, config.vocab_size, bias=self.lm_head_bias)
+        self.model = trunk if trunk is not None else getattr(_transformers(), self.trunk_class)(config)
+        self.lm_head = lm_head if lm_head is not None else nn.Linear(config.hidden_size, config.vocab_size,
+                                                                     bias=self.lm_head_bias)
         self.value_head = nn.Linear(config.hidden_size, 1)
-        self.tie_weights()
+        if lm_head is None:
+            self.tie_weights()
 
     def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids [B, S] → (logits [B, S, V], values [B, S]); causal, no padding ([Note: capturing ...])."""
@@ -265,5 +271,34 @@ def actor_critic(config, *, device: str | torch.device = "meta", dtype: torch.dt
     return model
 
 
+def from_causal_lm(hf_model: nn.Module, *, seed: int = 0) -> HFPolicy:
+    """An actor-critic over an existing ``transformers`` causal LM (``LlamaForCausalLM``, ``GPT2LMHeadModel``,
+    ..., e.g. from ``from_pretrained`` of a local directory): its trunk and ``lm_head`` are used as they
+    are (same parameters, same ties), and a new ``value_head`` (HF's normal init with ``seed``, bias 0)
+    is added on the model's device and dtype. The model's config is switched to SDPA attention and no
+    KV cache (``TRAINING_FIELDS``): its attention modules read it at every call."""
+    config = getattr(hf_model, "config", None)
+    policy_class = POLICIES.get(getattr(config, "model_type", None))
+    if policy_class is None:
+        raise ModelError(f"{type(hf_model).__name__}: model_type {getattr(config, 'model_type', None)!r} has no "
+                         f"actor-critic policy here; supported: {', '.join(sorted(POLICIES))}")
+    trunk = getattr(hf_model, "transformer" if config.model_type == "gpt2" else "model", None)
+    lm_head = getattr(hf_model, "lm_head", None)
+    if trunk is None or not isinstance(lm_head, nn.Linear):
+        raise ModelError(f"{type(hf_model).__name__}: expected a causal LM with a trunk "
+                         f"({'transformer' if config.model_type == 'gpt2' else 'model'}) and an lm_head Linear; "
+                         "pass the *ForCausalLM / *LMHeadModel class")
+    config.use_cache = TRAINING_FIELDS["use_cache"]
+    config._attn_implementation = TRAINING_FIELDS["attn_implementation"]
+    policy = policy_class(config, trunk=trunk, lm_head=lm_head)
+    weight = lm_head.weight
+    policy.value_head.to(device=weight.device, dtype=weight.dtype)
+    if not weight.is_meta:
+        with torch.no_grad():
+            for name, param in policy.value_head.named_parameters(prefix="value_head"):
+                init_tensor_(param, policy.init_rule(name), seed, name)
+    return policy
+
+
 __all__ = ["HFGPT2Policy", "HFGemmaPolicy", "HFLlamaPolicy", "HFMixtralPolicy", "HFPhiPolicy", "HFPolicy",
-           "HFQwen2Policy", "POLICIES", "RotaryPolicy", "TRAINING_FIELDS", "actor_critic", "load_hf_config"]
+           "HFQwen2Policy", "POLICIES", "RotaryPolicy", "TRAINING_FIELDS", "actor_critic", "from_causal_lm", "load_hf_config"]
