@@ -57,3 +57,15 @@ def test_configs_build_on_meta_and_bad_models_are_refused():
                                                                       num_attention_heads=4, intermediate_size=128)))
     with pytest.raises(ModelError, match="expected a causal LM with a trunk"):
         from_causal_lm(transformers.LlamaModel(transformers.LlamaConfig(**LLAMA)))
+
+
+def test_scaled_rope_tables_on_meta_are_hf_own():
+    """A Llama-3-style config (rope_type llama3) builds on meta with the rotary table HF computes for it."""
+    config = transformers.LlamaConfig(**LLAMA, rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                                             "high_freq_factor": 4.0,
+                                                             "original_max_position_embeddings": 32})
+    policy = actor_critic(config)
+    reference = transformers.LlamaForCausalLM(config).model.rotary_emb
+    assert reference.rope_type == "llama3"
+    assert torch.equal(policy.model.rotary_emb.inv_freq, reference.inv_freq)
+    assert policy.model.rotary_emb.attention_scaling == reference.attention_scaling

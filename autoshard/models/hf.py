@@ -107,11 +107,17 @@ class HFPolicy(nn.Module):
         for name, module in self.named_modules():
             where = device
             if hasattr(module, "original_inv_freq"):  # every HF RotaryEmbedding
-                if module.rope_type != "default":
-                    raise ValueError(f"{name}: rope_type {module.rope_type!r}; init_buffers computes only the "
-                                     "default RoPE table")
                 where = where or ("cpu" if module.inv_freq.is_meta else module.inv_freq.device)
-                inv_freq, _ = module.compute_default_rope_parameters(module.config)  # [rotary_dim / 2], fp32
+                if module.rope_type == "default":
+                    init_fn = module.compute_default_rope_parameters
+                else:  # llama3, linear, yarn, ...: HF's own table for the type, as the module's __init__ picks it
+                    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+                    if module.rope_type not in ROPE_INIT_FUNCTIONS:
+                        raise ValueError(f"{name}: rope_type {module.rope_type!r} is not one transformers "
+                                         f"computes ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
+                    init_fn = ROPE_INIT_FUNCTIONS[module.rope_type]
+                inv_freq, module.attention_scaling = init_fn(module.config, None)  # [rotary_dim / 2], fp32
                 module.inv_freq = inv_freq.to(where)
                 module.original_inv_freq = inv_freq.to(where, copy=True)
             elif hasattr(module, "scalar_embed_scale"):  # GemmaTextScaledWordEmbedding: sqrt(hidden)
