@@ -209,6 +209,10 @@ class SafetensorsSource:
         if self.strict:
             self._check_no_extras(keys, {self.key_of(fqn) for fqn in expected})
 
+    def holds(self, fqn: str) -> bool:
+        """Whether the files hold a tensor for parameter ``fqn`` (its key, ``key_of``); reads headers only."""
+        return self.key_of(fqn) in self._keys()
+
     def read(
         self,
         fqn: str,

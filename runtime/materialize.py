@@ -22,6 +22,7 @@ Weights sources (``weights=`` of ``build_program`` and ``autoshard.compile``):
 | ``Initialize(seed)`` | default when the model is on meta | ``init_rule`` models (the reference models, or ``rules=``): counter-based values of its region only (``autoshard.init``); others: ``module_init`` or each module's ``reset_parameters`` (below) |
 | ``Safetensors(path, name_map=)`` | a ``.safetensors`` file or a Hugging Face sharded directory | ``get_slice`` of its region (``runtime/_safetensors_source.py``) |
 | ``Checkpoint(path)`` | an autoshard DCP checkpoint (any plan, any world size) | the saved chunks that overlap its region (DCP, no collective) |
+| ``Layered(a, b, ...)`` | a checkpoint that lacks some parameters (an HF model's files under an actor-critic: no value head) | each parameter from the first source holding it, the last for the rest |
 
 A path given as ``weights`` is a DCP checkpoint when it holds autoshard's
 sidecar, else safetensors.
@@ -337,6 +338,60 @@ class _SafetensorsReader(_Reader):
 
 
 @dataclass(frozen=True)
+class Layered:
+    """Each parameter from the first of ``sources`` that holds it, the last taking every one left: e.g. a
+    Hugging Face checkpoint, which has no value head, under an actor-critic
+    (``Layered(Safetensors(dir), Initialize(0))``). Every source but the last must say what it holds
+    (``Safetensors``); each checks only the parameters it gives, with its own errors. Buffers come
+    from the first source that provides them."""
+
+    sources: tuple
+
+    def __init__(self, *sources: Any) -> None:
+        if len(sources) < 2:
+            raise WeightsError("Layered(...) takes two or more weights sources, the last one for every parameter left")
+        object.__setattr__(self, "sources", tuple(sources))
+
+    def bind(self, model: nn.Module) -> Any:
+        return _LayeredReader([bind_source(s, model) for s in self.sources], model)
+
+
+class _LayeredReader(_Reader):
+    def __init__(self, readers: list[Any], model: nn.Module) -> None:
+        self.readers, self.model = readers, model
+        for reader in readers[:-1]:
+            if not callable(getattr(getattr(reader, "source", None), "holds", None)):
+                raise WeightsError(f"Layered: {reader.describe()} cannot say which parameters it holds; only the last "
+                                   "source may be one that gives every parameter")
+        self.owner: dict[str, int] = {}
+
+    def describe(self) -> str:
+        return " then ".join(r.describe() for r in self.readers)
+
+    def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
+        last = len(self.readers) - 1
+        for fqn in expected:
+            self.owner[fqn] = next((i for i, r in enumerate(self.readers[:-1]) if r.source.holds(fqn)), last)
+        for i, reader in enumerate(self.readers):
+            reader.check({fqn: shape for fqn, shape in expected.items() if self.owner[fqn] == i})
+
+    def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        for i, reader in enumerate(self.readers):
+            yield from reader.regions([w for w in wanted if self.owner[w.fqn] == i], device)
+
+    def buffer(self, fqn: str, device: torch.device) -> torch.Tensor | None:
+        for reader in self.readers:
+            value = reader.buffer(fqn, device)
+            if value is not None:
+                return value
+        return None
+
+    def close(self) -> None:
+        for reader in self.readers:
+            reader.close()
+
+
+@dataclass(frozen=True)
 class Checkpoint:
     """An autoshard DCP checkpoint directory (``runtime/checkpoint.py``), saved under any plan and world size."""
 
@@ -451,5 +506,5 @@ def _copy_buffers(reader: Any, buffers: Mapping[str, torch.Tensor], device: torc
     return missing
 
 
-__all__ = ["Checkpoint", "FromModule", "Initialize", "Safetensors", "Wanted", "WeightsError", "bind_source", "fill",
+__all__ = ["Checkpoint", "FromModule", "Initialize", "Layered", "Safetensors", "Wanted", "WeightsError", "bind_source", "fill",
            "has_data", "meta_twin"]

@@ -5,6 +5,8 @@ builds one from a config on meta. Tiny random configs, CPU, fp32."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -69,3 +71,55 @@ def test_scaled_rope_tables_on_meta_are_hf_own():
     assert reference.rope_type == "llama3"
     assert torch.equal(policy.model.rotary_emb.inv_freq, reference.inv_freq)
     assert policy.model.rotary_emb.attention_scaling == reference.attention_scaling
+
+
+# --------------------------------------------------------------------------- HF weights under a sharded plan (gloo)
+
+
+def _forward_from_hf_files(rank, world_size, directory, state):
+    """An actor-critic built on meta from ``directory``'s config, its weights read slice-wise from the HF files
+    and the value head (which they lack) initialised: logits and values of a fixed batch under ``state``."""
+    from autoshard.models.hf import load_hf_config
+    from autoshard.passes import capture
+    from autoshard.plan import LayerStrategy, Mesh, Plan
+    from autoshard.runtime import build_program
+    from autoshard.runtime.materialize import Initialize, Layered, Safetensors
+    from autoshard.train import TrainSpec
+
+    del rank
+    policy = actor_critic(load_hf_config(directory), dtype=torch.float32)
+    graph = capture(policy, seq_lens=(8, 16))
+    plan = Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=world_size),
+                layers=tuple(LayerStrategy(layer=layer.name, state=state) for layer in graph.layers))
+    program = build_program(policy, graph, plan, None, TrainSpec(global_batch=2 * world_size, seq_len=16,
+                                                                 precision="fp32"),
+                            weights=Layered(Safetensors(directory), Initialize(0)), compile_graph=False)
+    with torch.no_grad():
+        logits, values = program(_tokens())
+    return {"logits": logits, "values": values}
+
+
+def test_hf_files_fill_a_sharded_plan_and_the_value_head_is_initialised(tmp_path):
+    from _harness import run_gloo_cases
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    model.save_pretrained(tmp_path)
+    expected = model(_tokens()).logits
+    results = run_gloo_cases({state: functools.partial(_forward_from_hf_files, directory=str(tmp_path), state=state)
+                              for state in ("replicate", "zero3")}, 2, timeout_s=300)
+    reference_values = from_causal_lm(model)(_tokens())[1]  # the same seeded value head
+    for state, per_rank in results.items():
+        for out in per_rank:
+            assert torch.allclose(out["logits"], expected, atol=1e-5), state
+            assert torch.allclose(out["values"], reference_values, atol=1e-5), state
+
+
+def test_layered_sources_refuse_what_they_cannot_do(tmp_path):
+    from autoshard.runtime.materialize import Initialize, Layered, Safetensors, WeightsError
+
+    with pytest.raises(WeightsError, match="two or more"):
+        Layered(Initialize(0))
+    policy = actor_critic(transformers.LlamaConfig(**LLAMA), dtype=torch.float32)
+    with pytest.raises(WeightsError, match="cannot say which parameters it holds"):
+        Layered(Initialize(0), Safetensors(tmp_path)).bind(policy)
