@@ -17,17 +17,30 @@ import mode puts ``tests/`` on ``sys.path``; keep ``tests/`` free of an
 ``__init__.py``.
 
 [Note: spawned jobs are expensive]
-A spawned gloo job costs about 2 s at world 2 and 3.5 s at world 4 on two cores
-(``import torch`` once per process). Group many checks into one job with
-``run_gloo_cases`` and fan the results out to small pytest tests with a
-module-scoped fixture (see ``tests/test_harness.py``).
+A spawned gloo job costs a process per rank (start-up under a second with the
+forkserver, note "forkserver"), a rendezvous and the results pickled back. Group
+many checks into one job with ``run_gloo_cases`` and fan the results out to
+small pytest tests with a module-scoped fixture (see ``tests/test_harness.py``).
 
 [Note: importing ``fn`` in the child]
-Workers are started with the ``spawn`` method, so ``fn`` and every argument are
-pickled by reference: ``fn`` must be a module-level function (``functools.partial``
-of one works). A spawned child receives the parent's ``sys.path``; under pytest's
-default ``prepend`` import mode the ``tests/`` folder is on it, so functions
-defined in ``tests/test_*.py`` import in the child as they do in the parent.
+``fn`` and every argument are pickled by reference: ``fn`` must be a module-level
+function (``functools.partial`` of one works). The child takes the parent's
+``sys.path`` and environment as they are when the job starts, before it
+unpickles ``fn``; under pytest's default ``prepend`` import mode the ``tests/``
+folder is on that path, so functions defined in ``tests/test_*.py`` import in
+the child as they do in the parent.
+
+[Note: forkserver]
+Workers are started by the ``forkserver`` method: one server process per test
+session imports torch, ``torch.distributed``, dynamo and autoshard once
+(``_PRELOAD``), and every rank of every job is a fork of it that has not run a
+single op (no intra-op threads yet, no process group, no CUDA). A fresh
+``spawn`` paid that import in every rank of every job (about 2.5 s of CPU each,
+more than most cases) and the interpreter's teardown after it (seconds for a
+process that compiled graphs); a forked rank leaves with ``os._exit`` once
+multiprocessing has flushed its queue, as fork children do. What ``spawn``
+gave a child fresh is handed over per job instead: ``sys.path``, the
+environment (``OMP_NUM_THREADS=1`` among it) and ``fn`` pickled by the parent.
 
 [Note: deadlines]
 ``timeout_s`` is both the gloo timeout of every collective (a hung collective
@@ -46,6 +59,7 @@ import contextlib
 import os
 import pickle
 import queue
+import sys
 import tempfile
 import time
 import traceback
@@ -188,10 +202,16 @@ def _join_world(rank: int, world_size: int, backend: str, init_file: str, timeou
     )
 
 
-def _worker(rank, world_size, backend, init_file, timeout_s, results, fn, args, kwargs) -> None:
-    """Child body: join the process group, run ``fn``, post ``(rank, kind, payload)``."""
+def _worker(rank, world_size, backend, init_file, timeout_s, results, parent, job) -> None:
+    """Child body: take the parent's path and environment, join the process group, run ``fn``, post
+    ``(rank, kind, payload)``. ``parent`` is ``(sys.path, os.environ)``; ``job`` is ``(fn, args, kwargs)``
+    pickled (note "importing ``fn`` in the child")."""
+    sys.path[:], environ = parent
+    os.environ.clear()
+    os.environ.update(environ)
     torch.set_num_threads(1)
     try:
+        fn, args, kwargs = pickle.loads(job)
         _join_world(rank, world_size, backend, init_file, timeout_s)
         results.put((rank, "ready", None))
         value = fn(rank, world_size, *args, **kwargs)
@@ -281,12 +301,26 @@ def _stop(procs, *, graceful: bool) -> None:
         proc.join()
 
 
+# What the forkserver imports once for every rank (note "forkserver"): an import that fails is skipped.
+_PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "autoshard.models", "autoshard.passes",
+            "autoshard.runtime", "autoshard.search.cost_model", "_harness"]
+
+
+def _context():
+    """The ``forkserver`` context; the server starts (and preloads) with the first job, under
+    ``_single_threaded_children``."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(_PRELOAD)
+    return ctx
+
+
 def _spawn(fn, world_size: int, backend: str, args, kwargs, timeout_s: float) -> list[Any]:
     """Start ``world_size`` children of ``_worker``, collect their results, always clean up."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be at least 1")
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results = ctx.Queue()
+    job = pickle.dumps((fn, args, kwargs))
     procs = []
     with tempfile.TemporaryDirectory(prefix="autoshard_dist_") as tmp:
         init_file = os.path.join(tmp, "rendezvous")
@@ -296,7 +330,8 @@ def _spawn(fn, world_size: int, backend: str, args, kwargs, timeout_s: float) ->
                 for rank in range(world_size):
                     proc = ctx.Process(
                         target=_worker,
-                        args=(rank, world_size, backend, init_file, timeout_s, results, fn, args, kwargs),
+                        args=(rank, world_size, backend, init_file, timeout_s, results,
+                              (list(sys.path), dict(os.environ)), job),
                         daemon=True,
                     )
                     proc.start()

@@ -60,20 +60,21 @@ def _graph():
     return capture(build(SPEC, device="meta", **MODEL), seq_lens=(8, 16))
 
 
-def _plan(state: str, micro_batches: int, mesh: Mesh) -> Plan:
-    graph = _graph()
+def _plan(state: str, micro_batches: int, mesh: Mesh, graph=None) -> Plan:
+    graph = graph or _graph()
     layers = tuple(LayerStrategy(layer=layer.name, state=state) for layer in graph.layers)
     schedule = Schedule(micro_batch=BATCH // mesh.dp // micro_batches, num_micro_batches=micro_batches,
                         bucket_bytes=BUCKET)
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=schedule)
 
 
-def _measure(rank, world_size, state, micro_batches, compiled, mesh):
-    """Build, warm up, measure one step (module docstring); bytes on this rank."""
+def _measure(rank, world_size, state, micro_batches, compiled, mesh, graph):
+    """Build, warm up, measure one step (module docstring); bytes on this rank. ``graph`` is the parent's
+    capture (``_graph()``): no rank exports the model again."""
     model = build(SPEC, **MODEL)  # weights read from the model: each region's fp32 copy is all the build allocates
     live = LiveBytes()
     with live:
-        program = build_program(model, _graph(), _plan(state, micro_batches, mesh), None, TRAIN,
+        program = build_program(model, graph, _plan(state, micro_batches, mesh, graph), None, TRAIN,
                                 optimizer=OptimizerConfig(name="adamw"), compile_graph=compiled,
                                 compile_backend="aot_eager")
     build_peak = live.peak
@@ -113,7 +114,8 @@ def _name(state, micro_batches, compiled):
 
 
 def _jobs(cases, mesh):
-    return {_name(*case): functools.partial(_measure, state=case[0], micro_batches=case[1], compiled=case[2], mesh=mesh)
+    return {_name(*case): functools.partial(_measure, state=case[0], micro_batches=case[1], compiled=case[2], mesh=mesh,
+                                            graph=_graph())
             for case in cases}
 
 

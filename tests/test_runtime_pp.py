@@ -63,9 +63,10 @@ def make_plan(mesh: Mesh, schedule: str, virtual: int = 1, **fields) -> Plan:
     return Plan(model_name=_graph().model_name, mesh=mesh, layers=layers, schedule=sched)
 
 
-def train_case(rank, world_size, plan):
-    """Build, train STEPS steps; return losses, local shards, placements, coords and a forward's outputs."""
-    program = build_program(_model(), _graph(), plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT)
+def train_case(rank, world_size, plan, graph=None):
+    """Build, train STEPS steps; return losses, local shards, placements, coords and a forward's outputs.
+    ``graph``: the parent's ``_graph()`` (no rank exports the model again)."""
+    program = build_program(_model(), graph or _graph(), plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT)
     probe = _batches()[0][:2, :6]  # another shape than training: forward must not reuse the schedule's
     before = program.forward(probe)
     losses = [program.step(program.local_batch(toks), loss_fn).loss for toks in _batches()]
@@ -127,7 +128,7 @@ CASES_4 = {
 
 
 def _run(cases, world_size):
-    jobs = {name: functools.partial(train_case, plan=make_plan(mesh, sched, v, **fields))
+    jobs = {name: functools.partial(train_case, plan=make_plan(mesh, sched, v, **fields), graph=_graph())
             for name, (mesh, sched, v, fields) in cases.items()}
     return run_gloo_cases(jobs, world_size, timeout_s=400)
 
