@@ -81,9 +81,10 @@ def test_forward_and_backward_compile_again_without_the_passes_and_train_the_sam
     loss.backward()
     torch._dynamo.reset()
 
-    assert torch.allclose(loss, reference)
+    # fp32, the same ops through AOT autograd's decompositions: summation order differs (~1e-7 absolute)
+    assert torch.allclose(loss, reference, rtol=1e-5, atol=1e-6)
     for got, want in zip((p.grad for p in model.parameters()), expected):
-        assert torch.allclose(got, want)
+        assert torch.allclose(got, want, rtol=1e-5, atol=1e-6)
     # forward and backward: one failed try with the passes, one without, on graphs of the same size
     assert [(on, bw) for on, bw, _ in stand_in.calls] == [(True, False), (False, False), (True, True), (False, True)]
     assert stand_in.calls[0][2] == stand_in.calls[1][2] and stand_in.calls[2][2] == stand_in.calls[3][2]

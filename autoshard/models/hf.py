@@ -117,7 +117,7 @@ class HFPolicy(nn.Module):
                         raise ValueError(f"{name}: rope_type {module.rope_type!r} is not one transformers "
                                          f"computes ({', '.join(sorted(ROPE_INIT_FUNCTIONS))})")
                     init_fn = ROPE_INIT_FUNCTIONS[module.rope_type]
-                inv_freq, module.attention_scaling = init_fn(module.config, None)  # [rotary_dim / 2], fp32
+                inv_freq, module.attention_scaling = init_fn(module.config)  # [rotary_dim / 2], fp32; device: the CPU
                 module.inv_freq = inv_freq.to(where)
                 module.original_inv_freq = inv_freq.to(where, copy=True)
             elif hasattr(module, "scalar_embed_scale"):  # GemmaTextScaledWordEmbedding: sqrt(hidden)
