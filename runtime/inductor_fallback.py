@@ -1,11 +1,11 @@
 """Inductor with a way back from its distributed overlap passes.
 
 The compiled runtime turns on inductor's overlap scheduler for plans with collectives in the graph
-(``passes/schedule_overlap.compile_options``). Those passes are young: on torch 2.11 (H200, 2026-11-27)
-two of 25 zoo plans failed to compile their backward inside them, both in the scheduler's own
-asserts (``merge_reduce_scatter_bucket``: GPT-2 355M's searched ZeRO-1 plan;
-``_stable_topological_sort_impl`` with the scheduler's extra dependencies: Gemma-2B replicated),
-so the run stopped at its first backward with nothing wrong in the plan.
+(``passes/schedule_overlap.compile_options``). Those passes are young: torch 2.11's fail on some
+backward graphs in their own asserts (``merge_reduce_scatter_bucket``;
+``_stable_topological_sort_impl`` with the scheduler's extra dependencies; the plans are in
+``benchmarks/results/zoo_h200_2026-11-27/``), which stopped a run at its first backward with nothing
+wrong in the plan.
 
 ``overlap_safe_backend(options, record)`` is a ``torch.compile`` backend equal to inductor with
 ``options``, except that each graph (forward and backward alike: compile_fx hands both to the
@@ -15,7 +15,7 @@ the graph). The graph then runs with inductor's default order: its collectives s
 asynchronously, only the reordering and bucketing are lost. Each fallback is logged as a warning
 and appended to ``record`` (``Program.compile_options["fallbacks"]``), so a benchmark row shows it.
 A failure anywhere else is raised as it was. Tested on the CPU with a stand-in compiler that fails
-the same way (``tests/test_inductor_fallback.py``); the two plans above have not been re-run on a GPU yet.
+the same way (``tests/test_inductor_fallback.py``); not yet re-run on a GPU.
 """
 
 from __future__ import annotations

@@ -112,9 +112,7 @@ def build_from_factory(spec: str, *, device: str | torch.device = "meta",
     if any(p.is_floating_point() and p.dtype != dtype for p in model.parameters()):
         model = model.to(dtype)
     if torch.device(device).type == "meta" and any(not p.is_meta for p in model.parameters()):
-        from autoshard.passes._graph_utils import meta_twin
-
-        model = meta_twin(model)
+        model = model.to("meta")  # in place: ties stay ties; nothing of the factory's weights is kept
     return model
 
 
