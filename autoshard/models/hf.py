@@ -251,6 +251,22 @@ def load_hf_config(path: str | Path):
         raise ModelError(f"transformers cannot read the config at {str(path)!r}: {type(err).__name__}: {err}") from err
 
 
+def _policy_class(config, what: str) -> type[HFPolicy]:
+    """The policy class of ``config.model_type``; ``ModelError`` naming the supported ones."""
+    policy_class = POLICIES.get(getattr(config, "model_type", None))
+    if policy_class is None:
+        raise ModelError(f"{what} model_type {getattr(config, 'model_type', None)!r} has no actor-critic policy "
+                         f"here; supported: {', '.join(sorted(POLICIES))}")
+    return policy_class
+
+
+def _for_training(config):
+    """``config`` with ``TRAINING_FIELDS`` set (in place; returned)."""
+    config.use_cache = TRAINING_FIELDS["use_cache"]
+    config._attn_implementation = TRAINING_FIELDS["attn_implementation"]
+    return config
+
+
 def actor_critic(config, *, device: str | torch.device = "meta", dtype: torch.dtype = torch.bfloat16,
                  seed: int = 0) -> HFPolicy:
     """The policy of a ``transformers`` causal-LM ``config`` (module docstring) on ``device`` in ``dtype``.
@@ -258,13 +274,8 @@ def actor_critic(config, *, device: str | torch.device = "meta", dtype: torch.dt
     On meta: nothing allocated, buffers computed on the CPU. On a real device: materialised and
     initialised with HF's rules (``init_weights(seed)``). The config is copied with
     ``TRAINING_FIELDS`` (SDPA attention, no KV cache)."""
-    policy_class = POLICIES.get(getattr(config, "model_type", None))
-    if policy_class is None:
-        raise ModelError(f"Hugging Face model_type {getattr(config, 'model_type', None)!r} has no actor-critic "
-                         f"policy here; supported: {', '.join(sorted(POLICIES))}")
-    config = copy.deepcopy(config)  # not via to_dict: private choices (Mixtral's experts implementation) stay
-    config.use_cache = TRAINING_FIELDS["use_cache"]
-    config._attn_implementation = TRAINING_FIELDS["attn_implementation"]
+    policy_class = _policy_class(config, "Hugging Face")
+    config = _for_training(copy.deepcopy(config))  # not via to_dict: private choices (Mixtral's experts) stay
     with torch.device("meta"):
         model = policy_class(config)
     model = model.to(dtype)
@@ -284,19 +295,14 @@ def from_causal_lm(hf_model: nn.Module, *, seed: int = 0) -> HFPolicy:
     is added on the model's device and dtype. The model's config is switched to SDPA attention and no
     KV cache (``TRAINING_FIELDS``): its attention modules read it at every call."""
     config = getattr(hf_model, "config", None)
-    policy_class = POLICIES.get(getattr(config, "model_type", None))
-    if policy_class is None:
-        raise ModelError(f"{type(hf_model).__name__}: model_type {getattr(config, 'model_type', None)!r} has no "
-                         f"actor-critic policy here; supported: {', '.join(sorted(POLICIES))}")
+    policy_class = _policy_class(config, type(hf_model).__name__ + ":")
     trunk = getattr(hf_model, "transformer" if config.model_type == "gpt2" else "model", None)
     lm_head = getattr(hf_model, "lm_head", None)
     if trunk is None or not isinstance(lm_head, nn.Linear):
         raise ModelError(f"{type(hf_model).__name__}: expected a causal LM with a trunk "
                          f"({'transformer' if config.model_type == 'gpt2' else 'model'}) and an lm_head Linear; "
                          "pass the *ForCausalLM / *LMHeadModel class")
-    config.use_cache = TRAINING_FIELDS["use_cache"]
-    config._attn_implementation = TRAINING_FIELDS["attn_implementation"]
-    policy = policy_class(config, trunk=trunk, lm_head=lm_head)
+    policy = policy_class(_for_training(config), trunk=trunk, lm_head=lm_head)
     weight = lm_head.weight
     policy.value_head.to(device=weight.device, dtype=weight.dtype)
     if not weight.is_meta:
