@@ -220,6 +220,8 @@ class _Example:
             return _Example((tokens,), batch, s2, _check_seq_lens((s1, s2)))
         if not isinstance(example_inputs, tuple):
             example_inputs = (example_inputs,)
+        if _model_device(model).type == "meta":  # a model on meta is planned from shapes: its inputs follow it
+            example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
         tokens = example_inputs[0] if example_inputs else None
         if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
             got = f"tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__

@@ -394,3 +394,12 @@ def test_root_level_tensors_are_charged_consistently(tiny_graphs):
     seq, head_dim, batch = 128, 16, 2
     rope = 2 * seq * head_dim * 4 / (batch * seq)  # cos and sin [S, d] fp32, per token
     assert tiny_graphs["llama"].layer("embed").saved_boundary_per_token == 8 + rope  # int64 token ids + RoPE
+
+
+def test_a_meta_model_takes_example_tokens_from_the_cpu():
+    """Planning a model built on meta with the tokens a user has at hand (CPU): the tokens follow the model."""
+    model = build("llama:tiny", device="meta", dtype=torch.bfloat16)
+    on_cpu = capture(model, (torch.zeros(2, 16, dtype=torch.long),))
+    on_meta = capture(model, (torch.zeros(2, 16, dtype=torch.long, device="meta"),))
+    assert [layer.name for layer in on_cpu.layers] == [layer.name for layer in on_meta.layers]
+    assert on_cpu.layer("blocks.0.mlp").matmul_flops_per_token == on_meta.layer("blocks.0.mlp").matmul_flops_per_token > 0
