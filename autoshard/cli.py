@@ -10,7 +10,8 @@ stage works. The search commands (``plan``,
 ``explain``, ``diff``) keep their bodies in ``autoshard/cli_search.py``; their
 flag grammar (``--pin``, ``--mesh``, ``--max-memory``) is documented there;
 ``ppo`` and ``plot`` live in ``autoshard/cli_ppo.py``, ``run`` in
-``runtime/launch.py`` and ``cluster calibrate`` in ``autoshard/calibrate.py``.
+``runtime/launch.py``, ``export`` in ``runtime/hf_export.py`` and ``cluster
+calibrate`` in ``autoshard/calibrate.py``.
 
 Errors: an ``AutoshardError`` (or ``OSError``) raised by a handler, and every
 argument error, prints one line ``autoshard: error: <message>`` on stderr and
@@ -257,6 +258,33 @@ def _cmd_calibrate(args: argparse.Namespace, console: Any) -> int:
     return calibrate_main(args, console)
 
 
+def _args_export(parser: argparse.ArgumentParser) -> None:
+    from autoshard.runtime.hf_export import DEFAULT_MAX_SHARD_SIZE, DTYPE_ALIASES, DTYPES
+
+    parser.add_argument("checkpoint", type=Path, metavar="CHECKPOINT", help="an autoshard checkpoint directory (saved under any plan and world size)")
+    parser.add_argument("-o", "--output", type=Path, required=True, metavar="DIR", help="the Hugging Face directory to write (new or empty): config.json and safetensors")
+    parser.add_argument("--config", metavar="HF_DIR_OR_JSON", help="the model's Hugging Face config: a model directory or config.json (default: the one the checkpoint records, or the plan's MODEL directory)")
+    parser.add_argument("--dtype", choices=[*DTYPES, *DTYPE_ALIASES], help="dtype of the written tensors (default: the config's dtype, else float32: exact)")
+    parser.add_argument("--max-shard-size", default=DEFAULT_MAX_SHARD_SIZE, metavar="SIZE", help=f"largest safetensors file before the weights are sharded with an index, e.g. 500MB, 2GiB (default {DEFAULT_MAX_SHARD_SIZE})")
+    parser.add_argument("--value-head", type=Path, metavar="FILE.safetensors", help="also write the value head (dropped by default: not part of a causal LM) to this file, outside DIR")
+
+
+def _cmd_export(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.runtime.hf_export import export_checkpoint
+
+    result = export_checkpoint(args.checkpoint, args.output, config=args.config, dtype=args.dtype,
+                               max_shard_size=args.max_shard_size, value_head=args.value_head)
+    files = f"{len(result.files)} safetensors file{'s' if len(result.files) > 1 else ''}"
+    dtype = str(result.dtype).removeprefix("torch.")
+    _print_text(console, f"wrote {result.hf_class} (step {result.step}) to {result.directory}: {files}, "
+                         f"{result.total_bytes / 1e6:.1f} MB in {dtype} ({result.dtype_reason}); "
+                         f"config from {result.config_source}")
+    if result.dropped:
+        where = f"written to {result.value_head}" if result.value_head else "dropped (--value-head FILE keeps it)"
+        _print_text(console, f"value head {', '.join(result.dropped)}: {where}")
+    return EXIT_OK
+
+
 def _print_text(console: Any, value: Any) -> None:
     """Print a string verbatim (no markup, no highlighting) or any rich renderable."""
     if isinstance(value, str):
@@ -353,6 +381,12 @@ COMMANDS: tuple[Command, ...] = (
         _args_ppo,
     ),
     Command(("plot",), "plot the training curves of a PPO metrics file to a PNG", _cmd_plot, _args_plot),
+    Command(
+        ("export",),
+        "write a checkpoint as a Hugging Face directory (config.json + safetensors) that from_pretrained loads",
+        _cmd_export,
+        _args_export,
+    ),
     Command(
         ("run",),
         "launch a training script for a plan through torchrun (processes from the plan's mesh)",
