@@ -1,12 +1,19 @@
 """The training commands of the CLI: ``autoshard ppo`` and ``autoshard plot``.
 
-``autoshard ppo MODEL[:SIZE] --cluster PRESET:NODESxDEVICES --task NAME --steps N
-[--plan plan.json] [--metrics out.jsonl] [--checkpoint DIR] [--resume] [--seed S]
-[--plot curves.png]`` does, in order:
+``autoshard ppo MODEL --cluster PRESET:NODESxDEVICES --task NAME --steps N
+[--weights DIR] [--plan plan.json] [--metrics out.jsonl] [--checkpoint DIR] [--resume]
+[--seed S] [--plot curves.png]`` does, in order:
 
+0. the model: MODEL is the CLI's grammar (``autoshard/models/source.py``): a
+   reference ``family:size`` (built with the task vocabulary),
+   ``package.module:factory``, ``file.py:factory`` (an actor-critic) or a
+   Hugging Face config directory / ``config.json`` (``--weights DIR``: start
+   from that directory's safetensors); ``ppo_program.load_policy`` and its
+   note "user models". It is built on meta here, so a bad MODEL or a
+   vocabulary smaller than the task's is refused in one line before any
+   search or launch.
 1. the plan: ``--plan`` loads one (checked against the model by the runtime);
-   otherwise capture the policy (the reference model with the task
-   vocabulary, ``ppo_program.build_policy_model``) and search it for the
+   otherwise capture the policy (``ppo_program.load_policy`` on meta) and search it for the
    cluster with what the runtime implements fixed: ``pp = ep = cp = 1`` and
    ``recompute = none`` everywhere; on a ``cpu`` cluster also unquantized
    communication (``weight_comm = grad_comm = bf16``, i.e. the compute
@@ -48,7 +55,11 @@ SEARCH_TIME_LIMIT_S = 30.0
 
 def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     """Arguments of ``autoshard ppo``."""
-    parser.add_argument("model", metavar="MODEL[:SIZE]", help="reference policy, e.g. 'llama:tiny', built with the task's vocabulary")
+    parser.add_argument("model", metavar="MODEL", help="reference policy ('llama:tiny', built with the task's vocabulary), "
+                        "package.module:factory, path/file.py:factory (an actor-critic: tokens -> (logits, values)) "
+                        "or a Hugging Face config directory / config.json")
+    parser.add_argument("--weights", type=Path, metavar="DIR", help="start a Hugging Face config MODEL from this "
+                        "directory's safetensors (the value head, which they lack, is initialised)")
     parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES", help="where to train, e.g. 'cpu:1x2' (two gloo ranks on this machine)")
     parser.add_argument("--task", default="arithmetic", metavar="NAME", help="reward task: arithmetic, addition or sorting (default arithmetic, the reference run's)")
     parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, metavar="N", help=f"PPO steps in total; a resumed run continues up to N (default {DEFAULT_STEPS})")
@@ -83,14 +94,16 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     """``autoshard ppo``: plan (search or load), then train here or through torchrun (module docstring)."""
     from autoshard.cli_search import reference_spec
     from autoshard.cluster import Cluster
-
+    from autoshard.runtime.ppo_program import TASK_PRESETS, check_policy_vocab, load_policy
     from autoshard.runtime.tasks import get_task
 
     _check_flags(args)
-    get_task(args.task)  # TaskError naming the registered tasks, before any search or launch
-    spec = reference_spec(args.model)
+    task = get_task(args.task, **TASK_PRESETS.get(args.task, {}))  # TaskError naming the tasks, before any search
+    policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights))
+    check_policy_vocab(policy.module, policy.name, task)
+    spec = policy.name  # file paths made absolute: the workers and plans name the model alike
     cluster = Cluster.load(args.cluster)
-    plan = _resolve_plan(args, spec, cluster, console)
+    plan = _resolve_plan(args, policy, cluster, console)
     if _under_torchrun():
         return _train_here(args, spec, plan)
     if cluster.nodes > 1:
@@ -116,18 +129,18 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _resolve_plan(args: argparse.Namespace, spec: str, cluster: Any, console: Any) -> Any:
+def _resolve_plan(args: argparse.Namespace, policy: Any, cluster: Any, console: Any) -> Any:
     """The plan of ``--plan``, or one searched for ``cluster`` with the runtime's limits pinned."""
     from autoshard.plan import Plan
 
     if args.plan is not None:
         return Plan.load(args.plan)
-    from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN, build_policy_model, capture_policy
+    from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN, capture_policy
     from autoshard.search import solve
     from autoshard.search.space import Constraints
     from autoshard.train import TrainSpec
 
-    graph = capture_policy(build_policy_model(spec, args.seed, "meta"), spec)
+    graph = capture_policy(policy.module, policy.name)
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
     constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
     train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision=args.precision)
@@ -162,7 +175,8 @@ def _plan_file(args: argparse.Namespace, plan: Any) -> Path:
 def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[str]:
     flags = ["--plan", str(plan_path), "--model", spec, "--task", args.task, "--steps", str(args.steps),
              "--seed", str(args.seed), "--batch", str(args.batch)]
-    for flag, value in (("--metrics", args.metrics), ("--checkpoint", args.checkpoint), ("--plot", args.plot)):
+    for flag, value in (("--metrics", args.metrics), ("--checkpoint", args.checkpoint), ("--plot", args.plot),
+                        ("--weights", args.weights)):
         if value is not None:
             flags += [flag, str(Path(value).absolute())]
     if args.save_every is not None:
@@ -196,8 +210,8 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
     from autoshard.runtime import ppo_program as P
 
     run = P.PPORun(
-        model=spec, task=args.task, steps=args.steps, seed=args.seed, global_batch=args.batch,
-        metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
+        model=spec, weights=_text(args.weights), task=args.task, steps=args.steps, seed=args.seed,
+        global_batch=args.batch, metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
         resume=args.resume, plot=_text(args.plot), live=not args.quiet, rollout_cache=not args.no_rollout_cache,
     )
     created = P.init_distributed(plan)

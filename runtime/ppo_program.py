@@ -54,6 +54,36 @@ log-probs PPO trains on still come from the program (``_score``), so the
 replica only decides which tokens are drawn; ``mismatch/logp_*`` measures the
 gap. Memory: one unsharded replica per rank (``rollout_engine`` docstring).
 
+[Note: user models]
+``PPORun.model`` takes the CLI's MODEL grammar (``autoshard/models/source.py``),
+loaded by ``load_policy``:
+
+| MODEL | built as | initial weights (the same on every rank) | rollout |
+| --- | --- | --- | --- |
+| ``llama:tiny`` (reference) | the task vocabulary (16), ``MODEL_MAX_SEQ_LEN`` | ``init_weights(seed)`` | KV-cached replica |
+| ``package.module:factory``, ``file.py:factory`` | the factory's module, fp32, on the rank's device | the factory's own init under ``torch.manual_seed(seed)``, checked equal on every rank (``check_same_weights``); a module the factory leaves on meta: ``Initialize(seed)`` (its ``init_rule`` or each module's ``reset_parameters``, on shards) | recompute |
+| HF config dir / ``config.json`` | ``models.hf.actor_critic`` on meta | ``Initialize(seed)`` (HF's rules, on shards); with ``weights=DIR``: ``Layered(Safetensors(DIR, name_map=hf_name_map), Initialize(seed))`` (the value head, absent from HF files, initialised) | recompute |
+
+A factory must return an actor-critic: ``forward(tokens [B, S]) -> (logits [B, S, V],
+values [B, S])``. Rollout recomputes the prefix through the program (as
+``rollout_cache=False``) for any model without the reference models' cache API
+(``new_cache(batch, max_len)``, ``forward(tokens, cache=, start_pos=)``, rebuilt as
+``type(model)(model.config)``); ``rollout_cache_unsupported`` gives the reason,
+which rank 0 prints.
+
+Vocabulary: the tasks speak ``len(VOCAB)`` = 16 tokens (``runtime/tasks``), and
+task token k IS the model's id k (no tokenizer mapping: a loaded HF model's id 5
+is whatever its tokenizer calls it). A model with V ≥ 16 is used as is and its
+logits are restricted to the first 16 ids: ``ProgramEngine.forward`` returns
+``logits[..., :16]``, so the policy is π(y | s) = softmax(z_0..15 / τ), a
+distribution over the task's tokens. Sampling, old and reference log-probs,
+entropy and the ratio all use that one restricted softmax, so the objective of
+``runtime/ppo.py`` holds as written with V = 16; ids ≥ 16 are never drawn and get
+no gradient through the logits. (Leaving the other ids in would make them
+zero-reward actions: a random 32k-vocabulary model would draw a task token about
+once in 2,000 draws and learn nothing.) V < 16 is refused (``TaskError`` naming
+both sizes).
+
 Partial: pipeline plans (pp > 1) are refused (``Program.forward`` has no
 autograd with pp > 1); the plan's ``num_micro_batches`` is not used (PPO
 micro-batches itself, ``PPOConfig.micro_batch``).
@@ -67,6 +97,7 @@ steps and, on rank 0, writes metric JSON lines, the live line and the plot.
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -78,6 +109,8 @@ import torch
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.runtime import collectives
 from autoshard.runtime.ppo_engine import EngineError
+
+log = logging.getLogger(__name__)
 
 
 class GroupReducer:
@@ -103,7 +136,9 @@ class ProgramEngine:
     """``PolicyEngine`` over a sharded ``Program`` (module docstring: members, SUM note, reference note).
 
     ``frozen=True`` makes a reference engine: parameters do not require grad
-    and ``zero_grad``/``backward``/``step`` raise ``EngineError``.
+    and ``zero_grad``/``backward``/``step`` raise ``EngineError``. ``vocab_size``
+    is PPO's action count: wider logits are restricted to their first
+    ``vocab_size`` ids (module note: user models).
     """
 
     def __init__(
@@ -142,11 +177,19 @@ class ProgramEngine:
                     "from new_cache, and new_cache is None without a rollout engine (rollout_cache=False, reference); "
                     "call forward(tokens) on the whole prefix"
                 )
-            return self.rollout.forward(tokens, cache, start_pos)
+            return self._actions(*self.rollout.forward(tokens, cache, start_pos))
         logits, values = self.program.forward(tokens)
         if not torch.is_grad_enabled():
             self._reset_regather()  # no backward will consume the ZeRO-3 records of this forward
-        return logits, values
+        return self._actions(logits, values)
+
+    def _actions(self, logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(logits [B, S, V] restricted to the first ``vocab_size`` ids, values) (module note: user models)."""
+        width = logits.shape[-1]
+        if width < self.vocab_size:
+            raise EngineError(f"the model's logits have {width} ids, fewer than the {self.vocab_size} PPO samples "
+                              "from; give the model a vocabulary of at least that size")
+        return (logits[..., : self.vocab_size] if width > self.vocab_size else logits), values
 
     def new_cache(self, batch: int, max_len: int) -> Any:
         """The rollout replica's KV cache (syncing its weights first when stale), or None without a rollout engine.
@@ -227,7 +270,10 @@ class PPORun:
     """What one sharded PPO run trains; the worker's arguments (``autoshard ppo`` flags)."""
 
     model: str = "llama:tiny"
-    """Reference model spec, built with the task vocabulary and ``MODEL_MAX_SEQ_LEN``."""
+    """MODEL of the CLI: a reference spec (built with the task vocabulary and ``MODEL_MAX_SEQ_LEN``),
+    ``package.module:factory``, ``file.py:factory`` or a Hugging Face config (module note: user models)."""
+    weights: str | None = None
+    """Hugging Face safetensors directory the initial weights come from (HF config models only)."""
     task: str = "arithmetic"
     """Task name (``runtime/tasks``); ``TASK_PRESETS`` holds its options."""
     steps: int = 150
@@ -259,12 +305,145 @@ class PPORun:
     False: recompute every prefix through the sharded program (no replica memory)."""
 
 
+@dataclass(frozen=True)
+class PolicyModel:
+    """The model a PPO run trains, as ``load_policy`` built it on this rank (module note: user models)."""
+
+    module: torch.nn.Module
+    """The actor-critic; holds data (reference, factory) or lives on meta (HF config)."""
+    name: str
+    """What plans record (``capture_policy``): the spec, with file paths made absolute."""
+    weights: Any = None
+    """``build_program``'s weights source; None: the module's own values."""
+    user: bool = False
+    """Not a reference model: its initial weights came from user code (``check_same_weights``)."""
+
+
+def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, weights: str | None = None) -> PolicyModel:
+    """The model ``spec`` names (module note: user models), initialised from ``seed`` on ``device``
+    (``"meta"``: for capture only). ``weights``: an HF safetensors directory, HF config specs only."""
+    from pathlib import Path
+
+    from autoshard.errors import ModelError
+    from autoshard.models.source import build_from_factory, is_factory_spec, is_hf_config_spec
+
+    spec = spec.strip()
+    if is_hf_config_spec(spec):
+        return _load_hf_policy(str(Path(spec).expanduser().resolve()), seed, weights)
+    if weights is not None:
+        raise ModelError(f"weights {weights!r}: only a Hugging Face config MODEL (a directory or config.json) reads "
+                         f"safetensors; {spec!r} builds its own weights (a factory may load them itself)")
+    if not is_factory_spec(spec):
+        return PolicyModel(build_policy_model(spec, seed, device), spec)
+    target, _, attr = spec.rpartition(":")
+    if target.endswith(".py") or "/" in target:
+        spec = f"{Path(target).expanduser().resolve()}:{attr}"  # the same name from every working directory
+    torch.manual_seed(seed)  # the factory's own init, the same on every rank (check_same_weights)
+    module = build_from_factory(spec, device=device, dtype=torch.float32)
+    if torch.device(device).type != "meta" and any(p.is_meta for p in module.parameters()):
+        from autoshard.runtime.materialize import Initialize
+
+        return PolicyModel(module, spec, Initialize(seed), user=True)  # a module left on meta: init on shards
+    return PolicyModel(module, spec, user=True)
+
+
+def _load_hf_policy(path: str, seed: int, weights: str | None) -> PolicyModel:
+    """An HF actor-critic on meta; its shards initialised by HF's rules or read from ``weights``."""
+    from pathlib import Path
+
+    from autoshard.errors import ModelError
+    from autoshard.models.hf import actor_critic, load_hf_config
+    from autoshard.runtime.materialize import Initialize, Layered, Safetensors
+
+    config = load_hf_config(path)
+    module = actor_critic(config, device="meta", dtype=torch.float32)
+    source: Any = Initialize(seed)
+    if weights is not None:
+        from autoshard.runtime.hf_export import hf_name_map
+
+        if not Path(weights).expanduser().exists():
+            raise ModelError(f"weights {weights!r}: no such file or directory; give a Hugging Face model directory "
+                             "with *.safetensors (save_pretrained writes them)")
+        source = Layered(Safetensors(Path(weights).expanduser(), name_map=hf_name_map(config)), Initialize(seed))
+    return PolicyModel(module, path, source, user=True)
+
+
 def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The reference model ``spec`` with the task vocabulary and ``MODEL_MAX_SEQ_LEN``, initialised from ``seed``."""
+    """The reference model ``spec`` with the task vocabulary and ``MODEL_MAX_SEQ_LEN``, initialised from ``seed``
+    (any MODEL: ``load_policy``)."""
     from autoshard.models import build
     from autoshard.runtime.tasks import VOCAB
 
     return build(spec, seed=seed, device=device, vocab_size=len(VOCAB), max_seq_len=MODEL_MAX_SEQ_LEN)
+
+
+def policy_vocab(model: torch.nn.Module) -> int | None:
+    """The model's vocabulary: ``config.vocab_size``, else its first ``nn.Embedding``'s rows; None when neither."""
+    size = getattr(getattr(model, "config", None), "vocab_size", None)
+    if isinstance(size, int):
+        return size
+    embedding = next((m for m in model.modules() if isinstance(m, torch.nn.Embedding)), None)
+    return None if embedding is None else embedding.num_embeddings
+
+
+def check_policy_vocab(model: torch.nn.Module, name: str, task: Any) -> None:
+    """``TaskError`` (both sizes named) when ``model``'s vocabulary is smaller than ``task``'s (module note)."""
+    from autoshard.runtime.tasks import check_vocab
+
+    size = policy_vocab(model)
+    if size is not None:  # unknown: ProgramEngine checks the logits' width at the first forward
+        check_vocab(task, size, what=f"model {name!r}")
+
+
+def policy_context(model: torch.nn.Module) -> int:
+    """Longest sequence ``model`` takes, from its config; ``MODEL_MAX_SEQ_LEN`` (what the tasks need) when it has none."""
+    config = getattr(model, "config", None)
+    for field in ("max_seq_len", "max_position_embeddings", "n_positions"):
+        value = getattr(config, field, None)
+        if isinstance(value, int):
+            return value
+    return MODEL_MAX_SEQ_LEN
+
+
+def rollout_cache_unsupported(model: torch.nn.Module) -> str | None:
+    """Why ``RolloutEngine`` cannot serve ``model`` (it needs the reference models' cache API), or None."""
+    import inspect
+
+    try:
+        forward_args = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        forward_args = {}
+    missing = [what for what, ok in (
+        ("new_cache(batch, max_len)", callable(getattr(model, "new_cache", None))),
+        ("forward(tokens, cache=, start_pos=)", "cache" in forward_args and "start_pos" in forward_args),
+        ("config", hasattr(model, "config")),
+        ("tie_weights()", callable(getattr(model, "tie_weights", None))),
+    ) if not ok]
+    if not missing:
+        return None
+    return f"{type(model).__name__} has no {', no '.join(missing)} (the reference models' KV-cache API)"
+
+
+def check_same_weights(model: torch.nn.Module, name: str, device: str | torch.device = "cpu") -> None:
+    """Refuse (``ModelError``) a model whose values differ between ranks (collective over the world).
+
+    Compares Σ p and Σ p² over all parameters (float64) by MAX all-reduces of ±them; a factory
+    that seeds from anything but ``torch.manual_seed`` would otherwise train each rank's shards of
+    a different model."""
+    import torch.distributed as dist
+
+    from autoshard.errors import ModelError
+
+    if not dist.is_initialized() or dist.get_world_size() == 1 or any(p.is_meta for p in model.parameters()):
+        return
+    with torch.no_grad():
+        params = [p.detach().double() for p in model.parameters()]
+        sums = torch.stack([sum(p.sum() for p in params), sum((p * p).sum() for p in params)]).cpu()
+    bounds = torch.cat([sums, -sums]).to(device)
+    dist.all_reduce(bounds, op=dist.ReduceOp.MAX)
+    if not torch.equal(bounds[:2].cpu(), -bounds[2:].cpu()):
+        raise ModelError(f"model {name!r} built different initial weights on different ranks; its factory must "
+                         "draw them from torch's global RNG (seeded with --seed) or load them")
 
 
 def capture_policy(model: torch.nn.Module, spec: str) -> Any:
@@ -283,17 +462,22 @@ def build_engines(
     reference_plan: Any = None,
     device: str = "cpu",
     rollout_cache: bool | None = None,
+    weights: Any = None,
+    vocab_size: int | None = None,
 ) -> tuple[ProgramEngine, ProgramEngine]:
     """(policy, frozen reference) engines over ``plan`` (and ``reference_plan``, default ``plan``).
 
-    Both programs start from ``model``'s weights; the reference reuses the
-    policy's ``RankContext`` (module note: the frozen reference).
-    ``rollout_cache`` (default: on when the plan has pp == 1) gives the policy
-    a ``RolloutEngine`` (module note: the rollout engine).
+    Both programs start from ``weights`` (``build_program``'s source; None: ``model``'s own
+    values); the reference reuses the policy's ``RankContext`` (module note: the frozen
+    reference). ``vocab_size``: PPO's action count (default: the tasks' ``len(VOCAB)``; wider
+    logits are restricted to it, module note: user models). ``rollout_cache`` (default: on
+    when the plan has pp == 1) gives the policy a ``RolloutEngine`` (module note: the rollout
+    engine); a model without the reference models' cache API recomputes instead (logged).
     """
     from autoshard.runtime.optimizer import OptimizerConfig
     from autoshard.runtime.program import build_program
     from autoshard.runtime.rollout_engine import RolloutEngine
+    from autoshard.runtime.tasks import VOCAB
     from autoshard.train import TrainSpec
 
     reference_plan = plan if reference_plan is None else reference_plan
@@ -302,21 +486,26 @@ def build_engines(
             f"reference plan mesh {reference_plan.mesh} differs from the policy plan mesh {plan.mesh}; "
             "the reference shares the policy's process groups: search it with --mesh matching the policy"
         )
+    actions = len(VOCAB) if vocab_size is None else vocab_size
     train = TrainSpec(global_batch=plan.global_batch, seq_len=plan.seq_len, precision=plan.precision)
     adamw = OptimizerConfig(name="adamw", lr=lr, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0)
     # eager programs: PPO runs them on varying shapes (scoring, generation without the KV-cache
     # engine), and a compiled graph (dynamic=False) would recompile per shape; compiled PPO is untested
     policy_program = build_program(model, graph, plan, None, train, optimizer=adamw, device=device,
-                                   compile_graph=False)
+                                   compile_graph=False, weights=weights)
     reference_program = build_program(
-        model, graph, reference_plan, None, train, ctx=policy_program.ctx,
+        model, graph, reference_plan, None, train, ctx=policy_program.ctx, weights=weights,
         optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device, compile_graph=False,
     )
-    config = model.config
-    use_cache = plan.mesh.pp == 1 if rollout_cache is None else rollout_cache
-    rollout = RolloutEngine.for_program(policy_program, model) if use_cache and policy_program.pipeline is None else None
-    policy = ProgramEngine(policy_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len, rollout=rollout)
-    reference = ProgramEngine(reference_program, vocab_size=config.vocab_size, max_seq_len=config.max_seq_len, frozen=True)
+    use_cache = (plan.mesh.pp == 1 if rollout_cache is None else rollout_cache) and policy_program.pipeline is None
+    unsupported = rollout_cache_unsupported(model)
+    if use_cache and unsupported:
+        log.info("rollout: recomputing prefixes through the program: %s", unsupported)
+        use_cache = False
+    rollout = RolloutEngine.for_program(policy_program, model) if use_cache else None
+    context = policy_context(model)
+    policy = ProgramEngine(policy_program, vocab_size=actions, max_seq_len=context, rollout=rollout)
+    reference = ProgramEngine(reference_program, vocab_size=actions, max_seq_len=context, frozen=True)
     return policy, reference
 
 
@@ -340,7 +529,7 @@ def sharded_trainer(
     run: PPORun,
     plan: Any,
     *,
-    model: torch.nn.Module | None = None,
+    model: torch.nn.Module | PolicyModel | None = None,
     graph: Any = None,
     reference_plan: Any = None,
     device: str = "cpu",
@@ -348,21 +537,28 @@ def sharded_trainer(
 ) -> Any:
     """A ``PPOTrainer`` over ``ProgramEngine``s of ``plan`` for ``run`` (every rank calls it).
 
-    ``model`` (default ``build_policy_model(run.model, run.seed)``) gives the
-    initial weights of policy and reference; ``graph`` (default: captured
-    from it) is what ``plan`` was searched against.
+    ``model`` (default ``load_policy(run.model, run.seed, weights=run.weights)``; an
+    ``nn.Module`` brings its own values) gives the initial weights of policy and reference;
+    ``graph`` (default: captured from it) is what ``plan`` was searched against.
     """
     from autoshard.runtime.ppo import PPOTrainer
-    from autoshard.runtime.tasks import get_task
+    from autoshard.runtime.tasks import get_task, task_vocab_size
 
-    model = model if model is not None else build_policy_model(run.model, run.seed, device)
-    graph = graph if graph is not None else capture_policy(model, run.model)
-    policy, reference = build_engines(
-        model, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device, rollout_cache=run.rollout_cache
-    )
+    if model is None:
+        model = load_policy(run.model, run.seed, device, weights=run.weights)
+    policy_model = model if isinstance(model, PolicyModel) else PolicyModel(model, run.model)
     task = get_task(run.task, **TASK_PRESETS.get(run.task, {}))
+    check_policy_vocab(policy_model.module, policy_model.name, task)
+    if policy_model.user and policy_model.weights is None:
+        check_same_weights(policy_model.module, policy_model.name, device)
+    module = policy_model.module
+    graph = graph if graph is not None else capture_policy(module, policy_model.name)
+    policy, reference = build_engines(
+        module, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device, rollout_cache=run.rollout_cache,
+        weights=policy_model.weights, vocab_size=task_vocab_size(task),
+    )
     config = ppo_config(run, policy.dp.world_size, task.max_response_len)
-    flops_per_token = 6.0 * sum(p.numel() for p in model.parameters())
+    flops_per_token = 6.0 * sum(p.numel() for p in module.parameters())
     return PPOTrainer(
         policy, reference, task, config, flops_per_token=flops_per_token, peak_flops=_replica_peak_flops(plan),
         on_metrics=on_metrics,
@@ -446,9 +642,12 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
         raise AutoshardError(f"plot {run.plot!r} needs a metrics file to plot from; pass --metrics FILE.jsonl")
     rank = dist.get_rank()
     report, close = _reporter(run, rank)
-    model = build_policy_model(run.model, run.seed, device)
-    graph = graph if graph is not None else capture_policy(model, run.model)
+    model = load_policy(run.model, run.seed, device, weights=run.weights)
+    graph = graph if graph is not None else capture_policy(model.module, model.name)
     trainer = sharded_trainer(run, plan, model=model, graph=graph, device=device, on_metrics=report)
+    unsupported = rollout_cache_unsupported(model.module)
+    if rank == 0 and run.rollout_cache and unsupported:
+        print(f"rollout: no KV cache, recomputing each prefix through the program: {unsupported}", flush=True)
     if run.resume:
         loaded = load_ppo(run.checkpoint, trainer, graph)
         if rank == 0:
@@ -504,7 +703,9 @@ def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
 def worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's flags (``autoshard ppo`` passes them through torchrun)."""
     parser.add_argument("--plan", required=True, help="plan JSON for this model and world size")
-    parser.add_argument("--model", default=PPORun.model, help="reference model spec (default %(default)s)")
+    parser.add_argument("--model", default=PPORun.model,
+                        help="MODEL: reference spec, package.module:factory, file.py:factory or HF config (default %(default)s)")
+    parser.add_argument("--weights", default=None, help="HF safetensors directory of an HF config MODEL's initial weights")
     parser.add_argument("--task", default=PPORun.task, help="task name (default %(default)s)")
     parser.add_argument("--steps", type=int, default=PPORun.steps)
     parser.add_argument("--seed", type=int, default=PPORun.seed)
@@ -522,9 +723,9 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
 def run_from_args(args: argparse.Namespace) -> PPORun:
     """The ``PPORun`` of parsed worker flags."""
     return PPORun(
-        model=args.model, task=args.task, steps=args.steps, seed=args.seed, global_batch=args.batch,
-        metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every, resume=args.resume,
-        plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
+        model=args.model, weights=args.weights, task=args.task, steps=args.steps, seed=args.seed,
+        global_batch=args.batch, metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every,
+        resume=args.resume, plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
     )
 
 
@@ -555,13 +756,20 @@ __all__ = [
     "TASK_PRESETS",
     "GroupReducer",
     "PPORun",
+    "PolicyModel",
     "ProgramEngine",
     "build_engines",
     "build_policy_model",
     "capture_policy",
+    "check_policy_vocab",
+    "check_same_weights",
     "init_distributed",
+    "load_policy",
+    "policy_context",
+    "policy_vocab",
     "ppo_config",
     "reseed",
+    "rollout_cache_unsupported",
     "run_from_args",
     "run_ppo",
     "sharded_trainer",

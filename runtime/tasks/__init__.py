@@ -2,8 +2,10 @@
 
 Every task speaks one shared 16-token vocabulary (``VOCAB``): ``<pad>``,
 ``<eos>``, the digits ``0``–``9`` and ``, + = :``. A policy whose
-``vocab_size`` is at least 16 covers it (the tiny reference models have 128);
-``check_vocab`` raises ``TaskError`` otherwise.
+``vocab_size`` is at least 16 covers it: task token k is the policy's id k
+(a wider policy is restricted to ids 0-15 by the PPO engine,
+``runtime/ppo_program.py`` note "user models"); ``check_vocab`` raises
+``TaskError`` otherwise.
 
 Decisions:
 - Prompts have one fixed length per task (``prompt_len``), so a batch of
@@ -138,13 +140,20 @@ def exact_match(targets: torch.Tensor, responses: torch.Tensor, mask: torch.Tens
     return (hits.sum(1) == targets.shape[1]).float() * (mask.sum(1) == targets.shape[1]).float()
 
 
-def check_vocab(task: Task, vocab_size: int) -> None:
-    """Raise ``TaskError`` if a policy with ``vocab_size`` logits cannot emit every task token."""
-    needed = len(getattr(task, "vocab", VOCAB))
+def task_vocab_size(task: Task) -> int:
+    """How many token ids ``task`` speaks (ids 0 .. n-1): ``len(VOCAB)`` unless the task says otherwise."""
+    return len(getattr(task, "vocab", VOCAB))
+
+
+def check_vocab(task: Task, vocab_size: int, *, what: str = "policy") -> None:
+    """Raise ``TaskError`` if a policy with ``vocab_size`` logits cannot emit every task token.
+
+    ``what`` names the policy in the message (e.g. ``"model 'cfg/'"``)."""
+    needed = task_vocab_size(task)
     if vocab_size < needed:
         raise TaskError(
-            f"policy vocab_size={vocab_size} is smaller than the {needed} tokens of task {task.name!r}; "
-            f"build the model with vocab_size >= {needed}"
+            f"{what} vocab_size={vocab_size} is smaller than the {needed} tokens of task {task.name!r}; "
+            f"use a model with vocab_size >= {needed} (task token k is the model's id k)"
         )
 
 
@@ -209,4 +218,5 @@ __all__ = [
     "get_task",
     "list_tasks",
     "position_matches",
+    "task_vocab_size",
 ]
