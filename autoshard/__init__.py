@@ -10,7 +10,7 @@ from autoshard.errors import (
 )
 from autoshard.cluster import Cluster
 from autoshard.plan import Plan
-from autoshard.train import TrainSpec
+from autoshard.train import SGD, AdamW, LRSchedule, TrainSpec
 
 __version__ = "0.1.0"
 
@@ -24,15 +24,18 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autoshard' has no attribute {name!r}")
 
 __all__ = [
+    "AdamW",
     "AutoshardError",
     "CaptureError",
     "Cluster",
     "Compiled",
     "ClusterError",
     "InfeasibleError",
+    "LRSchedule",
     "ModelError",
     "Plan",
     "PlanError",
+    "SGD",
     "TrainSpec",
     "compile",
 ]

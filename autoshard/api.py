@@ -111,9 +111,12 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         cluster: an ``autoshard.Cluster`` or a spec string / file path.
         example_inputs: a tuple whose first element is a ``[batch, seq]``
             token tensor; defaults to ``(2, 16)`` random tokens.
-        train: batch, sequence length, optimizer and precision of one step;
-            defaults to the plan's step when ``plan`` is given, else to the
-            example inputs' batch and sequence.
+        train: batch, sequence length, optimizer and precision of one step,
+            plus what only the runtime reads: the optimizer's hyper-parameters
+            (``AdamW(...)`` / ``SGD(...)``), ``lr_schedule`` and ``grad_clip``
+            (``autoshard/train.py``); defaults to the plan's step when ``plan``
+            is given (default hyper-parameters: a plan records the optimizer's
+            name only), else to the example inputs' batch and sequence.
         plan: a ``Plan`` or the path of a plan JSON to reuse (fingerprints and
             training step are checked; the search is skipped).
         constraints: ``autoshard.search.Constraints`` (pins, forced mesh

@@ -42,6 +42,7 @@ Non-tensor values
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import uuid
@@ -82,6 +83,9 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
+STEPS_EXTRA = "optimizer_steps"  # sidecar extras key of a program's optimizer step counter
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------- state
@@ -438,30 +442,37 @@ def program_state(
 ) -> CheckpointState:
     """The ``CheckpointState`` of a runtime ``Program`` (collective: every rank calls it).
 
-    Model entries are the fp32 master shards (``Program.local_state_dict``) at
-    their ``ParamPlacement``; the optimizer's step counter goes to
-    ``extras["optimizer_steps"]``. ``device_mesh`` is the mesh the placements
-    refer to (``runtime/mesh.py``: ``program.device_mesh`` when the program
-    keeps it, else built again from ``program.plan.mesh``).
+    | key | value |
+    | --- | --- |
+    | ``model.<fqn>`` | fp32 master (``Program.local_state_dict``) at its ``ParamPlacement`` |
+    | ``optim.<fqn>.exp_avg`` / ``.exp_avg_sq`` | AdamW moments at the same placement (``ShardedOptimizer.local_moments``; SGD has none) |
+    | ``rng.cpu.<rank>`` (``rng.cuda.<rank>``) | this rank's generators, captured by ``save`` |
+    | sidecar ``extras["optimizer_steps"]`` | updates taken: Adam's bias-correction count and the learning-rate schedule's position |
+    | sidecar ``step``, other ``extras`` | the caller's (training step, data position, ...) |
 
-    Partial: Adam moments are not saved yet. The optimizer keeps them as flat
-    per-rank chunks for ZeRO-1/2/offload and exposes no local-shape view. A
-    resumed SGD run is exact; a resumed AdamW run restarts its moments and its
-    bias-correction counter at zero (``load_program``), i.e. a fresh Adam start
-    from the saved weights.
+    ZeRO-1/2/offload keep masters and moments as flat per-rank chunks; they are all-gathered over
+    dp into the parameter's local shape, so every optimizer state is cut like its parameter and a
+    run resumes under any plan or world size. ``device_mesh`` is the mesh the placements refer to
+    (``runtime/mesh.py``: ``program.device_mesh`` when the program keeps it, else built again from
+    ``program.plan.mesh``).
     """
     if device_mesh is None:
         device_mesh = _program_mesh(program)
     masters = program.local_state_dict()
-    model = {fqn: LocalShard.of(masters[fqn], placement) for fqn, placement in program.param_placements.items()}
-    return CheckpointState(
-        model=model,
-        step=step,
-        extras={**(extras or {}), "optimizer_steps": int(program.optimizer.steps)},
-        mesh=device_mesh,
-        model_fingerprint=model_fingerprint,
-        plan=program.plan,
-    )
+    moments = program.optimizer.local_moments()
+    return _program_checkpoint(program, device_mesh, masters, moments, step=step,
+                               extras={**(extras or {}), STEPS_EXTRA: int(program.optimizer.steps)},
+                               model_fingerprint=model_fingerprint)
+
+
+def _program_checkpoint(program: Any, device_mesh: DeviceMesh, masters: Mapping[str, torch.Tensor],
+                        moments: Mapping[str, Mapping[str, torch.Tensor]], **fields: Any) -> CheckpointState:
+    """``CheckpointState`` of ``program`` holding ``masters`` and ``moments`` (local-shape tensors) at their placements."""
+    placements = program.param_placements
+    model = {fqn: LocalShard.of(masters[fqn], placement) for fqn, placement in placements.items()}
+    optimizer = {fqn: {name: LocalShard.of(value, placements[fqn]) for name, value in states.items()}
+                 for fqn, states in moments.items() if states}
+    return CheckpointState(model=model, optimizer=optimizer, mesh=device_mesh, plan=program.plan, **fields)
 
 
 def load_program(
@@ -473,16 +484,35 @@ def load_program(
     process_group: Any = None,
     restore_rng: bool = True,
 ) -> CheckpointState:
-    """Load a checkpoint saved under any plan into ``program``'s masters and parameters (collective).
+    """Load a checkpoint saved under any plan into ``program`` (collective): masters and compute
+    parameters, AdamW moments, the optimizer's step counter (hence the schedule's position) and,
+    with ``restore_rng``, this rank's generators (``program_state`` has the table).
 
-    Returns the loaded state (step, extras, RNG). See ``program_state`` for what is restored.
+    The template is allocated at each parameter's local shape with no collective; DCP reads into
+    it the byte ranges this rank's placements cover. A checkpoint without moments (an SGD run, or
+    one saved before moments were saved) loads into an AdamW program with fresh moments and the
+    step counter at 0 (a warning says so). Returns the loaded state (step, extras, RNG).
     """
-    template = program_state(program, device_mesh, model_fingerprint=model_fingerprint)
+    if device_mesh is None:
+        device_mesh = _program_mesh(program)
+    info = read_info(resolve_checkpoint(path))
+    names = program.optimizer.config.state_names
+    with_moments = bool(names) and any(key.startswith(OPTIM_PREFIX) for key in info.tensors)
+    device = program.ctx.device
+    masters = {fqn: torch.empty(p.local_shape, dtype=torch.float32, device=device)
+               for fqn, p in program.param_placements.items()}
+    moments = {fqn: {name: torch.empty_like(masters[fqn]) for name in (names if with_moments else ())}
+               for fqn in masters}
+    template = _program_checkpoint(program, device_mesh, masters, moments, model_fingerprint=model_fingerprint)
     loaded = load(path, template, process_group=process_group, restore_rng=restore_rng)
-    program.load_local_state_dict({fqn: entry.local for fqn, entry in loaded.model.items()})
-    # Without saved moments only SGD may continue the step count (program_state: "Partial").
-    sgd = getattr(program.optimizer.config, "name", "") == "sgd"
-    program.optimizer.steps = int(loaded.extras.get("optimizer_steps", 0)) if sgd else 0
+    program.load_local_state_dict(masters)
+    program.optimizer.load_local_moments(moments)
+    saved_steps = int(loaded.extras.get(STEPS_EXTRA, 0))
+    if names and not with_moments:
+        log.warning("load_program: %s holds no AdamW moments; the optimizer restarts them and its step counter "
+                    "(%d saved) at 0", path, saved_steps)
+        saved_steps = 0
+    program.optimizer.steps = saved_steps
     return loaded
 
 

@@ -54,10 +54,13 @@ launched (a parameter without a gradient, and the HSDP all-reduce of ZeRO-3 shar
 blocking path. Same packing, collective and values as the blocking path.
 
 "Flat chunk": the parameter flattened, zero-padded to a multiple of D,
-chunk ``coord("dp")``. (Checkpoint layouts use ``Program.local_state_dict``,
-which re-assembles params at their ``ParamPlacement``; the flat layout is
-internal.) On a CPU run the "host" is the same device; the code path is the
-real one: separate host tensors, gradients copied down, params copied up.
+chunk ``coord("dp")``. The flat layout is internal: checkpoints see every state
+at the parameter's local shape (``_Slot.local_state`` / ``load_state``: masters
+through ``Program.local_state_dict``, AdamW moments through
+``ShardedOptimizer.local_moments``), all-gathered over dp for flat slots, so
+they carry the parameter's ``ParamPlacement`` and reshard like the weights. On
+a CPU run the "host" is the same device; the code path is the real one:
+separate host tensors, gradients copied down, params copied up.
 
 Communication dtype of the gradient sync (``grad_comm`` per parameter, from
 the ``quantize_comm`` pass via ``gm.meta["autoshard"]["grad_comm"]``; the
@@ -79,7 +82,13 @@ zero3, 1 for flat chunks; × tp when the param is not tp-split),
 so every piece counts exactly once. Scale = min(1, max_norm / (‖g‖ + 1e-6)).
 
 AdamW as ``torch.optim.AdamW`` (decoupled decay, bias-corrected, eps outside
-the square root); SGD = plain ``p -= lr·g`` (+ decoupled decay). The AdamW
+the square root); SGD = plain ``p -= lr·g`` (+ decoupled decay). Learning rate
+of the update with 0-based index k (``steps`` before it): ``lr · schedule.factor(k)``
+(``autoshard.train.LRSchedule``: warm-up, then constant / linear / cosine), so the
+schedule's position is ``steps``, which checkpoints save with the moments. Weight
+decay applies to parameters whose global shape has two or more dims unless
+``decay_norms_and_biases`` (``OptimizerConfig.decays``); the two groups are updated
+by one kernel call each, the others with ``weight_decay=0``. The AdamW
 update is ``torch.optim.AdamW(fused=True)``'s kernel (``torch._fused_adamw_``,
 CUDA and CPU): one pass that reads master, gradient and both moments once and
 writes them back, with no temporaries. The multi-tensor ``_foreach`` path
@@ -96,7 +105,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -106,14 +115,22 @@ from autoshard.errors import AutoshardError
 from autoshard.passes.context import ParamPlacement, RankContext
 from autoshard.runtime import _buckets, collectives
 from autoshard.runtime.quantized_collectives import all_reduce_grad, reduce_scatter_grad
+from autoshard.train import AdamW, LRSchedule, TrainSpec
 
 FLAT_STATES = ("zero1", "zero2", "offload")
 DEFAULT_BUCKET_BYTES = 25 * 2**20  # = Schedule.bucket_bytes default (DDP's bucket_cap_mb)
+MOMENTS = ("exp_avg", "exp_avg_sq")  # AdamW's states per parameter, beside the fp32 master
 
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """Hyper-parameters. name: "adamw" | "sgd"; max_grad_norm None disables clipping."""
+    """The runtime's resolved hyper-parameters (``from_train`` reads them from a ``TrainSpec``).
+
+    name: "adamw" | "sgd"; lr: peak learning rate, scaled per step by ``schedule``
+    (``autoshard.train.LRSchedule``); betas/eps: AdamW's; weight_decay: decoupled, applied to
+    parameters of two or more dims only unless ``decay_norms_and_biases`` (1-D: norm gains,
+    biases); max_grad_norm: global-norm clipping threshold, ``None`` disables clipping.
+    """
 
     name: str = "adamw"
     lr: float = 1e-3
@@ -121,12 +138,35 @@ class OptimizerConfig:
     eps: float = 1e-8
     weight_decay: float = 0.0
     max_grad_norm: float | None = 1.0
+    schedule: LRSchedule = field(default_factory=LRSchedule)
+    decay_norms_and_biases: bool = False
 
     def __post_init__(self) -> None:
         if self.name not in ("adamw", "sgd"):
             raise AutoshardError(f"OptimizerConfig.name={self.name!r}: allowed ('adamw', 'sgd')")
         if not self.lr > 0:
             raise AutoshardError(f"OptimizerConfig.lr={self.lr!r}: must be > 0")
+
+    @classmethod
+    def from_train(cls, train: TrainSpec) -> OptimizerConfig:
+        """The hyper-parameters ``train`` asks for: its optimizer, schedule and clipping."""
+        spec = train.optimizer_config
+        adam = {"betas": spec.betas, "eps": spec.eps} if isinstance(spec, AdamW) else {}
+        return cls(name=spec.name, lr=spec.lr, weight_decay=spec.weight_decay, max_grad_norm=train.grad_clip,
+                   schedule=train.lr_schedule, decay_norms_and_biases=spec.decay_norms_and_biases, **adam)
+
+    def lr_at(self, step: int) -> float:
+        """Learning rate of the step with 0-based index ``step`` (``step`` updates already taken)."""
+        return self.lr * self.schedule.factor(step)
+
+    def decays(self, global_shape: tuple[int, ...]) -> bool:
+        """Whether weight decay applies to a parameter of ``global_shape`` (the same under every plan)."""
+        return self.weight_decay > 0 and (self.decay_norms_and_biases or len(global_shape) >= 2)
+
+    @property
+    def state_names(self) -> tuple[str, ...]:
+        """Per-parameter optimizer states besides the master (what checkpoints save)."""
+        return MOMENTS if self.name == "adamw" else ()
 
 
 class _Slot:
@@ -236,27 +276,45 @@ class _Slot:
 
     def full_master(self) -> torch.Tensor:
         """The fp32 master at the parameter's local shape (all-gathers flat chunks over dp)."""
+        return self.local_state("master")
+
+    def local_state(self, name: str) -> torch.Tensor:
+        """State ``name`` ("master", "exp_avg", "exp_avg_sq") as a new fp32 tensor at the parameter's local
+        shape: flat chunks are all-gathered over dp (collective), so it carries the parameter's placement."""
+        value = getattr(self, name)
         if not self.flat:
-            return self.master.clone()
-        full = collectives.all_gather(self.master.to(self.param.device), 0, self.ctx.group("dp"))
+            return value.clone()
+        full = collectives.all_gather(value.to(self.param.device), 0, self.ctx.group("dp"))
         return full[: self.numel].view(self.param.shape).clone()
 
     @torch.no_grad()
-    def load_master(self, local: torch.Tensor) -> None:
-        """Set the master (and the compute param) from fp32 values at the local shape, in place.
+    def load_state(self, name: str, local: torch.Tensor) -> None:
+        """Inverse of ``local_state``: set state ``name`` in place from fp32 values at the local shape;
+        "master" also sets the compute param (``load_master``)."""
+        if name == "master":
+            self.load_master(local)
+            return
+        target = getattr(self, name)
+        self._copy_own(target, local.detach().to(target.device, torch.float32))
 
-        Flat slots copy only their own chunk (zeros past the parameter's end); no padded copy is made.
-        """
+    @torch.no_grad()
+    def load_master(self, local: torch.Tensor) -> None:
+        """Set the master (and the compute param) from fp32 values at the local shape, in place."""
         local = local.detach().to(self.param.device, torch.float32)
-        if self.flat:
-            flat = local.reshape(-1)
-            start = min(self.numel, self.ctx.coord("dp") * self.chunk)
-            piece = flat[start:start + self.chunk]
-            self.master[piece.numel():].zero_()
-            self.master[:piece.numel()].copy_(piece)
-        else:
-            self.master.copy_(local)
+        self._copy_own(self.master, local)
         self.param.copy_(local)
+
+    def _copy_own(self, target: torch.Tensor, local: torch.Tensor) -> None:
+        """Copy ``local`` (local shape) into ``target``: flat slots take only their own chunk (zeros past the
+        parameter's end; no padded copy is made), the others the whole tensor."""
+        if not self.flat:
+            target.copy_(local)
+            return
+        flat = local.reshape(-1)
+        start = min(self.numel, self.ctx.coord("dp") * self.chunk)
+        piece = flat[start:start + self.chunk]
+        target[piece.numel():].zero_()
+        target[:piece.numel()].copy_(piece)
 
 
 class ShardedOptimizer:
@@ -292,7 +350,8 @@ class ShardedOptimizer:
         self.slots = {fqn: _Slot(p, placements[fqn], None if masters is None else masters[fqn], ctx, wire.get(fqn, "none"),
                                  fqn in in_graph)
                       for fqn, p in params.items()}
-        self.steps = 0
+        self.steps = 0  # updates taken: Adam's bias-correction count and the schedule's position
+        self.last_lr = config.lr_at(0)  # learning rate of the latest update (of the first one before any)
         slots = list(self.slots.values())
         self._grad_buckets = [[slots[i] for i in b] for b in _buckets.assign(
             [s.bucket_key() for s in slots], [s.wire_numel() * s.param.element_size() for s in slots], bucket_bytes)]
@@ -382,6 +441,7 @@ class ShardedOptimizer:
         """
         self.sync_grads()
         norm, scale = self._clip_tensors()
+        self.last_lr = self.config.lr_at(self.steps)
         self.steps += 1
         if self.config.max_grad_norm is not None:
             for slots, _replication in self._groups:
@@ -472,9 +532,30 @@ class ShardedOptimizer:
                 slot.write_back()
 
     def _update(self, slots: list[_Slot], grads: list[torch.Tensor]) -> None:
-        """AdamW / SGD over one device's slots: the fused kernel, else multi-tensor (module docstring)."""
-        apply_update(self.config, self.steps, [s.master for s in slots], grads,
-                     [s.exp_avg for s in slots], [s.exp_avg_sq for s in slots])
+        """AdamW / SGD over one device's slots at this step's scheduled learning rate: the fused kernel, else
+        multi-tensor (module docstring); decayed and undecayed parameters (``OptimizerConfig.decays``) in
+        one call each."""
+        for decays in (True, False):
+            part = [i for i, s in enumerate(slots) if self.config.decays(s.placement.global_shape) == decays]
+            if part:
+                apply_update(self.config, self.steps, [slots[i].master for i in part], [grads[i] for i in part],
+                             [slots[i].exp_avg for i in part], [slots[i].exp_avg_sq for i in part],
+                             lr=self.last_lr, weight_decay=self.config.weight_decay if decays else 0.0)
+
+    def local_moments(self) -> dict[str, dict[str, torch.Tensor]]:
+        """fqn → {state: fp32 tensor at the parameter's local shape} for ``config.state_names`` (AdamW's
+        moments; nothing for SGD). Collective for ZeRO-1/2/offload (``_Slot.local_state``)."""
+        return {fqn: {name: slot.local_state(name) for name in self.config.state_names}
+                for fqn, slot in self.slots.items()}
+
+    def load_local_moments(self, moments: Mapping[str, Mapping[str, torch.Tensor]]) -> None:
+        """Inverse of ``local_moments``: every slot's states from values at the local shape (no collective)."""
+        for fqn, slot in self.slots.items():
+            for name, local in moments[fqn].items():
+                if tuple(local.shape) != tuple(slot.param.shape):
+                    raise AutoshardError(f"{fqn}.{name}: local shape {tuple(local.shape)} != the parameter's "
+                                         f"{tuple(slot.param.shape)}; pass values at the parameter's local shape")
+                slot.load_state(name, local)
 
 
 def update_kind(cfg: OptimizerConfig, masters: list[torch.Tensor]) -> str:
@@ -490,31 +571,40 @@ def update_kind(cfg: OptimizerConfig, masters: list[torch.Tensor]) -> str:
 
 
 def apply_update(cfg: OptimizerConfig, step: int, masters: list[torch.Tensor], grads: list[torch.Tensor],
-                 exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor]) -> None:
+                 exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], *, lr: float | None = None,
+                 weight_decay: float | None = None) -> None:
     """One AdamW (or SGD) step of ``masters`` in place, as ``torch.optim.AdamW``; ``step`` ≥ 1.
+
+    ``lr`` / ``weight_decay`` override ``cfg.lr`` / ``cfg.weight_decay`` (the scheduled learning rate, and
+    0 for the parameters that do not decay).
 
     AdamW runs ``torch._fused_adamw_`` (``update_kind``), the kernel of ``AdamW(fused=True)``, with
     ``step`` as its step count (read, not incremented, by the kernel: torch.optim increments it
     before the call); else ``foreach_update``. Also what ``autoshard cluster calibrate --model`` times
     as the optimizer's cost (``autoshard/calibrate_probe.py``).
     """
+    lr = cfg.lr if lr is None else lr
+    weight_decay = cfg.weight_decay if weight_decay is None else weight_decay
     if update_kind(cfg, masters) == "foreach":
-        foreach_update(cfg, step, masters, grads, exp_avg, exp_avg_sq)
+        foreach_update(cfg, step, masters, grads, exp_avg, exp_avg_sq, lr=lr, weight_decay=weight_decay)
         return
     beta1, beta2 = cfg.betas
     count = torch.full((), float(step), dtype=torch.float32, device=masters[0].device)
-    torch._fused_adamw_(masters, grads, exp_avg, exp_avg_sq, [], [count] * len(masters), lr=cfg.lr, beta1=beta1,
-                        beta2=beta2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
+    torch._fused_adamw_(masters, grads, exp_avg, exp_avg_sq, [], [count] * len(masters), lr=lr, beta1=beta1,
+                        beta2=beta2, weight_decay=weight_decay, eps=cfg.eps, amsgrad=False, maximize=False)
 
 
 def foreach_update(cfg: OptimizerConfig, step: int, masters: list[torch.Tensor], grads: list[torch.Tensor],
-                   exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor]) -> None:
+                   exp_avg: list[torch.Tensor], exp_avg_sq: list[torch.Tensor], *, lr: float | None = None,
+                   weight_decay: float | None = None) -> None:
     """One AdamW (or SGD) step of ``masters`` in place, as ``torch.optim.AdamW``'s foreach path; ``step`` ≥ 1
-    (``apply_update``'s fallback)."""
-    if cfg.weight_decay:
-        torch._foreach_mul_(masters, 1 - cfg.lr * cfg.weight_decay)
+    (``apply_update``'s fallback; ``lr`` / ``weight_decay`` as there)."""
+    lr = cfg.lr if lr is None else lr
+    weight_decay = cfg.weight_decay if weight_decay is None else weight_decay
+    if weight_decay:
+        torch._foreach_mul_(masters, 1 - lr * weight_decay)
     if cfg.name == "sgd":
-        torch._foreach_add_(masters, grads, alpha=-cfg.lr)
+        torch._foreach_add_(masters, grads, alpha=-lr)
         return
     beta1, beta2 = cfg.betas
     torch._foreach_lerp_(exp_avg, grads, 1 - beta1)
@@ -525,8 +615,8 @@ def foreach_update(cfg: OptimizerConfig, step: int, masters: list[torch.Tensor],
     denom = torch._foreach_sqrt(exp_avg_sq)
     torch._foreach_div_(denom, math.sqrt(bias2))
     torch._foreach_add_(denom, cfg.eps)
-    torch._foreach_addcdiv_(masters, exp_avg, denom, value=-cfg.lr / bias1)
+    torch._foreach_addcdiv_(masters, exp_avg, denom, value=-lr / bias1)
 
 
-__all__ = ["DEFAULT_BUCKET_BYTES", "FLAT_STATES", "OptimizerConfig", "ShardedOptimizer", "apply_update", "foreach_update",
+__all__ = ["DEFAULT_BUCKET_BYTES", "FLAT_STATES", "MOMENTS", "OptimizerConfig", "ShardedOptimizer", "apply_update", "foreach_update",
            "update_kind"]

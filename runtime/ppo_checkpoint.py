@@ -19,11 +19,10 @@ draws exactly what an uninterrupted one draws when the dp size is the same
 from the same weights and optimizer state, on a different random stream).
 
 Moments: the optimizer keeps ZeRO-1/2/offload moments as flat per-rank
-chunks of the flattened parameter. ``_moments`` all-gathers them over dp into
-the parameter's local shape (as ``_Slot.full_master`` does for the master),
-so they carry the parameter's placement; on load each rank keeps its own
-chunk again. [This belongs in ``checkpoint.program_state`` once the
-optimizer exposes a local-shape view of its moments; it lives here until then.]
+chunks of the flattened parameter; ``ShardedOptimizer.local_moments`` all-gathers
+them over dp into the parameter's local shape (as for the master), so they carry
+the parameter's placement; on load each rank keeps its own chunk again
+(``load_local_moments``). The same views serve ``checkpoint.program_state``.
 
 Every rank calls ``save_ppo`` / ``load_ppo`` (DCP collectives plus one
 device-mesh build).
@@ -36,32 +35,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
 from autoshard.runtime import checkpoint as ckpt
-from autoshard.runtime import collectives
+from autoshard.runtime.optimizer import MOMENTS
 
 _ENGINES = ("policy", "reference")
-_MOMENTS = ("exp_avg", "exp_avg_sq")
-
-
-def _moment_local(slot: Any, name: str) -> torch.Tensor:
-    """Moment ``name`` of ``slot`` at the parameter's local shape (all-gather of flat chunks over dp)."""
-    value = getattr(slot, name)
-    if not slot.flat:
-        return value.detach().clone()
-    full = collectives.all_gather(value.to(slot.param.device), 0, slot.ctx.group("dp"))
-    return full[: slot.numel].view(slot.param.shape).to(torch.float32).clone()
-
-
-def _set_moment(slot: Any, name: str, local: torch.Tensor) -> None:
-    """Inverse of ``_moment_local``: keep this rank's flat chunk (or the whole local tensor)."""
-    local = local.detach().to(torch.float32)
-    if slot.flat:
-        dp = slot.ctx.size("dp")
-        padded = F.pad(local.reshape(-1), (0, slot.chunk * dp - slot.numel))
-        local = padded.view(dp, slot.chunk)[slot.ctx.coord("dp")]
-    setattr(slot, name, local.to(slot.host).clone())
 
 
 def _state(trainer: Any, graph: Any, mesh: Any) -> ckpt.CheckpointState:
@@ -76,7 +54,7 @@ def _state(trainer: Any, graph: Any, mesh: Any) -> ckpt.CheckpointState:
     policy = trainer.policy.program
     for fqn, slot in policy.optimizer.slots.items():
         placement = policy.param_placements[fqn]
-        optimizer[f"policy.{fqn}"] = {m: ckpt.LocalShard.of(_moment_local(slot, m), placement) for m in _MOMENTS}
+        optimizer[f"policy.{fqn}"] = {m: ckpt.LocalShard.of(slot.local_state(m), placement) for m in MOMENTS}
     extras = {"optimizer_steps": int(policy.optimizer.steps), "seed": int(trainer.config.seed), "dp": trainer.dp.world_size}
     return ckpt.CheckpointState(
         model=model, optimizer=optimizer, step=int(trainer.step_count), extras=extras, mesh=mesh,
@@ -110,9 +88,8 @@ def load_ppo(path: str | os.PathLike, trainer: Any, graph: Any) -> ckpt.Checkpoi
         engine = getattr(trainer, name)
         engine.load_state_dict({k[len(prefix):]: e.local for k, e in loaded.model.items() if k.startswith(prefix)})
     optimizer = trainer.policy.program.optimizer
-    for fqn, slot in optimizer.slots.items():
-        for moment, entry in loaded.optimizer[f"policy.{fqn}"].items():
-            _set_moment(slot, moment, entry.local)
+    optimizer.load_local_moments({fqn: {m: e.local for m, e in loaded.optimizer[f"policy.{fqn}"].items()}
+                                  for fqn in optimizer.slots})
     optimizer.steps = int(loaded.extras["optimizer_steps"])
     trainer.step_count = int(loaded.step)
     return loaded

@@ -14,7 +14,9 @@
    the result is a ``PipelineSplit`` holding only this rank's stages;
 5. builds the ``ShardedOptimizer`` from fp32 master shards cut from the
    original fp32 parameters (the compute copies are ``train.precision``),
-   over this rank's parameters only (with pp > 1: its stages' parameters).
+   over this rank's parameters only (with pp > 1: its stages' parameters),
+   with ``train``'s optimizer, learning-rate schedule and clipping
+   (``OptimizerConfig.from_train``) unless ``optimizer=`` overrides them.
 
 ``Program.step(tokens, loss_fn)``: ``tokens`` is this rank's data-parallel
 slice ``[B_local, S]`` (``Program.local_batch`` cuts it from a global batch);
@@ -68,10 +70,12 @@ _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 @dataclass(frozen=True)
 class StepResult:
-    """One optimizer step: loss averaged over micro-batches and dp ranks, global gradient norm (before clipping)."""
+    """One optimizer step: loss averaged over micro-batches and dp ranks, global gradient norm (before
+    clipping), and the learning rate the update used (``TrainSpec.lr_schedule``)."""
 
     loss: float
     grad_norm: float
+    lr: float = 0.0
 
 
 class Program:
@@ -154,7 +158,7 @@ class Program:
         if self.ctx.size("dp") > 1:
             total = collectives.all_reduce(total.reshape(1), self.ctx.group("dp"), "avg")[0]
         norm = self.optimizer.step()
-        return StepResult(loss=float(total), grad_norm=norm)
+        return StepResult(loss=float(total), grad_norm=norm, lr=self.optimizer.last_lr)
 
     def _accumulate(self, tokens: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
         """Forward/backward of every micro-batch on one stage; the mean micro-batch loss ([] fp32)."""
@@ -215,7 +219,8 @@ def build_program(
     directory); or a source (``Initialize``, ``Safetensors``, ``Checkpoint``, ``FromModule``). The
     model may live on the meta device; no rank ever holds a whole parameter its plan shards.
     ``release_model``: swap each of the model's parameters for a meta tensor once read (the model is
-    otherwise left unchanged). ``track_memory``: on a CPU, count live tensor bytes during the build
+    otherwise left unchanged). ``optimizer``: the runtime's hyper-parameters (``OptimizerConfig``);
+    ``None`` = ``train``'s (``OptimizerConfig.from_train``: optimizer, schedule, clipping). ``track_memory``: on a CPU, count live tensor bytes during the build
     (``runtime/live_bytes.py``) for ``Program.memory_report``; CUDA builds always report.
     ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
     (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
@@ -247,7 +252,8 @@ def build_program(
         gm = run_passes(_export(model, graph, ctx), plan, ctx)
         placements = gm.meta[META_KEY]["placements"]
         params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
-        config = optimizer or OptimizerConfig(name=train.optimizer if train is not None else plan.optimizer)
+        config = optimizer or (OptimizerConfig.from_train(train) if train is not None
+                               else OptimizerConfig(name=plan.optimizer))
         grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
         sharded = ShardedOptimizer(params, placements, None, ctx, config, grad_comm,
                                    bucket_bytes=plan.schedule.bucket_bytes,

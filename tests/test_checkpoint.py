@@ -213,7 +213,7 @@ def _tp_zero3(_layer):
     return {"tp": "megatron", "state": "zero3"}
 
 
-def _program(graph, mesh: Mesh, choose):
+def _program(graph, mesh: Mesh, choose, optimizer=None):
     from _runtime_cases import BATCH, OPT, SEQ, make_plan
 
     from autoshard.models import build
@@ -222,7 +222,7 @@ def _program(graph, mesh: Mesh, choose):
 
     plan = make_plan(PROGRAM_SPEC, mesh, choose)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32")
-    return build_program(build(PROGRAM_SPEC), graph, plan, None, train, optimizer=OPT)
+    return build_program(build(PROGRAM_SPEC), graph, plan, None, train, optimizer=optimizer or OPT)
 
 
 def _case_program_save(root: str, graph, rank: int, world_size: int):
@@ -243,6 +243,18 @@ def _case_program_resume(root: str, graph, mesh: Mesh, choose, rank: int, world_
     loaded = ckpt.load_program(Path(root) / "program", program, model_fingerprint=graph.fingerprint())
     losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()[1:]]
     return {"step": loaded.step, "optimizer_steps": program.optimizer.steps, "losses": losses}
+
+
+def _case_adamw_from_sgd_checkpoint(root: str, graph, rank: int, world_size: int):
+    """An AdamW program loads the SGD checkpoint (no moments saved): weights, fresh moments, step 0."""
+    from autoshard.runtime.optimizer import OptimizerConfig
+
+    program = _program(graph, Mesh(dp_shard=2), _zero3, OptimizerConfig(name="adamw"))
+    loaded = ckpt.load_program(Path(root) / "program", program, model_fingerprint=graph.fingerprint())
+    moments = program.optimizer.local_moments()
+    return {"step": loaded.step, "optimizer_steps": program.optimizer.steps,
+            "moments_zero": all(not t.any() for states in moments.values() for t in states.values()),
+            "saved_optimizer_steps": loaded.extras["optimizer_steps"]}
 
 
 @pytest.fixture(scope="module")
@@ -268,6 +280,7 @@ def jobs(tmp_path_factory):
         {
             "load": functools.partial(_case_load_two_ranks, root),
             "program_dp2": functools.partial(_case_program_resume, root, graph, Mesh(dp_shard=2), _zero3),
+            "adamw_from_sgd": functools.partial(_case_adamw_from_sgd_checkpoint, root, graph),
         },
         world_size=2,
         timeout_s=90,
@@ -357,6 +370,11 @@ def test_resumed_program_gives_identical_next_losses(jobs):
     for result in jobs["four"]["program_tp2dp2"] + jobs["two"]["program_dp2"]:
         assert result["step"] == 1 and result["optimizer_steps"] == 3  # 1 restored + 2 taken
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference), rtol=1e-5, atol=1e-6)
+
+
+def test_adamw_program_loads_a_checkpoint_without_moments(jobs):
+    for result in jobs["two"]["adamw_from_sgd"]:
+        assert result == {"step": 1, "optimizer_steps": 0, "moments_zero": True, "saved_optimizer_steps": 1}
 
 
 # --------------------------------------------------------------------------- one process
