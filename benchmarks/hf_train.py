@@ -12,7 +12,8 @@
    Initialize(0))``: the value head, which HF files lack, is initialised);
 3. check: rank 0 compares the program's first logits with ``LlamaForCausalLM.from_pretrained(dir)``'s
    on the same tokens (bf16: max |Δ| / max |logit|);
-4. ``--steps`` AdamW steps of next-token cross-entropy (+ a small value loss) on a learnable
+4. ``--steps`` AdamW steps (``--lr``, β = (0.9, 0.95), weight decay 0.1 on matrices, ``--warmup-steps`` of
+   linear warm-up then cosine to a tenth; clip 1.0) of next-token cross-entropy (+ a small value loss) on a learnable
    synthetic stream (each sequence an affine progression mod the vocabulary, random start and
    stride from a fixed set), ``global_batch`` × ``seq_len`` tokens a step;
 5. rank 0 writes the plan, the predictions, the measured median step time (steps after the first
@@ -78,6 +79,7 @@ def logits_check(directory: Path, ours: torch.Tensor, tokens: torch.Tensor) -> d
         del hf
         torch.cuda.empty_cache()
     return {"max_abs_diff": float((ours - theirs).abs().max()), "max_abs_logit": float(theirs.abs().max()),
+            "rms_diff_over_rms": float((ours - theirs).pow(2).mean().sqrt() / theirs.pow(2).mean().sqrt()),
             "argmax_agreement": float((ours.argmax(-1) == theirs.argmax(-1)).float().mean())}
 
 
@@ -88,6 +90,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--global-batch", type=int, default=16)
     p.add_argument("--seq-len", type=int, default=1024)
+    p.add_argument("--lr", type=float, default=3e-4)
+    p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--calibration", type=Path)
     p.add_argument("--free-tp", action="store_true")
     p.add_argument("--out", type=Path, required=True)
@@ -113,7 +117,10 @@ def main() -> None:
     cluster = autoshard.Cluster.detect()
     if args.calibration:
         cluster = cluster.with_calibration(args.calibration)
-    train = autoshard.TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len)
+    train = autoshard.TrainSpec(global_batch=args.global_batch, seq_len=args.seq_len,
+                                optimizer=autoshard.AdamW(lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1),
+                                lr_schedule=autoshard.LRSchedule(warmup_steps=args.warmup_steps, decay="cosine",
+                                                                 total_steps=args.steps, min_lr_ratio=0.1))
     example = (torch.zeros(2, args.seq_len, dtype=torch.long, device="meta"),)  # the model is on meta
     t1 = time.perf_counter()
     compiled = autoshard.compile(policy, cluster, example_inputs=example, train=train,
@@ -146,7 +153,8 @@ def main() -> None:
         times.append(time.perf_counter() - start)
         losses.append(result.loss)
         if rank == 0 and (step % 5 == 0 or step == args.steps - 1):
-            print(f"step {step:3d} loss {result.loss:.4f} grad_norm {result.grad_norm:.3f} {times[-1]:.3f}s", flush=True)
+            print(f"step {step:3d} loss {result.loss:.4f} grad_norm {result.grad_norm:.3f} lr {result.lr:.2e} "
+                  f"{times[-1]:.3f}s", flush=True)
     peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda")
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
@@ -162,7 +170,8 @@ def main() -> None:
                       "files": sorted(f.name for f in args.dir.iterdir())},
             "device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
             "torch": torch.__version__, "plan": plan.to_dict(), "plan_summary": str(plan),
-            "train": {"global_batch": args.global_batch, "seq_len": args.seq_len, "steps": args.steps},
+            "train": {"global_batch": args.global_batch, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
+                      "warmup_steps": args.warmup_steps, "schedule": "cosine to 0.1", "weight_decay": 0.1},
             "write_model_s": written_s, "compile_and_build_s": build_s, "logits_check": check,
             "losses": losses, "step_s": times, "median_step_s": measured,
             "predicted_step_s": pred.step_time_s, "step_error": measured / pred.step_time_s - 1,
