@@ -97,6 +97,8 @@ class LayerInfo:
     bytes_per_token_seq: float = 0.0  # bytes_per_token's part growing with sequence length (scores)
     elementwise_flops_per_token_seq: float = 0.0  # elementwise FLOPs on scores (mask, softmax, dropout)
     tied_params: tuple[str, ...] = ()  # FQNs used here but owned (counted) by an earlier layer
+    # why expert parallelism cannot run on this moe layer ("" when it can; ``passes/capture.py``)
+    ep_refusal: str = ""
 
     @property
     def param_count(self) -> int:

@@ -448,6 +448,9 @@ class Plan(Record):
                     f"plan does not match model {getattr(graph, 'model_name', '?')!r}: {problem}; "
                     "search a new plan for this model, or use the model the plan was made for"
                 )
+            refused = _unrunnable_expert_parallel(self, graph)
+            if refused:
+                raise PlanError(f"{refused}; plan it with ep = 1 (the search does: rule ep_runs/experts)")
         if cluster is not None:
             problem = _cluster_mismatch(self, cluster)
             if problem:
@@ -484,6 +487,19 @@ def _model_mismatch(plan: Plan, graph: Any) -> str | None:
             return f"layers[{i}] is {ours!r} but the model's layer {i} is {theirs!r}"
     if len(plan.layers) != len(names):
         return f"plan has {len(plan.layers)} layers, model has {len(names)}"
+    return None
+
+
+def _unrunnable_expert_parallel(plan: Plan, graph: Any) -> str | None:
+    """A layer the plan puts under expert parallelism whose experts the EP pass cannot exchange
+    (``LayerInfo.ep_refusal``, set by capture), or ``None``."""
+    if plan.mesh.ep <= 1:
+        return None
+    strategies = {s.layer: s for s in plan.layers}
+    for layer in graph.layers:
+        strategy = strategies.get(layer.name)
+        if getattr(layer, "ep_refusal", "") and strategy is not None and strategy.ep:
+            return f"layer {layer.name!r} cannot run expert-parallel: {layer.ep_refusal}"
     return None
 
 

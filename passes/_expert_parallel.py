@@ -37,6 +37,7 @@ from __future__ import annotations
 import torch
 from torch import fx
 
+from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import tag
 from autoshard.passes.context import RankContext
 from autoshard.runtime import collectives
@@ -67,6 +68,8 @@ def insert_expert_parallel(graph: fx.Graph, placements: dict, ctx: RankContext, 
         return 0
     expert_mms = [n for n in graph.nodes if n.op == "call_function" and n.target == aten.bmm.default
                   and _expert_param(n.args[1], placements) is not None]
+    _check_every_split_layer_dispatches(graph, placements, {_expert_param(n.args[1], placements).layer
+                                                            for n in expert_mms})
     if not expert_mms:
         return 0
     group, ep = ctx.group("ep"), ctx.size("ep")
@@ -90,6 +93,18 @@ def insert_expert_parallel(graph: fx.Graph, placements: dict, ctx: RankContext, 
                            "EP: all-to-all expert outputs back to the tokens' ranks")
         mm.replace_all_uses_with(combined, delete_user_cb=lambda u: u is not combined)
     return len(exits)
+
+
+def _check_every_split_layer_dispatches(graph: fx.Graph, placements: dict, dispatched: set[str]) -> None:
+    """``PlanError`` for a layer whose experts are split over ep but which has no expert ``bmm`` to
+    dispatch at: its tokens would reach only this rank's experts (capture's ``LayerInfo.ep_refusal``
+    keeps the search from proposing such a plan; this catches a plan made without it)."""
+    used = {n.target for n in graph.nodes if n.op == "get_attr"}
+    split = sorted({p.layer for fqn, p in placements.items() if p.ep_dim is not None and fqn in used} - dispatched)
+    if split:
+        raise PlanError(f"layer {split[0]!r}: expert parallelism splits its experts over ep, but its experts do not "
+                        "run as bmm on a per-expert capacity buffer [E, C, h] (what the all-to-all exchanges); "
+                        "plan it with ep = 1")
 
 
 def _expert_param(node, placements: dict):

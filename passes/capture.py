@@ -89,6 +89,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
+from autoshard.passes._capture_costs import MATMUL_OPS
 from autoshard.passes._capture_export import Accum, Exported, GraphView, edges, export, price
 from autoshard.passes._capture_layers import (
     LayerSpec,
@@ -389,6 +390,18 @@ def _fit(values: tuple[float, float], batch: int, seq_lens: tuple[int, int]) -> 
     return q1 - slope * s1, slope
 
 
+def _ep_refusal(kind: str, point: Accum) -> str:
+    """Why the expert-parallel pass cannot run on a ``moe`` layer ("" when it can): it exchanges fixed
+    ``[E, C, h]`` capacity buffers around ``bmm`` expert matmuls (``passes/_expert_parallel.py``), so
+    experts computed another way (``_grouped_mm`` over token-sorted rows with data-dependent group sizes,
+    as Hugging Face's Mixtral does, or a loop of per-expert ``linear``) have no point to dispatch at."""
+    if kind != "moe" or "aten.bmm" in point.counted:
+        return ""
+    ops = sorted(op for op in point.counted if op in MATMUL_OPS)
+    return (f"its matmuls are {', '.join(ops) or 'none'}: no bmm on a per-expert capacity buffer [E, C, h], "
+            "which is what the expert-parallel all-to-all exchanges")
+
+
 def _layer_info(
     spec: LayerSpec,
     index: int,
@@ -411,6 +424,7 @@ def _layer_info(
     interior, interior_seq = fit(s.interior for s in saved)
     tokens = b * lens[-1]
     owned, tied = params
+    meta = {**meta, "ep_refusal": _ep_refusal(spec.kind, points[-1])} if spec.kind == "moe" else meta
     return LayerInfo(
         name=spec.name,
         kind=spec.kind,

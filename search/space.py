@@ -17,6 +17,9 @@ Mesh (``enumerate_meshes``)
     ``tp_divides/vocab``         ``tp | vocab`` — the vocabulary is *not* padded: pad it
                                  in the model (Megatron's make-vocab-divisible-by) to use tp
     ``ep_divides/experts``       ``ep | num_experts``
+    ``ep_runs/experts``          ``ep = 1`` when a ``moe`` layer's experts are not the bmm on a capacity
+                                 buffer the expert-parallel pass exchanges (``LayerInfo.ep_refusal``:
+                                 Hugging Face's Mixtral, ``_grouped_mm``)
     ``pp_le/blocks``             ``pp ≤ num_blocks`` (each stage holds ≥ 1 block)
     ``tied/pp``                  ``pp = 1`` for a model with tied weights (the runtime does not
                                  share a parameter across pipeline ranks)
@@ -215,6 +218,9 @@ def enumerate_meshes(graph: ModelGraph, cluster: Cluster, train: TrainSpec | Non
     world = cluster.world_size
     pruned: list[PruneRecord] = []
     meshes: list[Mesh] = []
+    no_ep = next((layer for layer in graph.layers if layer.kind == "moe" and layer.ep_refusal), None)
+    if no_ep is not None:
+        pruned.append(PruneRecord("ep_runs/experts", f"ep > 1: {no_ep.name}: {no_ep.ep_refusal}"))
     for tp in divisors(world):
         if cluster.devices_per_node % tp:
             pruned.append(PruneRecord("tp_in_node", f"tp={tp} does not divide devices_per_node={cluster.devices_per_node}"))
@@ -235,7 +241,7 @@ def enumerate_meshes(graph: ModelGraph, cluster: Cluster, train: TrainSpec | Non
                                           "implemented); untie the embeddings to pipeline this model"))
                 continue
             dp = world // (tp * pp)
-            for mesh in _dp_meshes(dp, tp, pp, _num_experts(graph), is_moe(graph)):
+            for mesh in _dp_meshes(dp, tp, pp, _num_experts(graph), is_moe(graph) and no_ep is None):
                 record = _mesh_batch_violation(mesh, train)
                 if record:
                     pruned.append(record)
