@@ -30,9 +30,14 @@ alias of a tied parameter may be named). Otherwise, the heuristic:
 * weights of ``nn.Embedding`` / ``nn.Linear`` in ``embedding`` and ``head`` layers
   whose vocabulary dimension equals the model's vocabulary → ``vocab`` (a
   positional table is ``replicate``);
-* in ``attention`` and ``mlp`` layers, the *last* ``nn.Linear`` registered is the
-  row-parallel one (output projection, down projection) and every other linear
-  is column-parallel; a column linear's bias is ``column``, a row bias ``replicate``;
+* in ``attention`` and ``mlp`` layers, the *last* projection registered is the
+  row-parallel one (output projection, down projection) and every other
+  projection is column-parallel; a column projection's bias is ``column``, a row
+  bias ``replicate``. A projection is an ``nn.Linear`` or a transformers
+  ``Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``: recognised by type, see
+  ``is_projection``), whose weight is stored ``[in, out]``, transposed against
+  ``nn.Linear``; the role is the same, the split tensor dim is not
+  (``passes/shard_parameters.py`` reads it from the op that uses the weight);
 * in ``moe`` layers, 3-D parameters (stacked experts ``[E, ...]``) → ``expert``;
 * everything else (norms, routers, value head) → ``replicate``.
 
@@ -61,6 +66,21 @@ _KV_HEADS_ATTRS = ("num_kv_heads", "n_kv_heads", "num_key_value_heads", "n_kv_he
 _EXPERTS_ATTRS = ("num_experts", "n_experts", "n_routed_experts", "num_local_experts")
 _TOPK_ATTRS = ("top_k", "topk", "num_experts_per_tok", "n_experts_per_tok")
 _FFN_ATTRS = ("ffn_hidden", "ffn_hidden_size", "intermediate_size", "ffn_dim", "ffn")
+
+
+def is_projection(module: nn.Module) -> bool:
+    """``nn.Linear``, or a transformers ``Conv1D``: a linear map whose weight is ``[in, out]``
+    (by type name and its ``nx``/``nf`` attributes: capture does not import transformers)."""
+    if isinstance(module, nn.Linear):
+        return True
+    weight = getattr(module, "weight", None)
+    return (type(module).__name__ == "Conv1D" and isinstance(weight, torch.Tensor)
+            and tuple(weight.shape) == (getattr(module, "nx", None), getattr(module, "nf", None)))
+
+
+def out_features(module: nn.Module) -> int:
+    """Output width of a projection (``is_projection``)."""
+    return module.out_features if isinstance(module, nn.Linear) else module.nf
 
 
 @dataclass(frozen=True)
@@ -185,7 +205,7 @@ def _heuristic_roles(spec: LayerSpec, vocab: int) -> dict[int, str]:
             if isinstance(module, (nn.Embedding, nn.Linear)) and _vocab_of(module) == vocab:
                 roles[id(module.weight)] = "vocab"
     elif spec.kind in ("attention", "mlp"):
-        linears = [m for m in spec.module.modules() if isinstance(m, nn.Linear)]
+        linears = [m for m in spec.module.modules() if is_projection(m)]
         for position, linear in enumerate(linears):
             row = position == len(linears) - 1 and len(linears) > 1
             roles[id(linear.weight)] = "row" if row else "column"
@@ -275,8 +295,8 @@ def shape_meta(spec: LayerSpec, model: nn.Module, hidden: int, vocab: int) -> di
         meta["num_heads"] = heads
         meta["num_kv_heads"] = _first_attr(sources, _KV_HEADS_ATTRS) or heads
     elif spec.kind == "mlp":
-        linears = [m for m in spec.module.modules() if isinstance(m, nn.Linear)]
-        first_out = linears[0].out_features if linears else None
+        linears = [m for m in spec.module.modules() if is_projection(m)]
+        first_out = out_features(linears[0]) if linears else None
         meta["ffn_hidden"] = _first_attr((spec.module,), _FFN_ATTRS) or first_out
     elif spec.kind == "moe":
         stacked = [p for p in spec.module.parameters() if p.dim() == 3]

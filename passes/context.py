@@ -27,10 +27,24 @@ empty when ``torch.chunk`` returns fewer than ``n`` chunks), so
 stride=global_stride)`` rebuilds the global tensor; checkpoints rely on this.
 
 Sharding order when both apply: tp first (Megatron: column → tensor dim 0,
-row → tensor dim 1, vocab → tensor dim 0), then ZeRO-3 on tensor dim 0 of the
-tp-local piece over dp_shard. When both split tensor dim 0 the dp_shard
-placement is ``_StridedShard(0, split_factor=tp)``, FSDP2's form for "tp then
-fsdp on the same dim".
+row → tensor dim 1, vocab → tensor dim 0; a weight stored ``[in, out]``, as
+transformers' ``Conv1D``, swaps the two: ``TpLayout``), then ZeRO-3 on tensor
+dim 0 of the tp-local piece over dp_shard. When both split tensor dim 0 the
+dp_shard placement is ``_StridedShard(0, split_factor=tp)``, FSDP2's form for
+"tp then fsdp on the same dim".
+
+Fused projections (``TpLayout.parts > 1``: GPT-2's ``c_attn`` = [q | k | v], a
+fused gate/up): the tp dim holds ``parts`` equal blocks and each rank holds its
+chunk of *every* block, concatenated (``[q_r | k_r | v_r]``), so its q, k and v
+heads stay together; in DTensor's words ``_StridedShard(tp_dim,
+split_factor=parts)`` on the tp axis. The rank's shard is then ``parts``
+rectangular blocks (``ParamPlacement.regions``), not one. Decision: such a
+parameter is never split over dp_shard on the same dim (its tp-local piece is
+not one block of the global tensor, and ZeRO-3 chunks of it would not be
+either): where ZeRO-3 (or a compiled ZeRO-1/2 gather) would split it, it stays
+whole over dp and its gradient is all-reduced over dp as in DDP. In practice
+this is the 1-d bias of a fused ``Conv1D``; its weight splits tp on dim 1 and
+ZeRO-3 on dim 0 as usual.
 """
 
 from __future__ import annotations
@@ -51,8 +65,27 @@ from autoshard.plan import LayerStrategy, Mesh
 
 # Device-mesh axes, outermost → innermost (module docstring: rank layout).
 MESH_ORDER = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
-# Tensor dim split by Megatron tp, per tp role (autoshard.graph.TP_ROLES).
+# Tensor dim split by Megatron tp, per tp role (autoshard.graph.TP_ROLES), for nn.Linear's [out, in] weights.
 TP_ROLE_DIM = {"column": 0, "row": 1, "vocab": 0}
+
+
+@dataclass(frozen=True)
+class TpLayout:
+    """How a tp-split parameter lies in its global tensor (module docstring; ``shard_parameters`` reads it
+    from the op that uses the parameter).
+
+    transposed: a 2-d weight stored ``[in, out]`` (``addmm`` / ``mm``: transformers' ``Conv1D``):
+        column splits tensor dim 1, row tensor dim 0.
+    parts: equal blocks of a fused projection along the split dim (1: not fused).
+    """
+
+    transposed: bool = False
+    parts: int = 1
+
+    def tp_dim(self, tp_role: str, ndim: int) -> int | None:
+        """Tensor dim split by tp for ``tp_role`` (``None``: not split)."""
+        dim = TP_ROLE_DIM.get(tp_role)
+        return 1 - dim if dim is not None and self.transposed and ndim == 2 else dim
 
 
 @dataclass(frozen=True)
@@ -125,6 +158,8 @@ class ParamPlacement:
     placements: one DTensor placement per axis of ``MESH_ORDER``.
     tp_dim: tensor dim split over tp (``None``: replicated over tp).
     dp_dim: tensor dim split over dp_shard by ZeRO-3 (``None``: not split).
+    tp_parts: equal blocks of a fused projection along ``tp_dim`` (module docstring); the rank holds
+        its chunk of each, concatenated (``regions``).
     """
 
     fqn: str
@@ -136,6 +171,7 @@ class ParamPlacement:
     tp_dim: int | None = None
     dp_dim: int | None = None
     ep_dim: int | None = None  # expert dim split over the ep group (EP); Shard on dp_shard when ep == dp_shard
+    tp_parts: int = 1
 
     @property
     def global_stride(self) -> tuple[int, ...]:
@@ -146,8 +182,10 @@ class ParamPlacement:
         """The block of the global tensor this rank holds: one ``slice(start, stop)`` per tensor dim.
 
         Every sharding here (tp, then ZeRO-3 over dp_shard, then ep) chunks a contiguous range of
-        one dim, so the local shard is always one rectangular block: materialisation reads or
-        initialises exactly it (``runtime/materialize.py``), never the whole tensor.
+        one dim, so the local shard is one rectangular block: materialisation reads or initialises
+        exactly it (``runtime/materialize.py``), never the whole tensor. A fused parameter
+        (``tp_parts > 1``) holds one such block per part: this is the first part's, ``regions``
+        gives them all.
         """
         bounds = [(0, n) for n in self.global_shape]
         for tensor_dim, axis, empty_ok in ((self.tp_dim, "tp", False), (self.dp_dim, "dp_shard", True),
@@ -156,17 +194,37 @@ class ParamPlacement:
                 continue
             start, stop = bounds[tensor_dim]
             size, parts, index = stop - start, ctx.size(axis), ctx.coord(axis)
+            if axis == "tp":
+                size //= self.tp_parts
             length = _chunk_len(size, parts, index) if empty_ok else size // parts
             first = min(size, index * chunk_size(size, parts)) if empty_ok else index * length
             bounds[tensor_dim] = (start + first, start + first + length)
         region = tuple(slice(a, b) for a, b in bounds)
-        assert tuple(b - a for a, b in bounds) == self.local_shape, (bounds, self.local_shape)
+        block = list(self.local_shape)
+        if self.tp_dim is not None:
+            block[self.tp_dim] //= self.tp_parts
+        assert [b - a for a, b in bounds] == block, (bounds, self.local_shape, self.tp_parts)
         return region
+
+    def part_regions(self, region: tuple[slice, ...]) -> tuple[tuple[slice, ...], ...]:
+        """All blocks of the local shard from ``region`` (the first part's), in the order they are
+        concatenated along ``tp_dim``: each part's block lies ``global/tp_parts`` further on."""
+        if self.tp_parts == 1:
+            return (region,)
+        step = self.global_shape[self.tp_dim] // self.tp_parts
+        here = region[self.tp_dim]
+        return tuple(region[:self.tp_dim] + (slice(here.start + k * step, here.stop + k * step),)
+                     + region[self.tp_dim + 1:] for k in range(self.tp_parts))
+
+    def regions(self, ctx: RankContext) -> tuple[tuple[slice, ...], ...]:
+        """The blocks of the global tensor this rank holds, concatenated along ``tp_dim`` (one unless fused)."""
+        return self.part_regions(self.region(ctx))
 
     def shard(self, full: torch.Tensor, ctx: RankContext) -> torch.Tensor:
         """This rank's local shard of the global tensor ``full`` (a new contiguous tensor)."""
         assert tuple(full.shape) == self.global_shape, (full.shape, self.global_shape)
-        return full[self.region(ctx)].contiguous().clone()
+        blocks = [full[region] for region in self.regions(ctx)]
+        return (torch.cat(blocks, self.tp_dim) if len(blocks) > 1 else blocks[0]).contiguous().clone()
 
 
 def chunk_or_empty(t: torch.Tensor, num_chunks: int, index: int, tensor_dim: int) -> torch.Tensor:
@@ -190,29 +248,35 @@ def _chunk_len(size: int, num_chunks: int, index: int) -> int:
 
 def placement_for(
     fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy: LayerStrategy, ctx: RankContext,
-    gathered_in_graph: bool = False,
+    gathered_in_graph: bool = False, layout: TpLayout = TpLayout(),
 ) -> ParamPlacement:
     """The placement of parameter ``fqn`` under its layer's ``strategy`` on ``ctx``'s rank.
 
     ``gathered_in_graph`` (``gathers_in_graph``): a ZeRO-1/2 layer of a compiled program is held
     as ZeRO-3's dim-0 shard and gathered in the forward graph (``passes/_zero3.py`` note
-    "compiled gather").
+    "compiled gather"). ``layout``: how the parameter is used (transposed weight, fused parts).
 
     Raises ``PlanError`` when tp does not divide the split dimension (uneven
     Megatron shards would change the model's head/vocab arithmetic).
     """
     tp = ctx.size("tp")
-    tp_dim = TP_ROLE_DIM.get(tp_role) if strategy.tp == "megatron" and tp > 1 else None
+    tp_dim = layout.tp_dim(tp_role, len(global_shape)) if strategy.tp == "megatron" and tp > 1 else None
+    parts = layout.parts if tp_dim is not None else 1
     local = list(global_shape)
     if tp_dim is not None:
-        if global_shape[tp_dim] % tp:
+        if global_shape[tp_dim] % (tp * parts):
+            fused = f" ({parts} fused parts)" if parts > 1 else ""
             raise PlanError(
-                f"layer {strategy.layer!r}: parameter {fqn!r} dim {tp_dim} has size {global_shape[tp_dim]}, "
+                f"layer {strategy.layer!r}: parameter {fqn!r} dim {tp_dim} has size {global_shape[tp_dim]}{fused}, "
                 f"not divisible by tp={tp}; choose a tp degree that divides it or tp='none' for this layer"
             )
         local[tp_dim] //= tp
+    if parts > 1 and _StridedShard is None:  # pragma: no cover - older torch
+        raise PlanError(f"layer {strategy.layer!r}: {fqn!r} is a fused projection; splitting it over tp needs "
+                        "torch's _StridedShard (torch >= 2.5); upgrade torch or use tp='none' for this layer")
     sharded = strategy.state == "zero3" or gathered_in_graph
-    dp_dim = 0 if sharded and ctx.size("dp_shard") > 1 and global_shape else None
+    fused_dim0 = parts > 1 and tp_dim == 0  # stays whole over dp (module docstring: fused projections)
+    dp_dim = 0 if sharded and ctx.size("dp_shard") > 1 and global_shape and not fused_dim0 else None
     if dp_dim is not None:
         local[0] = _chunk_len(local[0], ctx.size("dp_shard"), ctx.coord("dp_shard"))
     ep_dim = _expert_dim(fqn, global_shape, tp_role, strategy, ctx)
@@ -220,7 +284,7 @@ def placement_for(
         local[ep_dim] //= ctx.size("ep")
     placements = {axis: Replicate() for axis in MESH_ORDER}
     if tp_dim is not None:
-        placements["tp"] = Shard(tp_dim)
+        placements["tp"] = _StridedShard(tp_dim, split_factor=parts) if parts > 1 else Shard(tp_dim)
     if ep_dim is not None and ctx.size("ep") == ctx.size("dp_shard"):
         placements["dp_shard"] = Shard(ep_dim)  # ep coordinate = dp_shard coordinate: expressible in DTensor
     if dp_dim is not None:
@@ -236,6 +300,7 @@ def placement_for(
         tp_dim=tp_dim,
         dp_dim=dp_dim,
         ep_dim=ep_dim,
+        tp_parts=parts,
     )
 
 
@@ -289,6 +354,7 @@ __all__ = [
     "TP_ROLE_DIM",
     "ParamPlacement",
     "RankContext",
+    "TpLayout",
     "autoshard_meta",
     "chunk_or_empty",
     "chunk_size",

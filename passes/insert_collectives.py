@@ -15,6 +15,8 @@ placement) → collective. Placements over the tp axis:
     partial       each rank holds a summand (row-parallel output, vocab-masked embedding)
     vocab_shard   logits over this rank's vocabulary slice
     seq_shard     sequence parallelism: this rank's chunk of the sequence dim, all features
+    gathered      SP: a reshape that flattens tokens ([B, S, h] → [B·S, h], transformers' Conv1D)
+                  of an all-gathered sequence, feeding only column-parallel projections
 
     (replicate,   column)    → copy_to_tp       f: identity fwd, all-reduce bwd
     (partial,     replicate) → reduce_from_tp   g: all-reduce fwd, identity bwd
@@ -26,6 +28,7 @@ placement) → collective. Placements over the tp axis:
     (replicate,   seq_shard) → scatter_to_sp(seq)                          keep own chunk fwd, all-gather bwd
     (seq_shard,   replicate) → gather_from_sp(seq, grad_is_partial=False)  all-gather fwd, keep own chunk bwd
     (param,       seq_shard) → copy_to_tp                                  replicated param used on seq chunks
+    (gathered,    column)    → nothing     the SP all-gather before a token-flattening reshape is f
 
 Sequence parallelism (Megatron-SP, Korthikanti et al. 2022): a layer with
 ``sp=True`` whose output is ``partial`` (row-parallel linear, vocab-parallel
@@ -38,9 +41,11 @@ inputs that carry the sequence dim (GPT's position embedding) are scattered,
 and the graph outputs (values) are gathered back to replicate. The sequence
 dim of an activation is found by matching its symbolic size with the tokens'
 dim 1 (so the batch-first [B, S, h] layout is required; an op whose output
-loses the sharded dim raises ``PlanError``). Parameters that are replicated
-over tp but used on sequence chunks (norm weights, row-parallel biases, the
-value head) get per-rank partial gradients; each use is wrapped in
+loses the sharded dim raises ``PlanError``, except a reshape that flattens
+the tokens for column-parallel projections: state ``gathered``). Parameters
+that are replicated over tp but used on sequence chunks (norm weights,
+row-parallel biases, the value head, and values computed from them only, as
+Gemma's ``1 + weight``) get per-rank partial gradients; each use is wrapped in
 ``copy_to_tp`` (identity forward, all-reduce over tp backward), so the grad is
 summed over tp in the graph and the optimizer sees full, tp-replicated
 gradients. Decision: one all-reduce per such parameter per micro-batch
@@ -49,18 +54,52 @@ value left on ``seq_shard`` records ``node.meta["autoshard"]["seq_shard"] =
 (sequence dim, tp)``: ``split_pipeline`` sends such a value across a stage
 boundary as this rank's chunk.
 
-A node's consumer placement comes from its parameter: a linear whose weight
-is tp-split on dim 0 with role column is column-parallel (its output is
-``shard``); split on dim 1, row-parallel (bias added after g); an embedding
-or linear on a vocab-split weight is vocab-parallel. Any other node outputs
-``shard`` if an input is ``shard``, else ``replicate``. Decisions: the LM head's
-logits are all-gathered (PPO needs log-probs of chosen tokens and the entropy
-of the full distribution; a vocab-parallel log-softmax is left for later); a
-row-parallel bias is added once, after the all-reduce; ``f`` is inserted once
-per producer, shared by all its column consumers (one backward all-reduce for
-q, k and v together). Static head counts: the exported graph writes the kv
-head count of GQA's ``expand`` as a literal; inside a ``shard`` region that
-literal (dim 1 of a 5-d expand) is divided by tp.
+A node's consumer placement comes from its parameter. Projections are
+``linear(x, W)`` (``W`` stored ``[out, in]``) and ``addmm(b, x, W)`` /
+``mm(x, W)`` / ``matmul(x, W)`` (``W`` stored ``[in, out]``: transformers'
+``Conv1D``; ``shard_parameters.PROJECTIONS``): one whose weight is tp-split on
+its output-feature dim is column-parallel (its output is ``shard``), on its
+input-feature dim row-parallel; an embedding or linear on a vocab-split weight
+is vocab-parallel. Any other node outputs ``shard`` if an input is ``shard``,
+else ``replicate``. Decisions: the LM head's logits are all-gathered (PPO needs
+log-probs of chosen tokens and the entropy of the full distribution; a
+vocab-parallel log-softmax is left for later) and its bias (Phi) is added to
+the gathered logits; a row-parallel bias is added once, after the all-reduce,
+which follows the pure reshapes after the projection (``Conv1D``'s ``[B·S, h]``
+→ ``[B, S, h]``: the reduction then sees the sequence dim SP needs); ``f`` is
+inserted once per producer, shared by all its column consumers (one backward
+all-reduce for q, k and v together).
+
+Static sizes (``_ShardDims``). ``torch.export`` writes every static size as a
+literal: HF's attention reshapes carry the *global* head counts (``repeat_kv``'s
+``expand(B, kv, n_rep, S, d)`` and ``reshape(B, kv·n_rep, S, d)``), GPT-2 its
+fused width (``view(B, S, 3h)``, ``split(h)``). Each ``shard`` activation
+carries the tensor dim that tp splits, followed through the graph by one rule
+per op family, and each literal on that dim is rewritten to its tp-local
+value, so the rule works for any model written with these ops:
+
+    column projection          the last dim (its fused parts: ``TpLayout.parts``)
+    view / reshape / flatten   dims grouped by equal products (sympy over the symbolic
+                               batch and sequence); the split dim must be the outermost
+                               of its group and goes to the outermost output dim of the
+                               group (``[.., 64] → [.., 4, 16]``: the 4 heads), whose
+                               literal is divided by tp; fused ``[.., 3·H·d] → [.., 3, H, d]``
+                               splits H
+    expand                     same dim, its literal divided by tp
+    split / chunk on it        only the fused parts (sizes divided by tp), then not fused
+    transpose / permute / (un)squeeze / slice / select   moved; slicing or indexing
+                               the split dim is refused
+    scaled_dot_product_attention   q, k and v split on the heads dim (1); no per-head mask
+    anything else              the split dim keeps its right-aligned place and global
+                               size; a replicated operand may only broadcast along it
+    row projection             the split dim must be the contracted last dim
+
+A size on the split dim that tp does not divide (2 key/value heads under
+tp = 4, MQA's one), an op no rule understands and a tp-split parameter used
+other than as a projection's weight or bias or an embedding table (``x @
+W.t()``) raise ``PlanError`` naming the layer, while the program is built (before any step); the search never
+proposes such a tp degree (``search/space.py``, ``tp_divides``). A vocab-parallel
+embedding keeps the table's ``padding_idx`` (Gemma's pad token gets no gradient).
 
 ZeRO-3: for each layer whose parameters are split over dp_shard one
 ``Zero3Gather`` submodule is inserted before the first use (``passes/_zero3.py``:
@@ -78,8 +117,9 @@ listed in ``gm.meta["autoshard"]["grads_reduced_in_graph"]``; otherwise they act
 on ``.grad`` after backward, in the runtime's optimizer (``runtime/optimizer.py``),
 bucketed per parameter.
 
-Not handled (clear ``PlanError``): tp on MoE layers; SP with a sequence length
-not divisible by tp fails in the collective (``CollectiveError``).
+Not handled (clear ``PlanError``): tp on MoE layers; a fused projection split
+into unequal parts (``shard_parameters``); SP with a sequence length not
+divisible by tp fails in the collective (``CollectiveError``).
 """
 
 from __future__ import annotations
@@ -87,15 +127,17 @@ from __future__ import annotations
 import copy
 import operator
 
+import sympy
 import torch
 from torch import fx, nn
 
 from autoshard.data_parallel import data_parallel_form
 from autoshard.errors import PlanError
-from autoshard.passes._graph_utils import META_KEY, rebuild, tag
+from autoshard.passes._graph_utils import META_KEY, node_layer, rebuild, tag
 from autoshard.passes._expert_parallel import insert_expert_parallel
 from autoshard.passes._zero3 import GatherSpec, Zero3Gather
 from autoshard.passes.context import RankContext
+from autoshard.passes.shard_parameters import PROJECTIONS, RESHAPES
 from autoshard.plan import Plan
 from autoshard.runtime import collectives, traced_collectives
 
@@ -141,15 +183,21 @@ TP_TABLE: dict[tuple[str, str], tuple | None] = {
     ("seq_shard", "replicate"): (sp_gather_replicated, "SP: all-gather the sequence for a replicated consumer"),
     ("param", "seq_shard"): (collectives.copy_to_tp, "SP: replicated parameter used on sequence chunks; all-reduce its grad over tp"),
     ("seq_shard", "seq_shard"): None,
+    ("gathered", "column"): None,
 }
 
 
-def vocab_parallel_embedding(weight: torch.Tensor, tokens: torch.Tensor, vocab_start: int) -> torch.Tensor:
-    """Embedding over this rank's vocabulary rows [vocab_start, vocab_start + V/tp); others give 0 (partial)."""
+def vocab_parallel_embedding(weight: torch.Tensor, tokens: torch.Tensor, vocab_start: int,
+                             padding_idx: int | None = None) -> torch.Tensor:
+    """Embedding over this rank's vocabulary rows [vocab_start, vocab_start + V/tp); others give 0 (partial).
+    ``padding_idx`` (global; Gemma's pad token) gets no gradient on the rank that holds its row."""
     local_vocab = weight.shape[0]
     outside = (tokens < vocab_start) | (tokens >= vocab_start + local_vocab)  # [B, S]
     local_ids = (tokens - vocab_start).masked_fill(outside, 0)
-    out = torch.nn.functional.embedding(local_ids, weight)  # [B, S, h]
+    local_pad = padding_idx - vocab_start if padding_idx is not None else None
+    if local_pad is not None and not 0 <= local_pad < local_vocab:
+        local_pad = None
+    out = torch.nn.functional.embedding(local_ids, weight, padding_idx=local_pad)  # [B, S, h]
     return out.masked_fill(outside.unsqueeze(-1), 0.0)
 
 
@@ -164,8 +212,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     placements = gm.meta[META_KEY]["placements"]
     if ctx.size("tp") > 1:
         roles = {fqn: role for fqn, (_layer, role) in gm.meta[META_KEY]["params"].items()}
-        sp_layers = frozenset(s.layer for s in plan.layers if s.sp)
-        _TPRewriter(graph, placements, roles, ctx, sp_layers).run()
+        _TPRewriter(graph, placements, roles, ctx, plan).run()
     insert_expert_parallel(graph, placements, ctx, NAME)
     modules, hsdp_synced = _insert_zero3_gathers(graph, placements, ctx, plan)
     synced = hsdp_synced + _insert_grad_syncs(graph, placements, ctx, plan, modules)
@@ -221,12 +268,14 @@ def _insert_grad_syncs(graph: fx.Graph, placements: dict, ctx: RankContext, plan
 class _TPRewriter:
     """Walks the graph once, tracking each node's tp placement and applying ``TP_TABLE``."""
 
-    def __init__(self, graph: fx.Graph, placements: dict, roles: dict, ctx: RankContext, sp_layers: frozenset) -> None:
-        self.graph, self.placements, self.roles, self.ctx = graph, placements, roles, ctx
-        self.sp_layers = sp_layers
+    def __init__(self, graph: fx.Graph, placements: dict, roles: dict, ctx: RankContext, plan: Plan) -> None:
+        self.graph, self.placements, self.roles, self.ctx, self.plan = graph, placements, roles, ctx, plan
+        self.sp_layers = frozenset(s.layer for s in plan.layers if s.sp)
         self.group = ctx.group("tp")
         self.state: dict[fx.Node, str] = {}
+        self.dims = _ShardDims(ctx.size("tp"), lambda node: node_layer(node, plan) or node.name)
         self.converted: dict[tuple[fx.Node, str], fx.Node] = {}  # (producer, consumer placement) → conversion
+        self.param_derived: dict[fx.Node, bool] = {}
         tokens = next(n for n in graph.nodes if n.op == "placeholder")
         self.seq_size = tokens.meta["val"].shape[1]  # S (symbolic): locates the sequence dim of activations
 
@@ -236,7 +285,10 @@ class _TPRewriter:
         return None
 
     def run(self) -> None:
+        self.check_split_param_uses()
         for node in list(self.graph.nodes):
+            if node in self.state:  # a row projection's reshapes before its reduction (row)
+                continue
             if node.op == "call_function":
                 self.state[node] = self.visit(node)
             elif node.op == "output":
@@ -249,26 +301,57 @@ class _TPRewriter:
                 record["seq_shard"] = (self.seq_dim(node, node.name), self.ctx.size("tp"))
                 node.meta[META_KEY] = record
 
+    def check_split_param_uses(self) -> None:
+        """A tp-split parameter may only feed a projection (as its weight or bias) or an embedding: any other
+        use (``x @ W.t()``, a weight sliced by hand) would see this rank's piece as if it were whole."""
+        for node in self.graph.nodes:
+            param = self.param_of(node)
+            if param is None or param.tp_dim is None:
+                continue
+            for user in node.users:
+                weight_at, bias_at, _ = PROJECTIONS.get(user.target, (None, None, False))
+                positions = {weight_at, bias_at} if user.target in PROJECTIONS else {0}
+                known = user.target in PROJECTIONS or user.target == aten.embedding.default
+                if not known or not any(i is not None and i < len(user.args) and user.args[i] is node
+                                        for i in positions):
+                    raise PlanError(f"layer {param.layer!r}: tp-split parameter {param.fqn!r} is used by {user.name} "
+                                    f"({user.target}), not as a projection's weight or bias; the tensor-parallel "
+                                    "runtime cannot split it: use tp='none' for the layer")
+
     def visit(self, node: fx.Node) -> str:
-        weight = self.param_of(node.args[1]) if len(node.args) > 1 else None
         if node.target == aten.embedding.default:
             weight = self.param_of(node.args[0])
             if weight is not None and weight.tp_dim == 0:
                 return self.vocab_embedding(node, weight)
-        if node.target == aten.linear.default and weight is not None and weight.tp_dim is not None:
-            if self.roles.get(weight.fqn) == "vocab":
+        weight_at, _bias_at, transposed = PROJECTIONS.get(node.target, (None, None, False))
+        weight = self.param_of(node.args[weight_at]) if weight_at is not None else None
+        if weight is not None and weight.tp_dim is not None:
+            if self.roles.get(weight.fqn) == "vocab" and node.target == aten.linear.default:
                 return self.vocab_head(node)
-            return self.column(node) if weight.tp_dim == 0 else self.row(node, weight)
+            out_dim = 1 if transposed else 0  # tensor dim of the weight that holds the output features
+            return self.column(node, weight) if weight.tp_dim == out_dim else self.row(node, weight)
         inputs = [self.state.get(a, "replicate") for a in node.all_input_nodes]
         if "shard" in inputs:
             if "seq_shard" in inputs:
                 raise PlanError(f"node {node.name} ({node.target}) mixes head-sharded and sequence-sharded inputs; "
                                 "set sp=False on the layers around it")
-            self.fix_static_heads(node)
+            self.dims.follow(node, {a for a in node.all_input_nodes if self.state.get(a) == "shard"})
             return "shard"
+        if "seq_shard" in inputs and node.target in RESHAPES and self.seq_dim(node, node.name) is None \
+                and node.users and all(self.column_weight(u, node) for u in node.users):
+            node.update_arg(0, self.convert(node.args[0], "column", node))  # Conv1D's [B, S, h] → [B·S, h]
+            return "gathered"
         if "seq_shard" in inputs:
             return self.seq_region(node)
         return "replicate"
+
+    def column_weight(self, node: fx.Node, x: fx.Node) -> object:
+        """The column-parallel weight of projection ``node`` whose activation operand is ``x`` (else None)."""
+        weight_at, _bias_at, transposed = PROJECTIONS.get(node.target, (None, None, False))
+        weight = self.param_of(node.args[weight_at]) if weight_at is not None else None
+        at = 1 if node.target == aten.addmm.default else 0
+        ok = weight is not None and weight.tp_dim == (1 if transposed else 0) and node.args[at] is x
+        return weight if ok and self.roles.get(weight.fqn) != "vocab" else None
 
     def insert(self, key: tuple[str, str], producer: fx.Node, where, after: bool = False, **meta) -> fx.Node:
         """Insert ``TP_TABLE[key]`` applied to ``producer`` before (or after) ``where``; records its state."""
@@ -322,15 +405,33 @@ class _TPRewriter:
                 node.replace_input_with(arg, self.insert(("param", "seq_shard"), arg, node, param=param.fqn))
             elif self.seq_dim(arg, f"input {arg.name} of {node.name}") is not None:
                 node.replace_input_with(arg, self.convert(arg, "seq_shard", node))
+            elif self.from_params(arg):  # Gemma's norm: (1 + weight) computed before the use
+                node.replace_input_with(arg, self.insert(("param", "seq_shard"), arg, node, param=arg.name))
         return "seq_shard"
+
+    def from_params(self, node: fx.Node) -> bool:
+        """Whether ``node`` (no sequence dim) is computed from parameters: its gradient reaches them."""
+        stack = [node]
+        while stack:  # post-order without recursion: a deep graph would exceed Python's recursion limit
+            top = stack[-1]
+            todo = [a for a in top.all_input_nodes if a not in self.param_derived]
+            if todo and self.param_of(top) is None:
+                stack.extend(todo)
+                continue
+            stack.pop()
+            self.param_derived[top] = self.param_of(top) is not None or any(
+                self.param_derived.get(a, False) for a in top.all_input_nodes)
+        return self.param_derived[node]
 
     def output(self, node: fx.Node) -> None:
         for arg in node.all_input_nodes:
             if self.state.get(arg) == "seq_shard":
                 node.replace_input_with(arg, self.convert(arg, "replicate", node))
 
-    def column(self, node: fx.Node) -> str:
-        node.update_arg(0, self.convert(node.args[0], "column", node))
+    def column(self, node: fx.Node, weight) -> str:
+        at = 1 if node.target == aten.addmm.default else 0  # the activation operand
+        node.update_arg(at, self.convert(node.args[at], "column", node))
+        self.dims.set(node, node.meta["val"].dim() - 1, weight.tp_parts)
         return "shard"
 
     def reduce_partial(self, node: fx.Node, layer: str) -> fx.Node:
@@ -339,52 +440,271 @@ class _TPRewriter:
         return self.insert(key, node, node, after=True)
 
     def row(self, node: fx.Node, weight) -> str:
-        bias = node.args[2] if len(node.args) > 2 else None
-        node.args = (node.args[0], node.args[1])
-        reduced = self.reduce_partial(node, weight.layer)
-        users = [u for u in node.users if u is not reduced]
+        """Row-parallel projection: partial sums, reduced after the reshapes that follow it (``Conv1D``'s
+        ``[B·S, h]`` → ``[B, S, h]``, so SP finds the sequence dim); the bias added once, after."""
+        at = 1 if node.target == aten.addmm.default else 0
+        self.dims.check_contracted(node, node.args[at], self.state.get(node.args[at]) == "shard")
+        bias = node.args[2] if node.target == aten.linear.default and len(node.args) > 2 else None
+        if node.target == aten.addmm.default:
+            bias, node.target, node.args = node.args[0], aten.mm.default, (node.args[1], node.args[2])
+        else:
+            node.args = node.args[:2]
+        end = node
+        while len(end.users) == 1 and next(iter(end.users)).target in RESHAPES:
+            end = next(iter(end.users))
+            self.state[end] = "partial"
+        reduced = self.reduce_partial(end, weight.layer)
+        users = [u for u in end.users if u is not reduced]
         out = reduced
         if bias is not None:
             with self.graph.inserting_after(reduced):
                 out = tag(self.graph.call_function(aten.add.Tensor, (reduced, bias)), NAME, "row-parallel bias, added once after g")
-            out.meta["val"] = node.meta.get("val")
+            out.meta["val"] = end.meta.get("val")
             self.state[out] = self.seq_region(out) if self.state[reduced] == "seq_shard" else "replicate"
         for user in users:
-            user.replace_input_with(node, out)
+            user.replace_input_with(end, out)
         return "partial"
 
     def vocab_embedding(self, node: fx.Node, weight) -> str:
         local_vocab = weight.global_shape[0] // self.ctx.size("tp")  # tp-local rows, before any ZeRO-3 split
         node.target = vocab_parallel_embedding
-        node.args = (node.args[0], node.args[1], self.ctx.coord("tp") * local_vocab)
+        padding_idx = node.args[2] if len(node.args) > 2 and node.args[2] >= 0 else None
+        node.args = (node.args[0], node.args[1], self.ctx.coord("tp") * local_vocab, padding_idx)
         tag(node, NAME, "vocab-parallel embedding: rows outside this rank's vocabulary slice give 0")
         reduced = self.reduce_partial(node, weight.layer)
         node.replace_all_uses_with(reduced, delete_user_cb=lambda u: u is not reduced)
         return "partial"
 
     def vocab_head(self, node: fx.Node) -> str:
+        """Vocab-parallel head: local logits, all-gathered; a (replicated) bias added to the full logits."""
         node.update_arg(0, self.convert(node.args[0], "column", node))
+        bias = node.args[2] if len(node.args) > 2 else None
+        node.args = node.args[:2]
         _fn, why = TP_TABLE[("vocab_shard", "replicate")]
         with self.graph.inserting_after(node):
             full = tag(self.graph.call_function(gather_logits, (node, self.group)), NAME, why)
-        node.replace_all_uses_with(full, delete_user_cb=lambda u: u is not full)
-        self.state[full] = "replicate"
+        out = full
+        if bias is not None:
+            with self.graph.inserting_after(full):
+                out = tag(self.graph.call_function(aten.add.Tensor, (full, bias)), NAME,
+                          "LM head bias, added to the gathered logits")
+            out.meta["val"] = node.meta.get("val")
+        node.replace_all_uses_with(out, delete_user_cb=lambda u: u not in (full, out))
+        self.state[full] = self.state[out] = "replicate"
         return "vocab_shard"
 
-    def fix_static_heads(self, node: fx.Node) -> None:
-        if node.target != aten.expand.default:
-            return
+
+_SHAPE_ARG = {aten.view.default: (1, 0), aten.reshape.default: (1, 0), aten._unsafe_view.default: (1, 0),
+              aten.unflatten.int: (2, None)}  # op → (arg holding output sizes, first output dim it covers)
+_SDPA = (aten.scaled_dot_product_attention.default,)
+
+
+class _ShardDims:
+    """Which tensor dim of each ``shard`` activation is split over tp, and the local form of the static
+    sizes the exported graph carries for it (module docstring, "Static sizes").
+
+    ``set``/``follow`` record ``(dim, parts)`` per node: ``parts`` > 1 while the dim still holds the
+    blocks of a fused projection (``[q_r | k_r | v_r]``). A node whose rule cannot say where the split
+    dim went, or that would compute something else on the local piece, raises ``PlanError``.
+    """
+
+    def __init__(self, tp: int, layer_of) -> None:
+        self.tp, self.layer_of = tp, layer_of
+        self.dims: dict[fx.Node, tuple[int, int]] = {}
+
+    def set(self, node: fx.Node, dim: int, parts: int = 1) -> None:
+        self.dims[node] = (dim, parts)
+
+    def refuse(self, node: fx.Node, why: str) -> PlanError:
+        return PlanError(f"layer {self.layer_of(node)!r}: {why} at node {node.name} ({node.target}); the "
+                         "tensor-parallel runtime cannot run this layout: use tp='none' for the layer")
+
+    def follow(self, node: fx.Node, sharded: set[fx.Node]) -> None:
+        """Record the split dim of ``node``'s output from its sharded inputs, rewriting its static sizes."""
+        first = node.args[0] if node.args else None
+        source = first if isinstance(first, fx.Node) and first in sharded else min(sharded, key=lambda n: n.name)
+        dim, parts = self.dims[source]
+        val = node.meta.get("val")
+        if node.target in RESHAPES:
+            self.set(node, *self.reshape(node, source, dim, parts))
+        elif node.target == aten.expand.default:
+            self.set(node, self.expand(node, source, dim), parts)
+        elif node.target in (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default):
+            self.set(node, *self.split(node, source, dim, parts))
+        elif node.target is operator.getitem and isinstance(source.meta.get("val"), (list, tuple)):
+            self.set(node, dim, parts)
+        elif node.target in _SDPA:
+            self.set(node, self.attention(node, sharded), 1)
+        elif node.target in _MOVES:
+            self.set(node, _MOVES[node.target](node, dim, source.meta["val"].dim(), self), parts)
+        elif isinstance(val, torch.Tensor):
+            self.set(node, self.elementwise(node, sharded), parts)
+        elif val is not None and not isinstance(val, (int, torch.SymInt, bool)):
+            raise self.refuse(node, "a tp-sharded input gives a non-tensor output")
+
+    def check_contracted(self, node: fx.Node, x: fx.Node, is_shard: bool) -> None:
+        """A row-parallel projection contracts the split dim: it must be the last, with no fused parts."""
+        last = x.meta["val"].dim() - 1
+        if not is_shard or self.dims.get(x, (None, 1)) != (last, 1):
+            raise self.refuse(node, f"the row-parallel input {x.name} is not split over tp on its last dim "
+                                    f"(split: {self.dims.get(x)})")
+
+    def local(self, node: fx.Node, size, what: str) -> int:
+        if not isinstance(size, int) or size % self.tp:
+            raise self.refuse(node, f"{what} of size {size} is split over tp={self.tp}, which does not divide it "
+                                    "(heads, key/value heads or fused parts; choose a tp degree that divides them)")
+        return size // self.tp
+
+    def reshape(self, node: fx.Node, source: fx.Node, dim: int, parts: int) -> tuple[int, int]:
+        """view / reshape: the split dim is the outermost dim of its group of merged / split dims."""
+        ins, outs = list(source.meta["val"].shape), list(node.meta["val"].shape)
+        groups = _reshape_groups(ins, outs)
+        group = next((g for g in groups or () if dim in g[0]), None)
+        if group is None or any(ins[d] != 1 for d in group[0][:group[0].index(dim)]):
+            raise self.refuse(node, f"reshape {ins} → {outs} moves the tp-split dim {dim} inside other dims")
+        gin, gout = group
+        out_dim, out_parts = gout[0], parts
+        if len(gin) != 1 or len(gout) != 1 or ins[dim] != outs[out_dim]:
+            out_parts = 1
+            if parts > 1 and outs[gout[0]] == parts and len(gout) > 1:
+                out_dim = gout[1]  # [.., 3·H·d] → [.., 3, H, d]: the heads are split, each of q, k, v whole
+            elif parts > 1:
+                raise self.refuse(node, f"reshape {ins} → {outs} mixes the {parts} fused parts of dim {dim}")
+        local = self.local(node, outs[out_dim], f"dim {out_dim} of the reshape's output")
+        at, first = _SHAPE_ARG.get(node.target, (None, 0))  # the literal output sizes: args[at] from dim first
+        if node.target == aten.unflatten.int:
+            first = node.args[1] % source.meta["val"].dim()
+        shape = list(node.args[at]) if at is not None else []
+        if not 0 <= out_dim - first < len(shape) or shape[out_dim - first] == -1:
+            return out_dim, out_parts
+        if not isinstance(shape[out_dim - first], int):
+            raise self.refuse(node, f"the tp-split size of the reshape is symbolic ({shape[out_dim - first]})")
+        shape[out_dim - first] = local
+        node.update_arg(at, shape)
+        tag(node, NAME, "tp-local size of the split dim", dim=out_dim)
+        return out_dim, out_parts
+
+    def expand(self, node: fx.Node, source: fx.Node, dim: int) -> int:
+        out_dim = dim + node.meta["val"].dim() - source.meta["val"].dim()
         shape = list(node.args[1])
-        if len(shape) == 5 and isinstance(shape[1], int):
-            tp = self.ctx.size("tp")
-            if shape[1] % tp:
-                raise PlanError(
-                    f"GQA: {shape[1]} key/value heads are not divisible by tp={tp}; choose tp dividing "
-                    "num_kv_heads or tp='none' for the attention layers"
-                )
-            shape[1] //= tp
+        if isinstance(shape[out_dim], int) and shape[out_dim] != -1:
+            shape[out_dim] = self.local(node, shape[out_dim], f"dim {out_dim} of the expand")
             node.update_arg(1, shape)
-            tag(node, NAME, "local key/value head count under tp")
+            tag(node, NAME, "tp-local size of the split dim (e.g. GQA's key/value heads)", dim=out_dim)
+        return out_dim
+
+    def split(self, node: fx.Node, source: fx.Node, dim: int, parts: int) -> tuple[int, int]:
+        """split / chunk along the split dim: only a fused projection's parts, each then tp-local."""
+        ndim = source.meta["val"].dim()
+        at = node.args[2] if len(node.args) > 2 else node.kwargs.get("dim", 0)
+        if at % ndim != dim:
+            return dim, parts
+        pieces = len(node.meta["val"])
+        if pieces != parts:
+            raise self.refuse(node, f"dim {dim} is split into {pieces} pieces but holds {parts} fused part(s)")
+        if node.target == aten.split.Tensor:
+            node.update_arg(1, self.local(node, node.args[1], "the split size"))
+        elif node.target == aten.split_with_sizes.default:
+            node.update_arg(1, [self.local(node, s, "a split size") for s in node.args[1]])
+        tag(node, NAME, "tp-local sizes of a fused projection's parts")
+        return dim, 1
+
+    def attention(self, node: fx.Node, sharded: set[fx.Node]) -> int:
+        """SDPA runs per head: q, k and v must be split on the heads dim (1); a per-head mask cannot be."""
+        q, k, v = node.args[:3]
+        for x in (q, k, v):
+            if x not in sharded or self.dims.get(x) != (1, 1):
+                raise self.refuse(node, f"attention input {x.name} is not split over tp on its heads dim "
+                                        f"(split: {self.dims.get(x)})")
+        mask = node.args[3] if len(node.args) > 3 else node.kwargs.get("attn_mask")
+        mask_val = mask.meta.get("val") if isinstance(mask, fx.Node) else None
+        if mask_val is not None and mask_val.dim() >= 3 and mask_val.shape[-3] != 1:
+            raise self.refuse(node, "a per-head attention mask / bias is not split over tp")
+        return 1
+
+    def elementwise(self, node: fx.Node, sharded: set[fx.Node]) -> int:
+        """Any other op: the split dim keeps its (right-aligned) place and global size in the output, for
+        every sharded input; a replicated operand may only broadcast along it."""
+        out = node.meta["val"]
+        found = set()
+        for x in sharded:
+            dim, _ = self.dims[x]
+            here = dim + out.dim() - x.meta["val"].dim()
+            if here < 0 or out.shape[here] != x.meta["val"].shape[dim]:
+                raise self.refuse(node, f"the op changes or removes the tp-split dim {dim} of {x.name}")
+            found.add(here)
+        if len(found) != 1:
+            raise self.refuse(node, f"its sharded inputs are split on different dims {sorted(found)}")
+        here = found.pop()
+        for x in node.all_input_nodes:
+            val = x.meta.get("val")
+            at = here + (val.dim() - out.dim()) if isinstance(val, torch.Tensor) else -1
+            if x not in sharded and at >= 0 and val.shape[at] != 1:
+                raise self.refuse(node, f"replicated operand {x.name} {tuple(val.shape)} spans the tp-split dim")
+        return here
+
+
+def _transpose(node: fx.Node, dim: int, ndim: int, _dims) -> int:
+    a, b = (d % ndim for d in node.args[1:3])
+    return b if dim == a else a if dim == b else dim
+
+
+def _permute(node: fx.Node, dim: int, ndim: int, _dims) -> int:
+    return [d % ndim for d in node.args[1]].index(dim)
+
+
+def _unsqueeze(node: fx.Node, dim: int, ndim: int, _dims) -> int:
+    return dim + (node.args[1] % (ndim + 1) <= dim)
+
+
+def _squeeze(node: fx.Node, dim: int, ndim: int, dims) -> int:
+    at = node.args[1] if len(node.args) > 1 else range(ndim)
+    removed = [d % ndim for d in (at if isinstance(at, (list, tuple, range)) else [at])
+               if node.args[0].meta["val"].shape[d % ndim] == 1]
+    return dim - sum(d < dim for d in removed)
+
+
+def _slice(node: fx.Node, dim: int, ndim: int, dims) -> int:
+    at, start, end = (list(node.args[1:4]) + [0, None, None])[:3]
+    size = node.args[0].meta["val"].shape[dim]
+    if at % ndim == dim and ((start or 0) != 0 or (end is not None and end < size)):
+        raise dims.refuse(node, f"a slice of the tp-split dim {dim}")
+    return dim
+
+
+def _select(node: fx.Node, dim: int, ndim: int, dims) -> int:
+    at = node.args[1] % ndim
+    if at == dim:
+        raise dims.refuse(node, f"an index into the tp-split dim {dim}")
+    return dim - (at < dim)
+
+
+_MOVES = {aten.transpose.int: _transpose, aten.permute.default: _permute, aten.unsqueeze.default: _unsqueeze,
+          aten.squeeze.dim: _squeeze, aten.squeeze.dims: _squeeze, aten.squeeze.default: _squeeze,
+          aten.slice.Tensor: _slice, aten.select.int: _select}
+
+
+def _sym(size) -> sympy.Expr:
+    return sympy.sympify(size.node.expr) if isinstance(size, torch.SymInt) else sympy.Integer(int(size))
+
+
+def _reshape_groups(ins: list, outs: list) -> list[tuple[list[int], list[int]]] | None:
+    """Input dims and output dims of a reshape in groups of equal products, smallest groups first
+    (``[B, S, 64] → [B, S, 4, 16]``: ``([0], [0]), ([1], [1]), ([2], [2, 3])``); None when none fit."""
+    a, b = [_sym(s) for s in ins], [_sym(s) for s in outs]
+    i = j = 0
+    groups = []
+    while i < len(a) and j < len(b):
+        match = next(((m, n) for total in range(2, len(a) - i + len(b) - j + 1) for m in range(1, total)
+                      if (n := total - m) <= len(b) - j and m <= len(a) - i
+                      and sympy.expand(sympy.Mul(*a[i:i + m]) - sympy.Mul(*b[j:j + n])) == 0), None)
+        if match is None:
+            return None
+        groups.append((list(range(i, i + match[0])), list(range(j, j + match[1]))))
+        i, j = i + match[0], j + match[1]
+    if any(s != 1 for s in a[i:] + b[j:]):
+        return None
+    return groups
 
 
 def _replicas_in_graph(strategy, ctx: RankContext, plan: Plan) -> bool:

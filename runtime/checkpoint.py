@@ -456,6 +456,7 @@ def program_state(
     (``runtime/mesh.py``: ``program.device_mesh`` when the program keeps it, else built again from
     ``program.plan.mesh``).
     """
+    _refuse_fused_tp(program)
     if device_mesh is None:
         device_mesh = _program_mesh(program)
     masters = program.local_state_dict()
@@ -463,6 +464,18 @@ def program_state(
     return _program_checkpoint(program, device_mesh, masters, moments, step=step,
                                extras={**(extras or {}), STEPS_EXTRA: int(program.optimizer.steps)},
                                model_fingerprint=model_fingerprint)
+
+
+def _refuse_fused_tp(program: Any) -> None:
+    """``CheckpointError`` (before any collective) for a fused projection split over tp: its local tensor is
+    one block per part (``ParamPlacement.tp_parts``), which no single DCP chunk describes."""
+    fused = next((p for p in program.param_placements.values()
+                  if getattr(p, "tp_parts", 1) > 1 and p.tp_dim is not None), None)
+    if fused is not None:
+        raise CheckpointError(
+            f"{fused.fqn}: a fused projection split over tp ({fused.tp_parts} parts, each rank holding its block of "
+            "every part) cannot be checkpointed yet; pin its layer to tp='none' (or plan with tp=1) to save "
+            "or load checkpoints of this model")
 
 
 def _program_checkpoint(program: Any, device_mesh: DeviceMesh, masters: Mapping[str, torch.Tensor],
@@ -493,6 +506,7 @@ def load_program(
     one saved before moments were saved) loads into an AdamW program with fresh moments and the
     step counter at 0 (a warning says so). Returns the loaded state (step, extras, RNG).
     """
+    _refuse_fused_tp(program)
     if device_mesh is None:
         device_mesh = _program_mesh(program)
     info = read_info(resolve_checkpoint(path))

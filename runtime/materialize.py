@@ -6,7 +6,9 @@ copied), runs the passes (``shard_parameters`` allocates this rank's empty
 shards on its device), builds the optimizer with empty masters, and then
 ``fill`` walks this rank's parameters once: for each it asks the weights
 source for the rank's *region* of the global tensor (``ParamPlacement.region``:
-one ``slice`` per tensor dim) as float32, and hands it to the optimizer slot,
+one ``slice`` per tensor dim; a fused tensor-parallel projection's shard is one
+such block per part, read one after the other and joined, ``fill``) as
+float32, and hands it to the optimizer slot,
 which keeps its part as the fp32 master and writes the compute copy
 (``_Slot.load_master``). One region lives at a time, so the build's memory is
 this rank's resident state (compute shards, masters, moments) plus about two
@@ -63,7 +65,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -245,7 +247,9 @@ class _ModuleInitReader(_Reader):
 
     def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         """Module by module in ``apply`` order (children first); see the module docstring."""
-        by_name = {w.fqn: w for w in wanted}
+        by_name: dict[str, list[Wanted]] = {}
+        for w in wanted:
+            by_name.setdefault(w.fqn, []).append(w)  # a fused parameter: one item per block
         twin = meta_twin(self.model)
         canonical = {id(p): fqn for fqn, p in twin.named_parameters()}
         owners: dict[int, int] = {}
@@ -263,8 +267,7 @@ class _ModuleInitReader(_Reader):
                 owners[id(meta_param)] -= 1
                 if owners[id(meta_param)] == 0:
                     full = whole.pop(id(meta_param))
-                    item = by_name.get(canonical[id(meta_param)])
-                    if item is not None:
+                    for item in by_name.get(canonical[id(meta_param)], ()):
                         yield item.fqn, full.detach()[item.region].to(torch.float32, copy=True)
                 module._parameters[pname] = meta_param
             for bname, value in module.named_buffers(recurse=False):
@@ -442,6 +445,10 @@ class _CheckpointReader(_Reader):
 
         metadata = read_metadata_safely(self.directory)
         for item in wanted:
+            if _parts_of(item) > 1:
+                raise WeightsError(f"{item.fqn!r} is a fused projection split over tp (a strided shard of "
+                                   f"{item.placement.tp_parts} blocks): checkpoints do not hold this layout yet; "
+                                   "load it with tp='none' for its layer")
             local = torch.empty(tuple(s.stop - s.start for s in item.region), device=device)
             target = to_dtensor(LocalShard.of(local, item.placement), self.mesh)
             dcp.load({f"{MODEL_PREFIX}{item.fqn}": target}, storage_reader=SafeFileSystemReader(self.directory, metadata),
@@ -480,7 +487,7 @@ def fill(reader: Any, wanted: list[Wanted], expected: Mapping[str, tuple[int, ..
     try:
         reader.check(expected)
         missing = _copy_buffers(reader, buffers, device)  # the module-init fallback computes meta buffers on the way
-        for fqn, values in reader.regions(wanted, device):
+        for fqn, values in _joined(reader.regions(_blocks(wanted), device), wanted):
             write(fqn, values)
             del values
         for fqn in _copy_buffers(reader, {fqn: buffers[fqn] for fqn in missing}, device):
@@ -490,6 +497,36 @@ def fill(reader: Any, wanted: list[Wanted], expected: Mapping[str, tuple[int, ..
                 "init_empty_weights(include_buffers=False)) or compute it in Initialize(module_init=...)")
     finally:
         reader.close()
+
+
+def _parts_of(item: Wanted) -> int:
+    return getattr(item.placement, "tp_parts", 1)
+
+
+def _blocks(wanted: list[Wanted]) -> list[Wanted]:
+    """``wanted`` with each fused parameter (``ParamPlacement.tp_parts > 1``) as one item per block."""
+    out = []
+    for item in wanted:
+        if _parts_of(item) == 1:
+            out.append(item)
+        else:
+            out.extend(replace(item, region=region) for region in item.placement.part_regions(item.region))
+    return out
+
+
+def _joined(values: Iterator[tuple[str, torch.Tensor]], wanted: list[Wanted]) -> Iterator[tuple[str, torch.Tensor]]:
+    """The readers' values of ``_blocks(wanted)`` (in any order of parameters, a parameter's blocks in
+    order), each fused parameter's blocks concatenated along its tp dim."""
+    items = {w.fqn: w for w in wanted}
+    pending: dict[str, list[torch.Tensor]] = {}
+    for fqn, tensor in values:
+        item = items[fqn]
+        if _parts_of(item) == 1:
+            yield fqn, tensor
+            continue
+        pending.setdefault(fqn, []).append(tensor)
+        if len(pending[fqn]) == _parts_of(item):
+            yield fqn, torch.cat(pending.pop(fqn), item.placement.tp_dim)
 
 
 def _copy_buffers(reader: Any, buffers: Mapping[str, torch.Tensor], device: torch.device) -> list[str]:

@@ -68,7 +68,10 @@ def unshard(local: torch.Tensor, placement: ParamPlacement, ctx: RankContext) ->
     if placement.dp_dim is not None and ctx.size("dp_shard") > 1:
         full = _gather_uneven(full, placement, ctx)
     if placement.tp_dim is not None and ctx.size("tp") > 1:
-        full = collectives.all_gather(full, placement.tp_dim, ctx.group("tp"))
+        tp, parts, dim = ctx.size("tp"), getattr(placement, "tp_parts", 1), placement.tp_dim
+        full = collectives.all_gather(full, dim, ctx.group("tp"))  # rank-major
+        if parts > 1:  # a fused projection: each rank held its block of every part; make it part-major
+            full = full.unflatten(dim, (tp, parts, -1)).transpose(dim, dim + 1).flatten(dim, dim + 2)
     assert tuple(full.shape) == placement.global_shape, (placement.fqn, full.shape, placement.global_shape)
     return full
 

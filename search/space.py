@@ -12,7 +12,8 @@ Mesh (``enumerate_meshes``)
     ============================ ==================================================
     ``tp_in_node``               ``tp | devices_per_node`` (tp never crosses nodes)
     ``tp_divides/heads``         ``tp | num_heads`` of every attention layer
-    ``tp_divides/kv_heads``      ``tp | num_kv_heads`` (KV heads are split, not replicated)
+    ``tp_divides/kv_heads``      ``tp | num_kv_heads`` (KV heads are split, not replicated: an MQA
+                                 model, one KV head, gets no tp; the runtime refuses a forced plan)
     ``tp_divides/ffn``           ``tp | ffn_hidden`` of every MLP / expert
     ``tp_divides/vocab``         ``tp | vocab`` — the vocabulary is *not* padded: pad it
                                  in the model (Megatron's make-vocab-divisible-by) to use tp
@@ -37,7 +38,10 @@ Per layer (``admissible_strategies``), for one mesh:
       (a layer replicated over tp would waste the axis and need extra
       re-layout collectives); norms and the value head stay ``"none"``.
     * ``sp ∈ {False, True}`` only when ``mesh.tp > 1``; the solver makes ``sp``
-      one global choice (the norm regions between tp layers must agree).
+      one global choice (the norm regions between tp layers must agree). A
+      ``moe`` layer offers ``sp = False`` only (``sp_runs/moe``: the runtime
+      routes flattened ``[B·S, h]`` tokens, which have no sequence dim to keep
+      sharded), so a model with MoE layers trains without SP.
     * ``ep = True`` iff the layer is MoE and ``mesh.ep > 1`` (same reasoning as tp).
     * ``state``: all of ``STATES`` when ``dp > 1`` and the layer has parameters;
       ``replicate`` / ``offload`` when ``dp = 1`` (sharding over one rank is
@@ -302,7 +306,7 @@ def admissible_strategies(layer: LayerInfo, mesh: Mesh, pin: Mapping[str, Any] |
     pin = dict(pin or {})
     if not offload and pin.get("state") != "offload":
         states = tuple(s for s in states if s != "offload")
-    sps = (False, True) if mesh.tp > 1 else (False,)
+    sps = (False, True) if mesh.tp > 1 and layer.kind != "moe" else (False,)
     out = []
     for state in states:
         weights, grads = _comm_options(state, mesh.dp, has_params, pin, comm_precision)
@@ -421,6 +425,9 @@ def _check_pin_contradictions(layer: LayerInfo, pin: Mapping[str, Any], mesh: Ma
                              "layer uses the tp axis); drop one of them")
     if pin.get("sp") and mesh.get("tp") == 1:
         raise AutoshardError(f"{where}: sp=True needs tensor parallelism but Constraints.mesh has tp=1")
+    if pin.get("sp") and layer.kind == "moe":
+        raise AutoshardError(f"{where}: sp=True on an MoE layer: the runtime routes flattened tokens, which "
+                             "cannot stay sequence-sharded (sp_runs/moe); pin sp=False or drop the pin")
     if pin.get("ep") and (layer.kind != "moe" or mesh.get("ep") == 1):
         raise AutoshardError(f"{where}: ep=True needs an MoE layer on a mesh with ep>1 "
                              f"(layer kind {layer.kind!r}, mesh ep={mesh.get('ep', 'free')})")

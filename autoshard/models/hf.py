@@ -15,10 +15,22 @@ the CPU. The CLI takes such a directory or file as ``MODEL`` (``autoshard/models
 What this covers and what not (yet): the causal, unpadded training case only — ``forward`` takes
 token ids, no ``attention_mask`` or ``position_ids`` (why it calls the trunk's own modules in a loop
 of its own, and what capture needed: ``benchmarks/hf_zoo.py``, note "capturing a Hugging Face trunk
-on meta"); data-parallel plans (DDP, ZeRO-1/2/3, HSDP, offload) train like plain PyTorch on gloo;
-tensor parallelism on these trunks is not supported yet (the benchmark pins tp = 1). Weights come
-from ``autoshard.runtime.materialize`` sources (``Safetensors``, ``Initialize`` with
-``init_rule``: HF's rules by module type).
+on meta"); data-parallel plans (DDP, ZeRO-1/2/3, HSDP, offload) train like plain PyTorch on gloo.
+Megatron tensor parallelism (``tp="megatron"``, with or without ``sp``, alone or with ZeRO) trains
+like plain PyTorch on gloo for Llama, Qwen2, Gemma, Phi, Mixtral's attention and GPT-2
+(``tests/test_hf_tensor_parallel.py``): nothing here is model-specific, the passes read the
+trunks' own graphs — grouped-query attention's head counts (``repeat_kv`` or SDPA's
+``enable_gqa``), GPT-2's ``Conv1D`` (a weight stored ``[in, out]``) and its fused ``c_attn``
+(each rank holds its q, k and v heads: ``passes/context.py``, fused projections), Phi's LM-head
+bias, Gemma's padding row (``passes/insert_collectives.py``). tp must divide the attention and
+key/value heads, the MLP width and the vocabulary (``search/space.py``, ``tp_divides``): an MQA
+trunk (one key/value head) or GPT-2's 50257-token vocabulary gets no tp, and a forced plan is
+refused (``PlanError``) while the program is built. Mixtral's experts stay unsplit over tp (expert
+parallelism shards them) and a model with MoE layers trains without ``sp``. Checkpoints of a tp
+plan of GPT-2 are not supported yet: DCP cannot hold the fused ``c_attn``'s strided shard
+(``runtime/materialize.py`` refuses to read one). Weights come from
+``autoshard.runtime.materialize`` sources (``Safetensors``, ``Initialize`` with ``init_rule``:
+HF's rules by module type).
 """
 
 from __future__ import annotations
