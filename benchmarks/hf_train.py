@@ -19,8 +19,7 @@
 5. rank 0 writes the plan, the predictions, the measured median step time (steps after the first
    ``--warmup``), the peak memory per rank and the loss curve to ``--out``.
 
-The tensor-parallel axis is pinned to 1 unless ``--free-tp`` is given (``autoshard/models/hf.py``
-says which strategies these trunks run).
+``--tp N`` fixes the tensor-parallel degree the search must use (default 1; 0 leaves it to the search).
 """
 
 from __future__ import annotations
@@ -93,7 +92,7 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--calibration", type=Path)
-    p.add_argument("--free-tp", action="store_true")
+    p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree the search must use (0: its choice)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
@@ -124,7 +123,7 @@ def main() -> None:
     example = (torch.zeros(2, args.seq_len, dtype=torch.long, device="meta"),)  # the model is on meta
     t1 = time.perf_counter()
     compiled = autoshard.compile(policy, cluster, example_inputs=example, train=train,
-                                 constraints=None if args.free_tp else Constraints(mesh={"tp": 1}),
+                                 constraints=Constraints(mesh={"tp": args.tp}) if args.tp else None,
                                  weights=Layered(Safetensors(args.dir), Initialize(0)), name="hf-llama-1.1b")
     build_s = time.perf_counter() - t1
     program, plan = compiled.program, compiled.plan
@@ -169,7 +168,7 @@ def main() -> None:
                       "parameters": sum(p.numel() for p in policy.parameters()),
                       "files": sorted(f.name for f in args.dir.iterdir())},
             "device": torch.cuda.get_device_name(), "world_size": dist.get_world_size(),
-            "torch": torch.__version__, "plan": plan.to_dict(), "plan_summary": str(plan),
+            "torch": torch.__version__, "tp": args.tp, "plan": plan.to_dict(), "plan_summary": str(plan),
             "train": {"global_batch": args.global_batch, "seq_len": args.seq_len, "steps": args.steps, "lr": args.lr,
                       "warmup_steps": args.warmup_steps, "schedule": "cosine to 0.1", "weight_decay": 0.1},
             "write_model_s": written_s, "compile_and_build_s": build_s, "logits_check": check,
