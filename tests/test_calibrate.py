@@ -79,6 +79,21 @@ def test_fit_gemm_knee_recovers_the_law():
     assert fit_gemm_knee(rates, peak, 0.0) > knee  # the floor unremoved looks like a bigger knee
 
 
+def test_fit_gemm_knee_is_stable_under_timing_noise():
+    # ±10 % noise on each size's time: the knee stays within 30 % of the law's (the 1/e-against-1/w fit it
+    # replaced moved 3-6x between such draws, the smallest sizes deciding).
+    import random
+
+    peak, e_max, knee, floor = 989e12, 0.78, 2e9, 10e-6
+    for seed in range(8):
+        rnd = random.Random(seed)
+        rates = {}
+        for n in (256, 512, 1024, 2048, 4096, 8192):
+            work = 2.0 * n**3
+            rates[n] = work / ((floor + (work + knee) / (e_max * peak)) * (1 + rnd.uniform(-0.1, 0.1)))
+        assert fit_gemm_knee(rates, peak, floor) == pytest.approx(knee, rel=0.3), seed
+
+
 def test_fit_gemm_knee_refuses_one_size():
     with pytest.raises(AutoshardError, match="matmul sizes"):
         fit_gemm_knee({1024: 1e14}, 1e15, 0.0)
