@@ -22,7 +22,8 @@ is used (``plan_reuse.train_of``), not the example inputs' shape. Any
 mismatch raises ``PlanError`` naming what differs.
 
 Under a process group, ``program`` is ``autoshard.runtime.build_program(model,
-graph, plan, cluster, train, device=..., weights=...)`` on this rank's GPU when the group's
+graph, plan, cluster, train, device=..., weights=..., inputs=...)`` (``inputs``: the example's tensor
+inputs, ``bind_example``) on this rank's GPU when the group's
 backend is NCCL (``cuda:<current device>``, which torchrun scripts set from
 ``LOCAL_RANK``), else on the CPU (gloo); an installation without that runtime stage logs
 a warning and returns the plan with ``program=None``. Each rank allocates only
@@ -86,7 +87,7 @@ def _resolve_cluster(cluster: Cluster | str) -> Cluster:
 
 
 def _default_train(example_inputs: tuple) -> TrainSpec:
-    tokens = example_inputs[0]
+    tokens = example_inputs[0]  # positional form (bind_example): the tokens first
     batch, seq = int(tokens.shape[0]), int(tokens.shape[1])
     return TrainSpec(global_batch=batch, seq_len=seq)
 
@@ -95,7 +96,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     model: torch.nn.Module,
     cluster: Cluster | str,
     *,
-    example_inputs: tuple | None = None,
+    example_inputs: tuple | dict | None = None,
     train: TrainSpec | None = None,
     plan: Plan | str | Path | None = None,
     constraints: Constraints | None = None,
@@ -106,11 +107,17 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     """Capture ``model``, search (or load) a plan for ``cluster``, and build it.
 
     Args:
-        model: the policy (``forward(tokens) -> (logits, values)``); may live
+        model: the policy (``forward(tokens, ...) -> (logits, values)``); may live
             on the meta device for planning.
         cluster: an ``autoshard.Cluster`` or a spec string / file path.
-        example_inputs: a tuple whose first element is a ``[batch, seq]``
-            token tensor; defaults to ``(2, 16)`` random tokens.
+        example_inputs: the forward's inputs, a tuple (``model(*example_inputs)``)
+            or a dict of keywords (``model(**example_inputs)``): tokens ``[B, S]``
+            first (forward's first parameter), then any other tensors the
+            forward takes — a padding mask, position ids, segment ids — each
+            ``[B, ...]`` (or ``[1, ...]``, broadcast over the batch); defaults to
+            ``(2, 16)`` random tokens. The program takes exactly these tensors
+            (``Program.forward``, ``Program.step``; [Note: model inputs] in
+            ``passes/_capture_inputs.py``).
         train: batch, sequence length, optimizer and precision of one step,
             plus what only the runtime reads: the optimizer's hyper-parameters
             (``AdamW(...)`` / ``SGD(...)``), ``lr_schedule`` and ``grad_clip``
@@ -139,7 +146,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         InfeasibleError: no plan fits the cluster's memory.
         AutoshardError: bad ``cluster``, ``train`` or ``constraints``.
     """
-    from autoshard.passes.capture import capture
+    from autoshard.passes.capture import bind_example, capture
 
     resolved = _resolve_cluster(cluster)
     given = _load_plan(plan)
@@ -147,15 +154,16 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
         device = next((p.device for p in model.parameters()), torch.device("cpu"))
         vocab = getattr(getattr(model, "config", None), "vocab_size", 2)
         example_inputs = (torch.randint(0, vocab, (2, 16), device=device),)
+    positional, inputs = bind_example(model, example_inputs)
     graph = capture(model, example_inputs, name=name)
-    train = train or (train_of(given) if given is not None else _default_train(example_inputs))
+    train = train or (train_of(given) if given is not None else _default_train(positional))
     graph = _with_compiled_activations(graph, model, resolved, train)
     if given is not None:
         chosen = _check_reuse(given, plan, graph, resolved, train)
     else:
         chosen = _search(graph, resolved, train, constraints, time_limit_s)
     return Compiled(plan=chosen, graph=graph, cluster=resolved, train=train,
-                    program=_build_program(model, graph, chosen, resolved, train, weights))
+                    program=_build_program(model, graph, chosen, resolved, train, weights, inputs))
 
 
 def _with_compiled_activations(graph: ModelGraph, model: torch.nn.Module, cluster: Cluster,
@@ -198,7 +206,7 @@ def _search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: 
 
 
 def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec,
-                   weights: Any = None) -> Any:
+                   weights: Any = None, inputs: Any = None) -> Any:
     """The per-rank program under an initialised process group; ``None`` in plan mode."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return None
@@ -209,8 +217,9 @@ def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluste
         log.warning("autoshard.compile: this installation has no autoshard.runtime.build_program; "
                     "returning the plan only (program=None)")
         return None
+    extra = {"inputs": inputs} if inputs is not None and len(inputs.tensors) > 1 else {}  # tokens alone: the default
     return build_program(model, graph, plan, cluster, train, device=program_device(), weights=weights,
-                         release_model=weights is None)
+                         release_model=weights is None, **extra)
 
 
 def program_device() -> str:

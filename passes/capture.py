@@ -1,8 +1,10 @@
 """Capture pass: ``torch.export`` → ``ModelGraph``, the first pass and the entry of autoshard.
 
-Pre-condition: ``model(*example_inputs)`` runs, the first input is tokens
-``[B, S]`` (dim 0 batch, dim 1 sequence), and the model's forward is traceable
-by ``torch.export.export(..., strict=False)``. Post-condition: a ``ModelGraph``
+Pre-condition: ``model(*example_inputs)`` (or ``model(**example_inputs)`` for a
+dict) runs, the first input is tokens ``[B, S]`` (dim 0 batch, dim 1 sequence),
+any other tensor input is ``[B, ...]`` or broadcast over the batch
+(``_capture_inputs``, [Note: model inputs]: masks, position and segment ids),
+and the model's forward is traceable by ``torch.export.export(..., strict=False)``. Post-condition: a ``ModelGraph``
 whose layers partition the model's parameters (tied ones counted once), in
 execution order, with forward FLOPs, bytes and *measured* saved activations.
 The model is left as it was (training flags restored, hooks removed).
@@ -89,6 +91,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
+from autoshard.passes._capture_inputs import InputSpec, ModelInputs, bind_example
 from autoshard.passes._capture_costs import MATMUL_OPS
 from autoshard.passes._capture_export import Accum, Exported, GraphView, edges, export, price
 from autoshard.passes._capture_layers import (
@@ -114,7 +117,7 @@ _MAX_SEQ_ATTRS = ("max_seq_len", "max_position_embeddings", "block_size", "n_pos
 
 def capture(
     model: nn.Module,
-    example_inputs: tuple | None = None,
+    example_inputs: tuple | dict | None = None,
     *,
     name: str | None = None,
     seq_lens: tuple[int, int] | None = None,
@@ -128,7 +131,8 @@ def capture(
         model: the policy; its first forward input is tokens ``[B, S]``. Any
             device, meta included; parameter values are not read (except by
             the real-device fallback of the saved-activation measurement).
-        example_inputs: forward arguments. Default: zero tokens ``[batch, s2]``
+        example_inputs: forward arguments, a tuple or a dict of keywords
+            (``_capture_inputs``, [Note: model inputs]). Default: zero tokens ``[batch, s2]``
             on the model's device. When given, ``S`` of the first input is
             ``s2`` unless ``seq_lens`` says otherwise, and every dim ≥ 1 of
             every tensor input whose size is ``S`` is resized to the measured
@@ -210,7 +214,8 @@ class _Example:
     seq_lens: tuple[int, int]
 
     @staticmethod
-    def make(model: nn.Module, example_inputs: tuple | None, seq_lens: tuple[int, int] | None, batch: int) -> _Example:
+    def make(model: nn.Module, example_inputs: tuple | dict | None, seq_lens: tuple[int, int] | None,
+             batch: int) -> _Example:
         if example_inputs is None:
             if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
                 raise CaptureError(
@@ -219,17 +224,10 @@ class _Example:
             s1, s2 = seq_lens or _default_seq_lens(model)
             tokens = torch.zeros(batch, s2, dtype=torch.long, device=_model_device(model))
             return _Example((tokens,), batch, s2, _check_seq_lens((s1, s2)))
-        if not isinstance(example_inputs, tuple):
-            example_inputs = (example_inputs,)
+        example_inputs, _ = bind_example(model, example_inputs)  # positional; contract: [Note: model inputs]
         if _model_device(model).type == "meta":  # a model on meta is planned from shapes: its inputs follow it
             example_inputs = tuple(x.to("meta") if isinstance(x, torch.Tensor) else x for x in example_inputs)
-        tokens = example_inputs[0] if example_inputs else None
-        if not isinstance(tokens, torch.Tensor) or tokens.dim() < 2:
-            got = f"tensor of shape {tuple(tokens.shape)}" if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise CaptureError(
-                f"example_inputs[0] is a {got}; capture needs tokens [B, S] as the first input "
-                "(dim 0 batch, dim 1 sequence): pass example_inputs=(tokens,)"
-            )
+        tokens = example_inputs[0]
         seq = tokens.shape[1]
         lens = seq_lens or (seq // 2, seq)
         log.info("capture: sequence lengths %s (%s)", lens, "given" if seq_lens else "S//2 and S of the example")
@@ -478,4 +476,5 @@ def _class_id(info: LayerInfo) -> str:
     return f"{info.kind}:{digest}"
 
 
-__all__ = ["capture", "capture_reference", "format_coverage", "format_layer_table"]
+__all__ = ["InputSpec", "ModelInputs", "bind_example", "capture", "capture_reference", "format_coverage",
+           "format_layer_table"]

@@ -28,6 +28,19 @@ the single-device loss on the global batch when slices are equal), clips and
 updates. Eager, the graph runs inside the ZeRO-3 re-gather hooks when present
 (``passes/recompute.py``); compiled, the re-gathers are nodes of the backward graph.
 
+Models with more inputs than the tokens ([Note: model inputs] in
+``passes/_capture_inputs.py``: a padding mask, position ids, segment ids of
+packed rows): the program takes exactly the tensors of ``compile``'s
+``example_inputs`` — ``forward`` is called as the model is (``program(ids,
+attention_mask=mask)``), and ``step``/``local_batch`` take a dict: the inputs by
+forward's parameter names plus any entry ``loss_fn`` needs (labels, a loss
+mask). Every ``[B, ...]`` entry is cut by the same rows (dp slice, then
+micro-batch); an input the model broadcasts (``[1, ...]``) goes whole;
+``loss_fn(outputs, micro)`` gets the micro-batch dict. With padding, a mean per
+micro-batch weighs tokens unequally; ``step(..., normalize_by="loss_mask")``
+instead takes ``loss_fn``'s sum and divides it by the global sum of that entry:
+the token mean over the global batch, independent of dp and micro-batching.
+
 Pipeline parallelism (pp > 1, ``runtime/pipeline.py``): ``step`` runs the
 plan's schedule (GPipe / 1F1B / interleaved 1F1B) over the same
 micro-batches; the last stage computes ``loss_fn`` and the mean micro-batch
@@ -35,21 +48,27 @@ loss is all-reduced over pp, so every rank returns the same ``StepResult``.
 Clipping needs no pp-specific term: stages hold disjoint parameters and the
 optimizer's norm all-reduce spans the world. ``forward(tokens)`` runs the
 stages in order without autograd and returns the full outputs on every rank.
+Every stage gets every model input by keyword; with a dict batch the
+schedule's target is the row indices, from which ``loss_fn``'s micro-batch is
+cut. An input broadcast over the batch cannot be split by the schedule:
+``PlanError`` at build.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Union
 
 import torch
 from torch import nn
-from torch.export import Dim
 
-from autoshard.errors import PlanError
+from autoshard.errors import AutoshardError, PlanError
 from autoshard.graph import ModelGraph
 from autoshard.passes import run_passes
+from autoshard.passes._capture_inputs import InputSpec, ModelInputs
 from autoshard.passes._graph_utils import META_KEY, retarget_device
 from autoshard.passes.context import ParamPlacement, RankContext
 from autoshard.passes.schedule_overlap import compile_options
@@ -66,6 +85,8 @@ from autoshard.runtime.optimizer import OptimizerConfig, ShardedOptimizer
 from autoshard.train import TrainSpec
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+# what ``Program.step`` and ``local_batch`` take: tokens [B, S], or a dict of the model's inputs and loss entries
+Batch = Union[torch.Tensor, Mapping[str, Any]]
 
 
 @dataclass(frozen=True)
@@ -83,8 +104,10 @@ class Program:
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
                  *, overlap_grad_sync: bool = False, compile_regions: str = "stem", compile_overlap: str | None = None,
-                 compile_backend: str | Callable = "inductor"):
+                 compile_backend: str | Callable = "inductor", inputs: ModelInputs | None = None):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
+        # the model's tensor inputs, in the graph's order ([Note: model inputs], passes/_capture_inputs.py)
+        self.inputs = inputs or _tokens_input(gm)
         self.build_memory = BuildMemory(torch.device(ctx.device))  # build_program replaces it with the measured one
         self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
         name = gm.meta[META_KEY].get("regather")
@@ -121,51 +144,75 @@ class Program:
             else:
                 self._run = compile_fn(self.gm)
 
-    def forward(self, tokens: torch.Tensor) -> Any:
-        """Run the per-rank graph on ``tokens`` [B, S] (outputs as the model returns them).
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        """Run the per-rank graph on the model's inputs, called as the model is: ``program(tokens)``,
+        ``program(tokens, attention_mask=mask)``, ... (outputs as the model returns them).
 
+        The inputs are the captured ones (``compile(example_inputs=...)``; [Note: model inputs] in
+        ``passes/_capture_inputs.py``): a missing one, one the example did not have, or one whose
+        batch, sequence, other dims or dtype differ from the tokens' raises ``AutoshardError`` naming it.
         With pp > 1: no autograd; every rank gets the full outputs (module docstring).
         """
+        inputs = self.inputs.bind(args, kwargs)
         if self.pipeline is not None:
-            return self.pipeline.forward({self.pipeline.layout.input_names[0]: tokens})
-        tokens = tokens.to(self.ctx.device)
+            return self.pipeline.forward(self._stage_inputs(inputs))
+        flat = [t.to(self.ctx.device) for t in inputs.values()]
         if self.regather is None:
-            return self._run(tokens)
+            return self._run(*flat)
         with self.regather.hooks():
-            return self.gm(tokens)
+            return self.gm(*flat)
 
     __call__ = forward
 
-    def local_batch(self, global_tokens: torch.Tensor) -> torch.Tensor:
-        """This rank's dp slice of a global batch [B, S] (rows chunked by the combined dp coordinate)."""
+    def local_batch(self, global_batch: Batch) -> Batch:
+        """This rank's dp slice of a global batch: tokens ``[B, S]``, or a dict of them and the other inputs
+        (``_split_batch``: every ``[B, ...]`` tensor cut the same way, by the combined dp coordinate)."""
         dp = self.ctx.size("dp")
-        if global_tokens.shape[0] % dp:
-            raise PlanError(f"global batch {global_tokens.shape[0]} is not divisible by dp={dp}; use a multiple of {dp}")
-        return global_tokens.chunk(dp, 0)[self.ctx.coord("dp")]
+        rows = self._rows(global_batch)
+        if rows % dp:
+            raise PlanError(f"global batch {rows} is not divisible by dp={dp}; use a multiple of {dp}")
+        return self._split_batch(global_batch, dp)[self.ctx.coord("dp")]
 
-    def step(self, tokens: torch.Tensor, loss_fn: Callable[[Any, torch.Tensor], torch.Tensor]) -> StepResult:
-        """Forward/backward over micro-batches of ``tokens``, then one optimizer step (module docstring)."""
+    def step(self, batch: Batch, loss_fn: Callable[[Any, Batch], torch.Tensor], *,
+             normalize_by: str | None = None) -> StepResult:
+        """Forward/backward over micro-batches of ``batch``, then one optimizer step (module docstring).
+
+        ``batch``: this rank's tokens ``[B_local, S]``, or a dict holding the model's inputs by name
+        (the tokens under forward's first parameter's name) and anything else ``loss_fn`` needs
+        (labels, a loss mask): each micro-batch is the same rows of every ``[B, ...]`` tensor, and
+        ``loss_fn(outputs, micro)`` gets it in the form ``batch`` came in.
+
+        ``normalize_by``: ``None`` — ``loss_fn`` returns the micro-batch's mean and the step's loss is
+        the mean over micro-batches and dp ranks. A key of ``batch`` (e.g. ``"loss_mask"``) —
+        ``loss_fn`` returns the micro-batch's *sum* and the step's loss is the sum over the global
+        batch divided by the global sum of ``batch[normalize_by]`` (one all-reduce over dp first):
+        the token mean of the global batch, whatever the padding, dp size and micro-batching.
+        """
         m = self.plan.schedule.num_micro_batches
-        if tokens.shape[0] % m:
+        rows = self._rows(batch)
+        if rows % m:
             raise PlanError(
-                f"local batch {tokens.shape[0]} is not divisible by num_micro_batches={m}; "
-                f"pass a multiple of {m} rows per rank"
+                f"local batch {rows} is not divisible by num_micro_batches={m}; pass a multiple of {m} rows per rank"
             )
+        weight = self._loss_weight(batch, normalize_by)
         if self.pipeline is not None:
-            total = self.pipeline.train_step({self.pipeline.layout.input_names[0]: tokens}, tokens, loss_fn)
+            total = self._pipeline_step(batch, loss_fn, None if weight is None else weight * m)
         else:
-            total = self._accumulate(tokens, loss_fn)
+            total = self._accumulate(batch, loss_fn, weight)
         if self.ctx.size("dp") > 1:
             total = collectives.all_reduce(total.reshape(1), self.ctx.group("dp"), "avg")[0]
         norm = self.optimizer.step()
         return StepResult(loss=float(total), grad_norm=norm, lr=self.optimizer.last_lr)
 
-    def _accumulate(self, tokens: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
-        """Forward/backward of every micro-batch on one stage; the mean micro-batch loss ([] fp32)."""
+    def _accumulate(self, batch: Batch, loss_fn: Callable, weight: float | None) -> torch.Tensor:
+        """Forward/backward of every micro-batch on one stage; the mean micro-batch loss, or with ``weight``
+        (``normalize_by``) Σ weight·loss_fn ([] fp32)."""
         m = self.plan.schedule.num_micro_batches
         total = torch.zeros((), dtype=torch.float32, device=self.ctx.device)
-        for i, micro in enumerate(tokens.chunk(m, 0)):
-            loss = loss_fn(self.forward(micro), micro.to(self.ctx.device)) / m
+        for i, micro in enumerate(self._split_batch(batch, m)):
+            micro = _to_device(micro, self.ctx.device)
+            loss = loss_fn(self.forward(**self._model_inputs(micro)), micro)
+            loss = loss / m if weight is None else loss * weight
             if i == m - 1:
                 self.optimizer.arm()  # overlapped gradient sync: this backward completes every gradient
             loss.backward()
@@ -173,6 +220,92 @@ class Program:
                 self.regather.reset()
             total += loss.detach().float()
         return total
+
+    def _pipeline_step(self, batch: Batch, loss_fn: Callable, scale: float | None) -> torch.Tensor:
+        """``PipelineEngine.train_step`` (which divides each micro-batch loss by m) with ``loss_fn`` times ``scale``.
+
+        The schedule splits one ``target`` tensor into micro-batches; for a dict batch it is the row
+        indices, and ``loss_fn`` gets those rows of every entry."""
+        inputs = self._stage_inputs(self.inputs.check(self._model_inputs(batch)))
+        if scale is not None:
+            loss_fn = functools.partial(_scaled, loss_fn, scale)
+        if isinstance(batch, torch.Tensor):
+            return self.pipeline.train_step(inputs, batch, loss_fn)
+        whole = _to_device(batch, self.ctx.device)
+        rows = torch.arange(self._rows(batch), device=self.ctx.device)
+
+        def rows_loss(out: Any, index: torch.Tensor) -> torch.Tensor:
+            micro = {k: v.index_select(0, index) if _is_rows(v, len(rows)) else v for k, v in whole.items()}
+            return loss_fn(out, micro)
+
+        return self.pipeline.train_step(inputs, rows, rows_loss)
+
+    def _loss_weight(self, batch: Batch, normalize_by: str | None) -> float | None:
+        """What each micro-batch's ``loss_fn`` is multiplied by before backward with ``normalize_by`` (else
+        ``None``: divided by m). The optimizer averages gradients over dp, hence ``dp / N`` for a global sum N."""
+        if normalize_by is None:
+            return None
+        if not isinstance(batch, Mapping) or normalize_by not in batch:
+            keys = sorted(batch) if isinstance(batch, Mapping) else "a tensor batch (no keys)"
+            raise AutoshardError(f"normalize_by={normalize_by!r} is not a key of the batch ({keys}); name the "
+                                 "batch entry whose sum counts the loss tokens (e.g. a loss mask)")
+        count = batch[normalize_by].detach().to(self.ctx.device, torch.float64).sum().reshape(1)
+        dp = self.ctx.size("dp")
+        if dp > 1:
+            count = collectives.all_reduce(count, self.ctx.group("dp"), "sum")
+        if float(count) <= 0:
+            raise AutoshardError(f"batch[{normalize_by!r}] sums to {float(count)} over the global batch: no token "
+                                 "to average the loss over")
+        return dp / float(count)
+
+    # ------------------------------------------------------------------ batches ([Note: model inputs])
+
+    def _rows(self, batch: Batch) -> int:
+        """Rows of ``batch``'s tokens."""
+        if isinstance(batch, torch.Tensor):
+            return int(batch.shape[0])
+        name = self.inputs.tokens.name
+        if not isinstance(batch, Mapping) or not isinstance(batch.get(name), torch.Tensor):
+            what = f"keys {sorted(batch)}" if isinstance(batch, Mapping) else type(batch).__name__
+            raise AutoshardError(f"batch: expected tokens [B, S] or a dict with the tokens under {name!r} "
+                                 f"(forward's first parameter); got {what}")
+        return int(batch[name].shape[0])
+
+    def _split_batch(self, batch: Batch, parts: int) -> list[Batch]:
+        """``batch`` in ``parts`` equal row chunks: every ``[B, ...]`` tensor split along dim 0; an input the
+        model broadcasts over the batch, a 0-dim tensor or a non-tensor value goes whole into each part."""
+        if isinstance(batch, torch.Tensor):
+            return list(batch.chunk(parts, 0))
+        rows = self._rows(batch)
+        broadcast = {spec.name for spec in self.inputs.tensors if not spec.batched}
+        uncaptured = [k for k in batch if k in self.inputs.params and k not in self.inputs.names
+                      and batch[k] is not None]
+        if uncaptured:
+            raise AutoshardError(f"batch[{uncaptured[0]!r}] is an input of forward that was not in example_inputs: "
+                                 f"the program takes {', '.join(self.inputs.names)}; capture with it to use it")
+        out: list[dict] = [{} for _ in range(parts)]
+        for key, value in batch.items():
+            if _is_rows(value, rows) and key not in broadcast:
+                pieces = value.chunk(parts, 0)
+            elif isinstance(value, torch.Tensor) and value.dim() and key not in broadcast:
+                raise AutoshardError(f"batch[{key!r}] has {value.shape[0]} rows (dim 0) but the tokens have {rows}: "
+                                     f"every batch entry is [B, ...] with the tokens' rows")
+            else:
+                pieces = [value] * parts
+            for part, piece in zip(out, pieces):
+                part[key] = piece
+        return out
+
+    def _model_inputs(self, batch: Batch) -> dict[str, Any]:
+        """The model's inputs of ``batch`` by name (a tensor batch is the tokens)."""
+        if isinstance(batch, torch.Tensor):
+            return {self.inputs.tokens.name: batch}
+        return {k: v for k, v in batch.items()
+                if (k in self.inputs.params or k in self.inputs.names) and v is not None}
+
+    def _stage_inputs(self, inputs: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Checked inputs by the pipeline stages' placeholder names (same order as ``self.inputs.names``)."""
+        return dict(zip(self.pipeline.layout.input_names, inputs.values()))
 
     def memory_report(self) -> MemoryReport:
         """Measured build peak, resident bytes after the build and (CUDA) step peak (``runtime/memory_report.py``)."""
@@ -190,6 +323,21 @@ class Program:
                     f"{fqn}: local shard {tuple(state[fqn].shape)} != placement {self.param_placements[fqn].local_shape}"
                 )
             slot.load_master(state[fqn])
+
+
+def _is_rows(value: Any, rows: int) -> bool:
+    """Whether ``value`` is a tensor with ``rows`` rows (dim 0)."""
+    return isinstance(value, torch.Tensor) and value.dim() > 0 and value.shape[0] == rows
+
+
+def _to_device(batch: Batch, device: Any) -> Batch:
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device)
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def _scaled(loss_fn: Callable, scale: float, outputs: Any, micro: Any) -> torch.Tensor:
+    return loss_fn(outputs, micro) * scale
 
 
 def build_program(
@@ -210,6 +358,7 @@ def build_program(
     weights: Any = None,
     release_model: bool = False,
     track_memory: bool = False,
+    inputs: ModelInputs | None = None,
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
@@ -238,9 +387,14 @@ def build_program(
     ``compile_regions``: ``"stem"`` (default) compiles the prologue and the blocks onward as two
     graphs, ``"block"`` each block as its own, ``"graph"`` the whole program as one
     (``runtime/compile_regions.py``).
+    ``inputs``: the model's tensor inputs (``autoshard.passes.capture.bind_example`` of the example inputs,
+    as ``compile`` passes them; [Note: model inputs]); ``None`` = the tokens alone.
     """
     precision = train.precision if train is not None else plan.precision
+    inputs = inputs or ModelInputs.tokens_only(model)
     _check_plan(plan, graph)
+    if plan.mesh.pp > 1:
+        inputs.check_pipeline()
     check_world(plan.mesh)
     device_mesh = None
     if ctx is None:
@@ -249,7 +403,7 @@ def build_program(
     build_memory = BuildMemory(torch.device(ctx.device), track_memory)
     with build_memory:
         reader = bind_source(weights, model, release=release_model)
-        gm = run_passes(_export(model, graph, ctx), plan, ctx)
+        gm = run_passes(_export(model, graph, ctx, inputs), plan, ctx)
         placements = gm.meta[META_KEY]["placements"]
         params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
         config = optimizer or (OptimizerConfig.from_train(train) if train is not None
@@ -266,7 +420,7 @@ def build_program(
         fill(reader, wanted, expected, _program_buffers(gm), torch.device(ctx.device),
              lambda fqn, values: sharded.slots[fqn].load_master(values))
     program = Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_regions=compile_regions,
-                      compile_overlap=compile_overlap, compile_backend=compile_backend)
+                      compile_overlap=compile_overlap, compile_backend=compile_backend, inputs=inputs)
     program.build_memory = build_memory
     return program
 
@@ -360,8 +514,11 @@ def _check_stages(plan: Plan) -> None:
         )
 
 
-def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext) -> torch.fx.GraphModule:
+def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: ModelInputs) -> torch.fx.GraphModule:
     """``torch.export`` of ``model``'s meta twin in the compute dtype (dynamic batch/seq), retargeted to ``ctx.device``.
+
+    The graph's user inputs are ``inputs``' tensors in their order (zeros on meta of 2 rows and a short
+    sequence; their batch and sequence dims dynamic); a ``None`` the example skipped is no input.
 
     No weight is read or copied: the twin has the model's structure with meta tensors
     (``materialize.meta_twin``), so a model on the GPU is not duplicated and one on the meta device
@@ -372,13 +529,22 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext) -> torch.fx.G
     """
     twin = meta_twin(model).to(ctx.compute_dtype)
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
-    tokens = torch.zeros(2, seq, dtype=torch.long, device="meta")
-    exported = torch.export.export(twin, (tokens,), dynamic_shapes=({0: Dim.AUTO, 1: Dim.AUTO},), strict=False)
+    args, kwargs, shapes = inputs.export_call(2, seq)
+    exported = torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False)
     gm = exported.module()
     retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
     gm.meta[META_KEY] = {"params": owners}
     return gm
+
+
+def _tokens_input(gm: torch.fx.GraphModule | PipelineSplit) -> ModelInputs:
+    """The default inputs of a program built without ``inputs``: token ids under the graph's first input name."""
+    if isinstance(gm, PipelineSplit):
+        name = gm.layout.input_names[0]
+    else:
+        name = next(n.name for n in gm.graph.nodes if n.op == "placeholder")
+    return ModelInputs((InputSpec(name, None, ("batch", "seq")),))
 
 
 def _program_buffers(gm: torch.fx.GraphModule | PipelineSplit) -> dict[str, torch.Tensor]:
