@@ -123,3 +123,54 @@ def test_layered_sources_refuse_what_they_cannot_do(tmp_path):
     policy = actor_critic(transformers.LlamaConfig(**LLAMA), dtype=torch.float32)
     with pytest.raises(WeightsError, match="cannot say which parameters it holds"):
         Layered(Initialize(0), Safetensors(tmp_path)).bind(policy)
+
+
+# --------------------------------------------------------------------------- padding and packed rows
+
+
+def _padded():
+    mask = torch.ones(2, 16, dtype=torch.long)
+    mask[0, 11:] = 0  # right padding
+    mask[1, :4] = 0  # left padding
+    return _tokens(), mask
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_padded_rows_give_the_hf_models_logits_on_their_tokens(family):
+    torch.manual_seed(0)
+    model = (transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)) if family == "llama"
+             else transformers.GPT2LMHeadModel(transformers.GPT2Config(**GPT2))).eval()
+    policy = from_causal_lm(model)
+    tokens, mask = _padded()
+    position_ids = (mask.cumsum(-1) - 1).clamp(min=0)  # what HF's generate gives left-padded rows
+    ours = policy(tokens, attention_mask=mask, position_ids=position_ids)[0]
+    theirs = model(tokens, attention_mask=mask, position_ids=position_ids).logits
+    keep = mask.bool()
+    assert torch.allclose(ours[keep], theirs[keep], atol=1e-5)
+    assert torch.allclose(policy(tokens)[0], policy(tokens, attention_mask=torch.ones_like(mask))[0], atol=1e-5)
+
+
+def test_packed_rows_attend_within_their_documents():
+    """position_ids restarting at 0 start a new document: each document's logits are those it has alone."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**LLAMA)).eval()
+    policy = from_causal_lm(model)
+    tokens = _tokens()[:1]  # [1, 16]: documents of 6, 7 and 3 tokens
+    lengths = (6, 7, 3)
+    position_ids = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    packed = policy(tokens, position_ids=position_ids)[0]
+    start = 0
+    for n in lengths:
+        alone = model(tokens[:, start:start + n]).logits
+        assert torch.allclose(packed[:, start:start + n], alone, atol=1e-5)
+        start += n
+
+
+def test_a_masked_policy_captures_on_meta():
+    from autoshard.passes import capture
+
+    policy = actor_critic(transformers.LlamaConfig(**LLAMA))
+    tokens, mask = _padded()
+    graph = capture(policy, {"input_ids": tokens, "attention_mask": mask}, seq_lens=(8, 16))
+    plain = capture(policy, seq_lens=(8, 16))
+    assert [layer.name for layer in graph.layers] == [layer.name for layer in plain.layers]

@@ -12,10 +12,11 @@ a model the user already has (``LlamaForCausalLM.from_pretrained(local_dir)``, .
 (planning reads no weights); its buffers (rotary tables, Gemma's embedding scale) are computed on
 the CPU. The CLI takes such a directory or file as ``MODEL`` (``autoshard/models/source.py``).
 
-What this covers and what not (yet): the causal, unpadded training case only — ``forward`` takes
-token ids, no ``attention_mask`` or ``position_ids`` (why it calls the trunk's own modules in a loop
-of its own, and what capture needed: ``benchmarks/hf_zoo.py``, note "capturing a Hugging Face trunk
-on meta"); data-parallel plans (DDP, ZeRO-1/2/3, HSDP, offload) train like plain PyTorch on gloo.
+What this covers and what not (yet): ``forward(input_ids, attention_mask=None, position_ids=None)``:
+padding (left or right, ``attention_mask``) and packed rows (``position_ids`` restarting per document)
+as HF's training masks treat them (``causal_mask``); it calls the trunk's own modules in a loop of its
+own (why, and what capture needed: ``benchmarks/hf_zoo.py``, note "capturing a Hugging Face trunk on
+meta"). Data-parallel plans (DDP, ZeRO-1/2/3, HSDP, offload) train like plain PyTorch on gloo.
 Megatron tensor parallelism (``tp="megatron"``, with or without ``sp``, alone or with ZeRO) trains
 like plain PyTorch on gloo for Llama, Qwen2, Gemma, Phi, Mixtral's attention and GPT-2
 (``tests/test_hf_tensor_parallel.py``): nothing here is model-specific, the passes read the
@@ -27,8 +28,8 @@ key/value heads, the MLP width and the vocabulary (``search/space.py``, ``tp_div
 trunk (one key/value head) or GPT-2's 50257-token vocabulary gets no tp, and a forced plan is
 refused (``PlanError``) while the program is built. Mixtral's experts stay unsplit over tp (expert
 parallelism shards them) and a model with MoE layers trains without ``sp``. Checkpoints of a tp
-plan of GPT-2 are not supported yet: DCP cannot hold the fused ``c_attn``'s strided shard
-(``runtime/materialize.py`` refuses to read one). Weights come from
+plan of GPT-2 are not supported yet: its fused ``c_attn`` is one block per part on each rank, which no
+DCP chunk describes (``runtime/checkpoint.py`` refuses to save or load one, before any collective). Weights come from
 ``autoshard.runtime.materialize`` sources (``Safetensors``, ``Initialize`` with ``init_rule``:
 HF's rules by module type).
 """
@@ -76,12 +77,15 @@ class HFPolicy(nn.Module):
         if lm_head is None:
             self.tie_weights()
 
-    def forward(self, input_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """input_ids [B, S] → (logits [B, S, V], values [B, S]); causal, no padding ([Note: capturing ...])."""
-        x = self._trunk(input_ids)  # [B, S, h], after the final norm
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """input_ids [B, S] (+ attention_mask [B, S], 1 = token; position_ids [B or 1, S]) → (logits [B, S, V],
+        values [B, S]); the mask rule is ``causal_mask``'s."""
+        x = self._trunk(input_ids, attention_mask, position_ids)  # [B, S, h], after the final norm
         return self.lm_head(x), self.value_head(x).squeeze(-1)
 
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _trunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
+               position_ids: torch.Tensor | None) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -158,13 +162,15 @@ class RotaryPolicy(HFPolicy):
     def _embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return self.model.embed_tokens(input_ids)  # [B, S, h]; Gemma's module multiplies by sqrt(h) itself
 
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _trunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
         trunk = self.model
         x = self._embed(input_ids)
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, S]
-        rope = trunk.rotary_emb(x, position_ids=positions)  # (cos, sin), each [1, S, rotary dims]
+        mask = causal_mask(x, attention_mask, position_ids)  # [B, 1, S, S] bool, or None: SDPA's is_causal
+        positions = _positions(input_ids, position_ids)  # [B or 1, S]
+        rope = trunk.rotary_emb(x, position_ids=positions)  # (cos, sin), each [B or 1, S, rotary dims]
         for layer in trunk.layers:
-            x = layer(x, attention_mask=None, position_ids=positions, position_embeddings=rope)
+            x = layer(x, attention_mask=mask, position_ids=positions, position_embeddings=rope)
         return getattr(trunk, self.final_norm)(x)
 
 
@@ -209,12 +215,14 @@ class HFGPT2Policy(HFPolicy):
 
     trunk_class = "GPT2Model"
 
-    def _trunk(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def _trunk(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+               position_ids: torch.Tensor | None = None) -> torch.Tensor:
         trunk = self.model
-        positions = torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)  # [1, S]
-        x = trunk.drop(trunk.wte(input_ids) + trunk.wpe(positions))  # [B, S, h]
+        x = trunk.wte(input_ids)  # [B, S, h]
+        mask = causal_mask(x, attention_mask, position_ids)  # [B, 1, S, S] bool, or None: SDPA's is_causal
+        x = trunk.drop(x + trunk.wpe(_positions(input_ids, position_ids)))
         for block in trunk.h:
-            x = block(x, attention_mask=None)
+            x = block(x, attention_mask=mask)
         return trunk.ln_f(x)
 
     @property
@@ -227,6 +235,31 @@ class HFGPT2Policy(HFPolicy):
             return self.config.initializer_range / math.sqrt(2 * self.config.n_layer)
         return self.config.initializer_range
 
+
+
+def causal_mask(x: torch.Tensor, attention_mask: torch.Tensor | None,
+                position_ids: torch.Tensor | None) -> torch.Tensor | None:
+    """Boolean [B, 1, S, S] SDPA mask (True = attend), as HF's ``create_causal_mask`` builds it for training:
+    causal, and the key is a token (``attention_mask`` [B, S], 1 = token); without ``attention_mask``,
+    ``position_ids`` that do not step by 1 start a packed document: causal within a document. ``None``
+    (SDPA's ``is_causal``) when neither is given. Tensor ops only, no data-dependent branch: it
+    captures on meta and exports (HF's own mask code calls ``.item()``)."""
+    if attention_mask is None and position_ids is None:
+        return None
+    idx = torch.arange(x.shape[1], device=x.device)
+    mask = (idx[None, :] <= idx[:, None])[None, None]  # [1, 1, S, S]: key j <= query i
+    if attention_mask is not None:
+        return mask & attention_mask.bool()[:, None, None, :]
+    positions = position_ids.expand(x.shape[0], -1)  # [B, S] ([1, S] broadcast)
+    doc = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)  # [B, S] document index
+    return mask & (doc[:, None, :, None] == doc[:, None, None, :])
+
+
+def _positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+    """``position_ids``, or 0 … S−1 shared by every row ([1, S])."""
+    if position_ids is not None:
+        return position_ids
+    return torch.arange(input_ids.shape[1], device=input_ids.device).unsqueeze(0)
 
 
 POLICIES: dict[str, type[HFPolicy]] = {
