@@ -76,20 +76,13 @@ model keeps them computed on the CPU (parameters on meta, buffers real: what acc
 from (``runtime/materialize.py``: a meta buffer nobody provides is refused); ``init_buffers``
 recomputes them, in fp32 as HF makes them, after ``to_empty`` (``init_weights`` calls it).
 
-Tensor parallelism (decision): the benchmark plans these models data-parallel only
+Tensor parallelism (decision): the zoo campaign plans these models data-parallel only
 (``mesh_pins`` → tp = 1: replicate, ZeRO-1/2/3, HSDP; the searched plan is restricted so and
-forced variants with tp > 1 are skipped, ``baselines/plans.py``). The cost-model campaign
-measures data-parallel plans, and the runtime's Megatron rewrite (``passes/insert_collectives.py``)
-covers these models unevenly. Measured on the tiny sizes (gloo, fp32, eager, tp = 2 on every
-layer, 3 SGD steps against single-device training): ``hf-llama`` and ``hf-qwen2`` (GQA, q/k/v
-biases) match; ``hf-gpt2`` matches only because nothing of its blocks is split (``Conv1D`` is no
-``nn.Linear`` to capture's role heuristic and runs ``addmm``: only the vocabulary is
-tensor-parallel, so a TP plan of it is not Megatron TP); ``hf-gemma`` fails (one KV head:
-``tp_divides`` refuses it in a search anyway); ``hf-phi`` fails in the rewritten MLP (a
-column-parallel bias expanded to the full width); ``hf-mixtral``'s MoE layers are outside the
-rewrite (``PlanError``). GPU TP runs of these trunks (compiled, bf16)
-are not measured. A family leaves ``mesh_pins`` when a GPU run of its TP plans matches FSDP2's
-losses.
+forced variants with tp > 1 are skipped, ``baselines/plans.py``), so that its recorded cost-model
+table measures one kind of plan. The runtime trains them under Megatron TP (+SP) like plain
+PyTorch on gloo (``tests/test_hf_tensor_parallel.py``; ``autoshard/models/hf.py`` says what is
+refused), and ``benchmarks/hf_train.py --tp 2`` ran a 1.1B Llama so on 2 GPUs. A family leaves
+``mesh_pins`` when the zoo measures its TP plans.
 
 [Note: capturing a Hugging Face trunk on meta]
 What ``autoshard.passes.capture`` (and so ``autoshard.compile``) needed, measured with
