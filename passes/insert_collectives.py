@@ -28,6 +28,7 @@ placement) → collective. Placements over the tp axis:
     (replicate,   seq_shard) → scatter_to_sp(seq)                          keep own chunk fwd, all-gather bwd
     (seq_shard,   replicate) → gather_from_sp(seq, grad_is_partial=False)  all-gather fwd, keep own chunk bwd
     (param,       seq_shard) → copy_to_tp                                  replicated param used on seq chunks
+    (param,       shard)     → copy_to_tp                                  replicated param used on this rank's heads
     (gathered,    column)    → nothing     the SP all-gather before a token-flattening reshape is f
 
 Sequence parallelism (Megatron-SP, Korthikanti et al. 2022): a layer with
@@ -162,6 +163,8 @@ TP_TABLE: dict[tuple[str, str], tuple | None] = {
     ("replicate", "seq_shard"): (sp_scatter, "SP: keep this rank's sequence chunk of a replicated activation"),
     ("seq_shard", "replicate"): (sp_gather_replicated, "SP: all-gather the sequence for a replicated consumer"),
     ("param", "seq_shard"): (collectives.copy_to_tp, "SP: replicated parameter used on sequence chunks; all-reduce its grad over tp"),
+    ("param", "shard"): (collectives.copy_to_tp, "replicated parameter used on this rank's heads (a per-head norm); "
+                                                 "all-reduce its grad over tp"),
     ("seq_shard", "seq_shard"): None,
     ("gathered", "column"): None,
 }
@@ -316,6 +319,7 @@ class _TPRewriter:
                 raise PlanError(f"node {node.name} ({node.target}) mixes head-sharded and sequence-sharded inputs; "
                                 "set sp=False on the layers around it")
             self.dims.follow(node, {a for a in node.all_input_nodes if self.state.get(a) == "shard"})
+            self.wrap_params(node, "shard")
             return "shard"
         if "seq_shard" in inputs and node.target in RESHAPES and self.seq_dim(node, node.name) is None \
                 and node.users and all(self.column_weight(u, node) for u in node.users):
@@ -388,6 +392,18 @@ class _TPRewriter:
             elif self.from_params(arg):  # Gemma's norm: (1 + weight) computed before the use
                 node.replace_input_with(arg, self.insert(("param", "seq_shard"), arg, node, param=arg.name))
         return "seq_shard"
+
+    def wrap_params(self, node: fx.Node, region: str) -> None:
+        """Wrap each tp-replicated parameter (or value computed from parameters) that ``node`` uses beside
+        ``region`` activations in ``copy_to_tp``: each rank's gradient of it is a partial sum (Qwen3's
+        per-head q/k norms see only this rank's heads), all-reduced over tp in the backward."""
+        for arg in node.all_input_nodes:
+            if self.state.get(arg, "replicate") != "replicate":
+                continue
+            param = self.param_of(arg)
+            if (param is not None and param.tp_dim is None) or (param is None and self.from_params(arg)):
+                node.replace_input_with(arg, self.insert(("param", region), arg, node,
+                                                         param=param.fqn if param is not None else arg.name))
 
     def from_params(self, node: fx.Node) -> bool:
         """Whether ``node`` (no sequence dim) is computed from parameters: its gradient reaches them."""

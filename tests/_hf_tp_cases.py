@@ -30,6 +30,7 @@ CONFIGS = {
     "llama": ("LlamaConfig", _ROTARY),
     "llama_mqa": ("LlamaConfig", {**_ROTARY, "num_key_value_heads": 1}),
     "qwen2": ("Qwen2Config", _ROTARY),  # q/k/v carry biases
+    "qwen3": ("Qwen3Config", {**_ROTARY, "head_dim": 16}),  # per-head RMSNorms on q and k
     "mixtral": ("MixtralConfig", {**_ROTARY, "num_local_experts": 4, "num_experts_per_tok": 2,
                                   "experts_implementation": "batched_mm"}),  # grouped_mm: bf16 only on meta
     "gemma": ("GemmaConfig", {**_ROTARY, "head_dim": 16}),

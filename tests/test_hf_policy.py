@@ -174,3 +174,13 @@ def test_a_masked_policy_captures_on_meta():
     graph = capture(policy, {"input_ids": tokens, "attention_mask": mask}, seq_lens=(8, 16))
     plain = capture(policy, seq_lens=(8, 16))
     assert [layer.name for layer in graph.layers] == [layer.name for layer in plain.layers]
+
+
+@pytest.mark.parametrize("config_class, model_class", [("MistralConfig", "MistralForCausalLM"),
+                                                       ("Qwen3Config", "Qwen3ForCausalLM")])
+def test_mistral_and_qwen3_keep_their_logits(config_class, model_class):
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**LLAMA, head_dim=16)
+    model = getattr(transformers, model_class)(config).eval()
+    assert torch.allclose(from_causal_lm(model)(_tokens())[0], model(_tokens()).logits, atol=1e-5)
+    assert all(p.is_meta for p in actor_critic(config).parameters())

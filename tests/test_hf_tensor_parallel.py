@@ -28,6 +28,7 @@ CASES_2 = {  # name → (model, state, sp)
     "llama": ("llama", "replicate", False),
     "llama_repeat_kv": ("llama+repeat_kv", "replicate", False),
     "qwen2_sp": ("qwen2", "replicate", True),
+    "qwen3": ("qwen3", "replicate", False),
     "mixtral_attention": ("mixtral", "replicate", False),
     "gpt2": ("gpt2", "replicate", False),
     "gpt2_sp": ("gpt2", "replicate", True),

@@ -1,8 +1,8 @@
 """Actor-critic policies on Hugging Face ``transformers`` trunks, as users bring them.
 
-``actor_critic(config)`` wraps a causal LM's config (``LlamaConfig``, ``Qwen2Config``, ``GemmaConfig``,
-``MixtralConfig``, ``PhiConfig``, ``GPT2Config``; ``load_hf_config(path)`` reads one from a directory
-with ``config.json`` or from the file) into the policy autoshard plans and trains: the
+``actor_critic(config)`` wraps a causal LM's config (``LlamaConfig``, ``MistralConfig``, ``Qwen2Config``,
+``Qwen3Config``, ``GemmaConfig``, ``MixtralConfig``, ``PhiConfig``, ``GPT2Config``; ``load_hf_config(path)``
+reads one from a directory with ``config.json`` or from the file) into the policy autoshard plans and trains: the
 ``transformers`` trunk (``model``: embedding, decoder layers, final norm, rotary table or position
 embedding) + ``lm_head`` (Linear hidden → vocab, tied to the embedding when the config ties them) +
 ``value_head`` (Linear hidden → 1), with the reference policies' contract
@@ -186,6 +186,18 @@ class HFQwen2Policy(RotaryPolicy):
     trunk_class = "Qwen2Model"
 
 
+class HFMistralPolicy(RotaryPolicy):
+    """``MistralModel`` trunk (module docstring)."""
+
+    trunk_class = "MistralModel"
+
+
+class HFQwen3Policy(RotaryPolicy):
+    """``Qwen3Model`` trunk: per-head RMSNorms on q and k (``q_norm``, ``k_norm``; module docstring)."""
+
+    trunk_class = "Qwen3Model"
+
+
 class HFGemmaPolicy(RotaryPolicy):
     """``GemmaModel`` trunk; its RMSNorm weights start at 0 (module docstring)."""
 
@@ -263,7 +275,8 @@ def _positions(input_ids: torch.Tensor, position_ids: torch.Tensor | None) -> to
 
 
 POLICIES: dict[str, type[HFPolicy]] = {
-    "llama": HFLlamaPolicy, "qwen2": HFQwen2Policy, "gemma": HFGemmaPolicy, "mixtral": HFMixtralPolicy,
+    "llama": HFLlamaPolicy, "mistral": HFMistralPolicy, "qwen2": HFQwen2Policy, "qwen3": HFQwen3Policy,
+    "gemma": HFGemmaPolicy, "mixtral": HFMixtralPolicy,
     "phi": HFPhiPolicy, "gpt2": HFGPT2Policy,
 }
 # what every policy's config needs (benchmarks/hf_zoo.py, note "capturing a Hugging Face trunk on meta")
