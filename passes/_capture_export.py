@@ -311,6 +311,10 @@ def export_error(model: nn.Module, model_name: str, exc: BaseException) -> Captu
 
 
 _HINTS = (
+    ("which is not a known type", "return a tuple or a dict of tensors, or register the output class as a pytree "
+                                  "node (torch.utils._pytree.register_dataclass(cls) for a dataclass)"),
+    ("object is not callable", "a field of the output class hides a method its pytree flattening calls (a "
+                               "ModelOutput field named 'values', 'keys' or 'items'): rename the field"),
     ("data-dependent", "replace Python branching on tensor values (.item(), `if tensor:`) with torch.where "
                        "or torch.cond; capture supports control flow that depends only on shapes"),
     ("fake", "give the custom op a fake kernel (torch.library.register_fake) so export can trace it"),

@@ -25,13 +25,19 @@ statically (``input_args``/``output_args``), evaluated from the symbolic
 shapes the export recorded for the concrete micro-batch (no metadata
 round-trip; schedules are cached per micro-batch shape, so a new sequence
 length builds new stages). Every stage returns a flat tuple of tensors, the
-last one the model's output leaves, rebuilt (``PipelineSplit.output_spec``)
-before ``loss_fn`` and ``forward`` see them. Floating boundary tensors travel
-in the compute dtype. Eager, the ZeRO-3 re-gather hooks
+last one the model's tensor output leaves, rebuilt in the model's own output
+structure (a dict, a ``ModelOutput``, ...; constant leaves put back:
+``PipelineSplit.outputs``) before ``loss_fn`` and ``forward`` see them.
+Floating boundary tensors travel in the compute dtype. Eager, the ZeRO-3 re-gather hooks
 (``passes/recompute.py``) wrap every stage forward, and are reset after the
 step. Stage ranks exchange activations on the ``pp`` process group of their
 (dp, tp) coordinate; ZeRO/TP collectives inside a stage use groups whose ranks
-all run the same stage in lockstep.
+all run the same stage in lockstep. A parameter used on several pp ranks (a
+tied embedding and LM head: ``PipelineLayout.shared``) is sent from its owner
+to its mirrors before every ``train_step`` and ``forward``, and the mirrors'
+gradients are sent back and added into the owner's after the step's backward
+(``passes/split_pipeline.py``, [Note: parameters shared between pp ranks]),
+point-to-point on the same group, in the layout's order on every rank.
 
 Compiled stages (``build_program(compile_graph=...)``, ``compile``): each local
 stage (each virtual stage too) is its own ``torch.compile`` module with the
@@ -155,9 +161,11 @@ class PipelineEngine:
         losses: list[torch.Tensor] = []
         kwargs = {name: t.to(self.ctx.device) for name, t in inputs.items()}
         step_kw = dict(target=target.to(self.ctx.device), losses=losses) if self.is_last else {}
+        self._refresh_mirrors()
         self._schedules[key].step(**kwargs, **step_kw, **_NO_OUTPUTS)
         if self.regather is not None:
             self.regather.reset()
+        self._reduce_mirror_grads()
         total = torch.zeros(1, dtype=torch.float32, device=self.ctx.device)
         if self.is_last:
             total += sum(loss.detach().float() for loss in losses)
@@ -167,6 +175,7 @@ class PipelineEngine:
     def forward(self, inputs: dict[str, torch.Tensor]) -> Any:
         """Model outputs for ``inputs`` on every pp rank (serial stage order; module docstring)."""
         inputs = {name: t.to(self.ctx.device) for name, t in inputs.items()}
+        self._refresh_mirrors()
         carry: tuple[torch.Tensor, ...] = ()
         out = None
         for k in range(self.layout.num_stages):
@@ -183,6 +192,38 @@ class PipelineEngine:
             self.regather.reset()
         return self._broadcast_outputs(out, inputs)
 
+    # ------------------------------------------------------------------ parameters shared between pp ranks
+
+    def _refresh_mirrors(self) -> None:
+        """Copy each shared parameter's values from its owner into its mirrors (module docstring)."""
+        me = self.layout.pp_rank
+        for shared in self.layout.shared:
+            if me == shared.owner:
+                values = self.split.stage_parameter(shared.fqn).detach().contiguous()
+                for mirror in shared.mirrors:
+                    dist.send(values, dist.get_global_rank(self.group, mirror), group=self.group)
+            elif me in shared.mirrors:
+                param = self.split.stage_parameter(shared.fqn)
+                buffer = torch.empty_like(param.detach(), memory_format=torch.contiguous_format)
+                dist.recv(buffer, dist.get_global_rank(self.group, shared.owner), group=self.group)
+                with torch.no_grad():
+                    param.copy_(buffer)
+
+    def _reduce_mirror_grads(self) -> None:
+        """Add every mirror's gradient into its owner's (zeros for a mirror that got none); mirrors keep none."""
+        me = self.layout.pp_rank
+        for shared in self.layout.shared:
+            param = self.split.stage_parameter(shared.fqn) if me == shared.owner or me in shared.mirrors else None
+            if me == shared.owner:
+                for mirror in shared.mirrors:
+                    buffer = torch.empty_like(param.detach(), memory_format=torch.contiguous_format)
+                    dist.recv(buffer, dist.get_global_rank(self.group, mirror), group=self.group)
+                    param.grad = buffer if param.grad is None else param.grad.add_(buffer)
+            elif me in shared.mirrors:
+                grad = param.grad if param.grad is not None else torch.zeros_like(param)
+                dist.send(grad.contiguous(), dist.get_global_rank(self.group, shared.owner), group=self.group)
+                param.grad = None
+
     def _recv(self, buffers: tuple[torch.Tensor, ...], src_stage: int) -> tuple[torch.Tensor, ...]:
         for t in buffers:
             dist.recv(t, self._global_rank(src_stage), group=self.group)
@@ -190,7 +231,7 @@ class PipelineEngine:
 
     def _outputs(self, leaves: tuple[torch.Tensor, ...]) -> Any:
         """The model's outputs from the last stage's flat tuple of leaves (``passes/split_pipeline.py``)."""
-        return torch.utils._pytree.tree_unflatten(list(leaves), self.split.output_spec)
+        return self.split.outputs(leaves)
 
     def _broadcast_outputs(self, out: Any, inputs: dict[str, torch.Tensor]) -> Any:
         last = self.layout.num_stages - 1

@@ -22,8 +22,9 @@ Mesh (``enumerate_meshes``)
                                  buffer the expert-parallel pass exchanges (``LayerInfo.ep_refusal``:
                                  Hugging Face's Mixtral, ``_grouped_mm``)
     ``pp_le/blocks``             ``pp ≤ num_blocks`` (each stage holds ≥ 1 block)
-    ``tied/pp``                  ``pp = 1`` for a model with tied weights (the runtime does not
-                                 share a parameter across pipeline ranks)
+    ``tied/pp``                  ``pp = 1`` for a model with tied weights: the runtime mirrors a
+                                 parameter used on several pipeline ranks (``passes/split_pipeline.py``),
+                                 but the cost model does not price the mirror's memory and traffic yet
     ``batch_divides/dp``         ``dp | global_batch``
     ``micro_batch_divides/dp``   a fixed ``TrainSpec.micro_batch`` divides ``global_batch/dp``
     ============================ ==================================================
@@ -238,11 +239,12 @@ def enumerate_meshes(graph: ModelGraph, cluster: Cluster, train: TrainSpec | Non
             if pp > max(graph.num_blocks, 1):
                 pruned.append(PruneRecord("pp_le/blocks", f"pp={pp} > num_blocks={graph.num_blocks}"))
                 continue
-            if pp > 1 and tied is not None:  # the runtime refuses a parameter used on two pp ranks
+            if pp > 1 and tied is not None:  # the mirror (split_pipeline) is not priced
                 pruned.append(PruneRecord("tied/pp", f"pp={pp}: {tied.name!r} uses the tied weight "
                                           f"{tied.tied_params[0]!r} of an earlier layer, which would sit on "
-                                          "another pipeline rank (sharing a parameter across pp ranks is not "
-                                          "implemented); untie the embeddings to pipeline this model"))
+                                          "another pipeline rank; the runtime mirrors it there, but the cost "
+                                          "model does not price the mirror yet: untie the embeddings to search "
+                                          "pipelines of this model, or hand compile(plan=...) a plan with pp > 1"))
                 continue
             dp = world // (tp * pp)
             for mesh in _dp_meshes(dp, tp, pp, _num_experts(graph), is_moe(graph) and no_ep is None):

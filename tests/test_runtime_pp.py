@@ -16,7 +16,6 @@ import pytest
 import torch
 
 from _harness import fake_world, run_gloo_cases
-from autoshard.errors import PlanError
 from autoshard.models import build
 from autoshard.passes import capture
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
@@ -194,10 +193,17 @@ def test_rank_builds_only_its_stage():
     assert not any(p.is_meta for p in program.gm.local_parameters().values())
 
 
-def test_tied_embedding_on_two_pp_ranks_is_refused():
+def test_tied_embedding_on_two_pp_ranks_is_mirrored():
+    """gpt:tiny's tied embedding/head on stages 0 and 1: pp rank 0 owns it, rank 1 holds a mirror outside its
+    optimizer and placements (passes/split_pipeline.py, [Note: parameters shared between pp ranks])."""
     graph = capture(build("gpt:tiny"), seq_lens=(8, 16))
     names = [l.name for l in graph.layers]
     layers = tuple(LayerStrategy(layer=n, stage=int(i >= len(names) // 2)) for i, n in enumerate(names))
     plan = Plan(model_name=graph.model_name, mesh=Mesh(pp=2), layers=layers, schedule=Schedule(num_micro_batches=2))
-    with fake_world(2, 0), pytest.raises(PlanError, match=r"embed\.weight.* pp ranks \[0, 1\].*tie_embeddings=False"):
-        build_program(build("gpt:tiny"), graph, plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))
+    for rank in (0, 1):
+        with fake_world(2, rank):
+            program = build_program(build("gpt:tiny"), graph, plan, None,
+                                    TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))
+        assert [(s.fqn, s.owner, s.mirrors) for s in program.pipeline.layout.shared] == [("embed.weight", 0, (1,))]
+        assert ("embed.weight" in program.param_placements) == (rank == 0)
+        assert ("embed.weight" in program.optimizer.slots) == (rank == 0)

@@ -29,7 +29,10 @@ trunk (one key/value head) or GPT-2's 50257-token vocabulary gets no tp, and a f
 refused (``PlanError``) while the program is built. Mixtral's experts stay unsplit over tp (expert
 parallelism shards them) and a model with MoE layers trains without ``sp``. Checkpoints of a tp
 plan of GPT-2 are not supported yet: its fused ``c_attn`` is one block per part on each rank, which no
-DCP chunk describes (``runtime/checkpoint.py`` refuses to save or load one, before any collective). Weights come from
+DCP chunk describes (``runtime/checkpoint.py`` refuses to save or load one, before any collective). Pipeline parallelism (pp > 1, with ZeRO-1/2/3 or tp) trains like plain PyTorch for Llama, Qwen2,
+Mixtral and GPT-2, whose tied ``wte``/``lm_head`` is mirrored between pp ranks
+(``tests/test_pipeline_user_models.py``); the search prices no such mirror and keeps a tied model at
+pp = 1 (``tied/pp``). Weights come from
 ``autoshard.runtime.materialize`` sources (``Safetensors``, ``Initialize`` with ``init_rule``:
 HF's rules by module type).
 """
