@@ -18,7 +18,7 @@ as HF's training masks treat them (``causal_mask``); it calls the trunk's own mo
 own (why, and what capture needed: ``benchmarks/hf_zoo.py``, note "capturing a Hugging Face trunk on
 meta"). Data-parallel plans (DDP, ZeRO-1/2/3, HSDP, offload) train like plain PyTorch on gloo.
 Megatron tensor parallelism (``tp="megatron"``, with or without ``sp``, alone or with ZeRO) trains
-like plain PyTorch on gloo for Llama, Qwen2, Gemma, Phi, Mixtral's attention and GPT-2
+like plain PyTorch on gloo for Llama, Qwen2, Qwen3, Gemma, Phi, Mixtral's attention and GPT-2
 (``tests/test_hf_tensor_parallel.py``): nothing here is model-specific, the passes read the
 trunks' own graphs — grouped-query attention's head counts (``repeat_kv`` or SDPA's
 ``enable_gqa``), GPT-2's ``Conv1D`` (a weight stored ``[in, out]``) and its fused ``c_attn``
@@ -26,11 +26,12 @@ trunks' own graphs — grouped-query attention's head counts (``repeat_kv`` or S
 bias, Gemma's padding row (``passes/insert_collectives.py``). tp must divide the attention and
 key/value heads, the MLP width and the vocabulary (``search/space.py``, ``tp_divides``): an MQA
 trunk (one key/value head) or GPT-2's 50257-token vocabulary gets no tp, and a forced plan is
-refused (``PlanError``) while the program is built. Mixtral's experts stay unsplit over tp (expert
-parallelism shards them) and a model with MoE layers trains without ``sp``. Checkpoints of a tp
-plan of GPT-2 are not supported yet: its fused ``c_attn`` is one block per part on each rank, which no
-DCP chunk describes (``runtime/checkpoint.py`` refuses to save or load one, before any collective). Pipeline parallelism (pp > 1, with ZeRO-1/2/3 or tp) trains like plain PyTorch for Llama, Qwen2,
-Mixtral and GPT-2, whose tied ``wte``/``lm_head`` is mirrored between pp ranks
+refused (``PlanError``) while the program is built. Mixtral's experts stay unsplit over tp, a model
+with MoE layers trains without ``sp``, and expert parallelism is refused at plan time (its experts
+run as ``_grouped_mm``: ``LayerInfo.ep_refusal``). Checkpoints of a tp plan of GPT-2 are not
+supported yet: its fused ``c_attn`` is one block per part on each rank, which no DCP chunk describes
+(``runtime/checkpoint.py`` refuses to save or load one, before any collective). Pipeline parallelism
+(pp > 1, with ZeRO-1/2/3 or tp) trains like plain PyTorch for Llama, Qwen2, Mixtral and GPT-2, whose tied ``wte``/``lm_head`` is mirrored between pp ranks
 (``tests/test_pipeline_user_models.py``); the search prices no such mirror and keeps a tied model at
 pp = 1 (``tied/pp``). Weights come from
 ``autoshard.runtime.materialize`` sources (``Safetensors``, ``Initialize`` with ``init_rule``:
