@@ -89,7 +89,8 @@ def test_repeat_kv_literals_become_local_head_counts():
     expands = [n.args[1] for n in nodes if n.target == torch.ops.aten.expand.default and len(n.args[1]) == 5]
     reshapes = [n.args[1] for n in nodes if n.target == torch.ops.aten.reshape.default and len(n.args[1]) == 4]
     assert expands and all(shape[1:3] == [1, 2] for shape in expands)  # one local kv head, repeated twice
-    assert reshapes and all(shape[1] == 2 for shape in reshapes)  # two local query heads
+    # two local query heads; a -1 (transformers 5.24 writes some as -1) is computed from the local input
+    assert any(shape[1] == 2 for shape in reshapes) and all(shape[1] in (2, -1) for shape in reshapes)
 
 
 def test_gpt2_conv1d_is_split_on_its_transposed_dims_and_c_attn_per_head():
