@@ -49,18 +49,19 @@ def make_plan(spec: str, mesh: Mesh, choose) -> Plan:
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=MICRO))
 
 
-def single_device(spec: str, builder=build):
+def single_device(spec: str, builder=build, loss=None):
     """Losses and final parameters of plain single-device training (the reference); ``builder(spec)`` makes
-    the model (default: a reference model)."""
+    the model (default: a reference model), ``loss(outputs, tokens)`` scores it (default: ``loss_fn``)."""
+    loss = loss or loss_fn
     model = builder(spec)
     params = [p for p in model.parameters()]
     losses = []
     for toks in batches():
         total = 0.0
         for chunk in toks.chunk(4, 0):  # dp=2 x micro=2 slices of 2 rows, same means as the sharded run
-            loss = loss_fn(model(chunk), chunk) / 4
-            loss.backward()
-            total += float(loss.detach())
+            value = loss(model(chunk), chunk) / 4
+            value.backward()
+            total += float(value.detach())
         torch.nn.utils.clip_grad_norm_(params, OPT.max_grad_norm)
         with torch.no_grad():
             for p in params:

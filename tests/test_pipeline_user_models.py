@@ -34,6 +34,7 @@ transformers = pytest.importorskip("transformers")
 from _harness import fake_world, run_gloo_cases  # noqa: E402
 from _hf_tp_cases import build_hf, graph_of as hf_graph, reassemble  # noqa: E402
 from _runtime_cases import BATCH, MICRO, OPT, SEQ, batches  # noqa: E402
+from _runtime_cases import single_device as reference  # noqa: E402
 from _user_models import NanoPolicy  # noqa: E402
 from autoshard.errors import PlanError  # noqa: E402
 from autoshard.passes import capture  # noqa: E402
@@ -230,24 +231,11 @@ def train_case(rank, world_size, name: str, plan: Plan, backend: str | None = No
 
 @functools.lru_cache(maxsize=None)
 def single_device(name: str):
-    """Losses, final parameters and the probe's outputs of plain training (``_runtime_cases.single_device``)."""
-    model = build(name)
-    probe = model(_probe())
-    params = list(model.parameters())
-    losses = []
-    for tokens in batches():
-        total = 0.0
-        for chunk in tokens.chunk(4, 0):  # dp=2 × micro=2 slices: the same means as any of the plans
-            loss = loss_fn(model(chunk), chunk) / 4
-            loss.backward()
-            total += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(params, OPT.max_grad_norm)
-        with torch.no_grad():
-            for p in params:
-                p -= OPT.lr * p.grad
-                p.grad = None
-        losses.append(total)
-    return losses, {k: v.detach().clone() for k, v in model.named_parameters()}, probe
+    """Losses, final parameters (``_runtime_cases.single_device``) and the probe's outputs of plain training;
+    ``build`` is seeded, so the probe's model starts from the same weights."""
+    probe = build(name)(_probe())
+    losses, params = reference(name, builder=build, loss=loss_fn)
+    return losses, params, probe
 
 
 def check(results: list[dict], name: str, mesh: Mesh) -> None:
