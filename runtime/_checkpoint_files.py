@@ -38,23 +38,41 @@ with ``_MetadataUnpickler``, which constructs only DCP's metadata dataclasses,
 ``torch.Size``, dtypes, layouts and paths and refuses any other global, and
 (3) loads with ``WeightsOnlyLoadPlanner``, which refuses bytes entries. The
 sidecar is JSON. Nothing read from a checkpoint is executed.
+
+[Note: tensors held as several blocks]
+DCP describes a rank's piece of a tensor as chunks (global offsets, sizes); a
+DTensor gives it exactly one. A fused projection split over tp is several
+blocks of the global tensor on each rank (``checkpoint.shard_blocks``), so
+``BlockSavePlanner`` writes, and ``WeightsOnlyLoadPlanner`` reads, one chunk
+per block (``Blocks``: global offsets → a view of the local tensor). The
+files record them as any other chunks: the format does not depend on it.
 """
 
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import os
 import pickle
 import shutil
 import time
-from dataclasses import dataclass, field
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
-from torch.distributed.checkpoint.metadata import StorageMeta
+from torch.distributed.checkpoint import DefaultLoadPlanner, DefaultSavePlanner, FileSystemReader
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, StorageMeta, TensorProperties
+from torch.distributed.checkpoint.planner import LoadPlan, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+from torch.distributed.tensor import Placement, Shard
+
+try:  # private, present in torch 2.11-2.13: the tp placement of a fused projection (``passes/context.py``)
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - depends on the installed torch
+    _StridedShard = None
 
 from autoshard.errors import AutoshardError
 
@@ -332,8 +350,112 @@ class SafeFileSystemReader(FileSystemReader):
         return metadata
 
 
+# --------------------------------------------------------------------------- tensors held as several blocks
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """One tensor a rank holds as several rectangular blocks of it (module note "tensors held as several
+    blocks"): ``views`` maps each block's global offsets to the block, a view of the rank's local tensor."""
+
+    global_shape: tuple[int, ...]
+    views: Mapping[tuple[int, ...], torch.Tensor]
+
+    @classmethod
+    def of_held(cls, local: torch.Tensor, global_shape: tuple[int, ...], held: list[list[int]]) -> Blocks | None:
+        """The blocks of ``local``, whose dims hold the global indices ``held`` (``held_indices``); ``None``
+        when they are one block (a DTensor chunk describes it)."""
+        runs = [_runs(h) for h in held]
+        if all(len(r) <= 1 for r in runs):
+            return None
+        views = {tuple(run[0] for run in combo): local[tuple(slice(lo, lo + n) for _, lo, n in combo)]
+                 for combo in itertools.product(*runs)}
+        return cls(tuple(global_shape), views)
+
+    def chunks(self) -> list[ChunkStorageMetadata]:
+        """The blocks as DCP chunks, in ``views`` order."""
+        return [ChunkStorageMetadata(offsets=torch.Size(o), sizes=v.shape) for o, v in self.views.items()]
+
+
+def held_indices(global_shape: tuple[int, ...], placements: tuple[Placement, ...], mesh_shape: tuple[int, ...],
+                 coordinate: tuple[int, ...]) -> list[list[int]]:
+    """Per tensor dim, the global indices the rank at mesh ``coordinate`` holds, in local order.
+
+    DTensor's rule, placements applied left to right (``torch.chunk`` sizes): ``Shard(d)`` keeps the
+    rank's chunk of dim ``d``; ``_StridedShard(d, split_factor=f)`` cuts dim ``d`` into ``f`` pieces
+    and keeps the rank's chunk of each, concatenated (a fused projection's tp shard: ``[q_r | k_r | v_r]``).
+    """
+    held = [list(range(n)) for n in global_shape]
+    for size, coord, placement in zip(mesh_shape, coordinate, placements):
+        if _StridedShard is not None and isinstance(placement, _StridedShard):  # before Shard: a subclass on old torch
+            pieces = _chunks(held[placement.dim], int(placement.split_factor))
+            held[placement.dim] = [i for piece in pieces for i in _chunks(piece, size)[coord]]
+        elif isinstance(placement, Shard):
+            held[placement.dim] = _chunks(held[placement.dim], size)[coord]
+    return held
+
+
+def _chunks(seq: list[int], num_chunks: int) -> list[list[int]]:
+    """``torch.chunk``'s pieces of ``seq``, padded with empty ones to ``num_chunks``."""
+    size = -(-len(seq) // num_chunks)
+    return [seq[i * size:(i + 1) * size] for i in range(num_chunks)]
+
+
+def _runs(indices: list[int]) -> list[tuple[int, int, int]]:
+    """Maximal runs of consecutive global indices: ``(global start, local start, length)``."""
+    runs: list[tuple[int, int, int]] = []
+    for local, index in enumerate(indices):
+        if runs and runs[-1][0] + runs[-1][2] == index:
+            runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+        else:
+            runs.append((index, local, 1))
+    return runs
+
+
+def _write_item(key: str, chunk: ChunkStorageMetadata, view: torch.Tensor, global_shape: tuple[int, ...]) -> WriteItem:
+    """DCP's write item of one block (as ``_create_write_items_for_dtensor`` makes one for a DTensor's chunk)."""
+    data = TensorWriteData(chunk=chunk, properties=TensorProperties.create_from_tensor(view),
+                           size=torch.Size(global_shape))
+    return WriteItem(index=MetadataIndex(key, chunk.offsets), type=WriteItemType.SHARD, tensor_data=data)
+
+
+class BlockSavePlanner(DefaultSavePlanner):
+    """``DefaultSavePlanner`` that also writes ``blocks`` (checkpoint key → ``Blocks``), one chunk per block."""
+
+    def __init__(self, blocks: Mapping[str, Blocks]) -> None:
+        super().__init__()
+        self.blocks = dict(blocks)
+
+    def create_local_plan(self) -> SavePlan:
+        plan = super().create_local_plan()
+        items = [_write_item(key, chunk, view, blocks.global_shape) for key, blocks in self.blocks.items()
+                 for chunk, view in zip(blocks.chunks(), blocks.views.values())]
+        self.plan = replace(plan, items=[*plan.items, *items])
+        return self.plan
+
+    def lookup_object(self, index: MetadataIndex) -> Any:
+        blocks = self.blocks.get(index.fqn)
+        return super().lookup_object(index) if blocks is None else blocks.views[tuple(index.offset)]
+
+
 class WeightsOnlyLoadPlanner(DefaultLoadPlanner):
-    """``DefaultLoadPlanner`` that refuses non-tensor (pickled) checkpoint entries."""
+    """``DefaultLoadPlanner`` that refuses non-tensor (pickled) checkpoint entries, and also reads ``blocks``
+    (checkpoint key → ``Blocks``: the saved chunks overlapping each block, written into its view)."""
+
+    def __init__(self, blocks: Mapping[str, Blocks] | None = None) -> None:
+        super().__init__()
+        self.blocks = dict(blocks or {})
+
+    def create_local_plan(self) -> LoadPlan:
+        plan = super().create_local_plan()
+        items = [item for key, blocks in self.blocks.items()
+                 for item in create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key],
+                                                              blocks.chunks())]
+        return replace(plan, items=[*plan.items, *items])
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        blocks = self.blocks.get(index.fqn)
+        return super().lookup_tensor(index) if blocks is None else blocks.views[tuple(index.offset)]
 
     def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
         raise CheckpointError(
@@ -346,6 +468,8 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "CHECKPOINT_VERSION",
     "SIDECAR",
+    "BlockSavePlanner",
+    "Blocks",
     "CheckpointError",
     "CheckpointInfo",
     "SafeFileSystemReader",
@@ -353,6 +477,7 @@ __all__ = [
     "WeightsOnlyLoadPlanner",
     "check_replaceable",
     "commit",
+    "held_indices",
     "read_info",
     "read_metadata_safely",
     "resolve_checkpoint",

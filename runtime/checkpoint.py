@@ -20,6 +20,11 @@ Layout independence
     the global shapes agree. Keys: ``model.<fqn>``, ``optim.<fqn>.<state>``,
     ``rng.cpu.<rank>``, ``rng.cuda.<rank>``.
 
+Fused projections split over tp (decision)
+    A rank's shard of one (``_StridedShard(tp_dim, split_factor=parts)``: its chunk of every part) is
+    several blocks of the global tensor; it is saved and loaded as one DCP chunk per block under the
+    same key and global shape (``shard_blocks``), so the files are those any other plan writes.
+
 Checks before any collective
     ``load`` reads the sidecar on every rank and refuses, with
     ``CheckpointError`` and before DCP runs a single collective: a model
@@ -59,6 +64,8 @@ from torch.distributed.tensor import DeviceMesh, DTensor, Placement
 
 from autoshard.runtime._checkpoint_files import (
     SIDECAR,
+    BlockSavePlanner,
+    Blocks,
     CheckpointError,
     CheckpointInfo,
     SafeFileSystemReader,
@@ -68,6 +75,7 @@ from autoshard.runtime._checkpoint_files import (
     commit,
     dtype_from_name,
     dtype_name,
+    held_indices,
     now_unix,
     read_info,
     read_metadata_safely,
@@ -80,6 +88,10 @@ try:  # private, present in torch 2.11-2.13: DTensor's own local-shape rule
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 except ImportError:  # pragma: no cover - depends on the installed torch
     compute_local_shape_and_global_offset = None
+try:  # private, present in torch 2.11-2.13: the tp placement of a fused projection (``passes/context.py``)
+    from torch.distributed.tensor.placement_types import _StridedShard
+except ImportError:  # pragma: no cover - depends on the installed torch
+    _StridedShard = None
 
 MODEL_PREFIX = "model."
 OPTIM_PREFIX = "optim."
@@ -97,7 +109,8 @@ class LocalShard:
 
     ``placements`` has one entry per axis of the state's mesh (``Shard(d)``,
     ``_StridedShard`` or ``Replicate()``); ``local`` follows DTensor's chunk
-    rule for them. ``load`` writes into ``local`` in place.
+    rule for them (a fused projection's tp shard is several blocks of the global
+    tensor: ``shard_blocks``). ``load`` writes into ``local`` in place.
     """
 
     local: torch.Tensor  # local_shape
@@ -209,16 +222,42 @@ def to_dtensor(shard: LocalShard, mesh: DeviceMesh) -> DTensor:
     )
 
 
-def _dcp_tensors(state: CheckpointState) -> dict[str, torch.Tensor]:
-    """The state's tensors as DCP wants them: DTensors for shards, plain tensors for replicas."""
+def _dcp_tensors(state: CheckpointState) -> tuple[dict[str, torch.Tensor], dict[str, Blocks]]:
+    """The state's tensors as DCP wants them: DTensors for one-block shards, plain tensors for replicas;
+    and the shards of several blocks (``shard_blocks``), for the planners."""
     out: dict[str, torch.Tensor] = {}
+    blocks: dict[str, Blocks] = {}
     for key, entry in state.tensor_entries().items():
-        if isinstance(entry, LocalShard):
-            _check_shard(key, entry, state.mesh)
+        if not isinstance(entry, LocalShard):
+            out[key] = entry
+            continue
+        _check_shard(key, entry, state.mesh)
+        split = shard_blocks(key, entry, state.mesh)
+        if split is None:
             out[key] = to_dtensor(entry, state.mesh)
         else:
-            out[key] = entry
-    return out
+            blocks[key] = split
+    return out, blocks
+
+
+# --------------------------------------------------------------------------- shards of several blocks
+
+
+def shard_blocks(key: str, shard: LocalShard, mesh: DeviceMesh | None) -> Blocks | None:
+    """``shard`` as the blocks of its global tensor it holds (views of ``shard.local``), or ``None`` when
+    it is one block, as a DTensor chunk describes it (every placement without ``_StridedShard``, and
+    tp then ZeRO-3 on one dim). Several blocks: a fused projection split over tp (module docstring)."""
+    strided = _StridedShard is not None and any(isinstance(p, _StridedShard) for p in shard.placements)
+    coordinate = mesh.get_coordinate() if strided and mesh is not None else None
+    if coordinate is None:
+        return None
+    held = held_indices(tuple(shard.global_shape), tuple(shard.placements), tuple(mesh.shape), tuple(coordinate))
+    if tuple(len(h) for h in held) != tuple(shard.local.shape):
+        raise CheckpointError(
+            f"{key!r}: local shape {list(shard.local.shape)} is not the shard of global {list(shard.global_shape)} "
+            f"under {list(shard.placements)} on this rank (expected {[len(h) for h in held]}); the placements or "
+            "the global shape passed to the checkpoint are wrong")
+    return Blocks.of_held(shard.local, tuple(shard.global_shape), held)
 
 
 def _mesh_dict(mesh: DeviceMesh | None) -> dict[str, int]:
@@ -301,7 +340,7 @@ def save(path: str | os.PathLike, state: CheckpointState, *, process_group: Any 
     rank, world_size, distributed = _world(process_group)
     check_replaceable(path)
     extras = _check_extras(state.extras)
-    tensors = _dcp_tensors(state)
+    tensors, blocks = _dcp_tensors(state)
     tensors.update(_rng_tensors(state.rng or RngState.capture(), rank))
     token = uuid.uuid4().hex[:12]
     if distributed:
@@ -311,6 +350,7 @@ def save(path: str | os.PathLike, state: CheckpointState, *, process_group: Any 
         metadata = dcp.save(
             tensors,
             storage_writer=FileSystemWriter(tmp, sync_files=True),
+            planner=BlockSavePlanner(blocks),
             process_group=process_group,
             no_dist=not distributed,
         )
@@ -379,10 +419,11 @@ def _rng_template(info: CheckpointInfo, rank: int) -> dict[str, torch.Tensor]:
 
 
 def _copy_back(loaded: Mapping[str, torch.Tensor], entries: Mapping[str, Entry]) -> None:
-    """Make sure each template tensor holds what DCP loaded (DCP writes into DTensor locals in place)."""
-    for key, entry in entries.items():
+    """Make sure each template tensor holds what DCP loaded (DCP writes into DTensor locals in place, and
+    into the views of shards of several blocks, which are not in ``loaded``)."""
+    for key, value in loaded.items():
+        entry = entries[key]
         target = entry.local if isinstance(entry, LocalShard) else entry
-        value = loaded[key]
         value = value.to_local() if isinstance(value, DTensor) else value
         if value.data_ptr() != target.data_ptr():
             with torch.no_grad():
@@ -411,12 +452,12 @@ def load(
     _check_template(entries, info, directory)
     metadata = read_metadata_safely(directory)
     rank, _, distributed = _world(process_group)
-    tensors = _dcp_tensors(template)
+    tensors, blocks = _dcp_tensors(template)
     rng_tensors = _rng_template(info, rank)
     dcp.load(
         {**tensors, **rng_tensors},
         storage_reader=SafeFileSystemReader(directory, metadata),
-        planner=WeightsOnlyLoadPlanner(),
+        planner=WeightsOnlyLoadPlanner(blocks),
         process_group=process_group,
         no_dist=not distributed,
     )
@@ -456,7 +497,6 @@ def program_state(
     (``runtime/mesh.py``: ``program.device_mesh`` when the program keeps it, else built again from
     ``program.plan.mesh``).
     """
-    _refuse_fused_tp(program)
     if device_mesh is None:
         device_mesh = _program_mesh(program)
     masters = program.local_state_dict()
@@ -464,18 +504,6 @@ def program_state(
     return _program_checkpoint(program, device_mesh, masters, moments, step=step,
                                extras={**(extras or {}), STEPS_EXTRA: int(program.optimizer.steps)},
                                model_fingerprint=model_fingerprint)
-
-
-def _refuse_fused_tp(program: Any) -> None:
-    """``CheckpointError`` (before any collective) for a fused projection split over tp: its local tensor is
-    one block per part (``ParamPlacement.tp_parts``), which no single DCP chunk describes."""
-    fused = next((p for p in program.param_placements.values()
-                  if getattr(p, "tp_parts", 1) > 1 and p.tp_dim is not None), None)
-    if fused is not None:
-        raise CheckpointError(
-            f"{fused.fqn}: a fused projection split over tp ({fused.tp_parts} parts, each rank holding its block of "
-            "every part) cannot be checkpointed yet; pin its layer to tp='none' (or plan with tp=1) to save "
-            "or load checkpoints of this model")
 
 
 def _program_checkpoint(program: Any, device_mesh: DeviceMesh, masters: Mapping[str, torch.Tensor],
@@ -506,7 +534,6 @@ def load_program(
     one saved before moments were saved) loads into an AdamW program with fresh moments and the
     step counter at 0 (a warning says so). Returns the loaded state (step, extras, RNG).
     """
-    _refuse_fused_tp(program)
     if device_mesh is None:
         device_mesh = _program_mesh(program)
     info = read_info(resolve_checkpoint(path))
@@ -606,5 +633,6 @@ __all__ = [
     "program_state",
     "read_info",
     "save",
+    "shard_blocks",
     "to_dtensor",
 ]

@@ -440,19 +440,23 @@ class _CheckpointReader(_Reader):
         """One ``dcp.load`` per parameter (no collective): only one region, and the saved chunks it overlaps, live."""
         import torch.distributed.checkpoint as dcp
 
-        from autoshard.runtime._checkpoint_files import SafeFileSystemReader, WeightsOnlyLoadPlanner, read_metadata_safely
+        from autoshard.runtime._checkpoint_files import (
+            Blocks, SafeFileSystemReader, WeightsOnlyLoadPlanner, read_metadata_safely,
+        )
         from autoshard.runtime.checkpoint import MODEL_PREFIX, LocalShard, to_dtensor
 
         metadata = read_metadata_safely(self.directory)
         for item in wanted:
-            if _parts_of(item) > 1:
-                raise WeightsError(f"{item.fqn!r} is a fused projection split over tp (a strided shard of "
-                                   f"{item.placement.tp_parts} blocks): checkpoints do not hold this layout yet; "
-                                   "load it with tp='none' for its layer")
+            key = f"{MODEL_PREFIX}{item.fqn}"
             local = torch.empty(tuple(s.stop - s.start for s in item.region), device=device)
+            storage = SafeFileSystemReader(self.directory, metadata)
+            if _parts_of(item) > 1:  # one part's block of a fused projection (``_blocks``): read at its offsets
+                block = Blocks(item.global_shape, {tuple(s.start for s in item.region): local})
+                dcp.load({}, storage_reader=storage, planner=WeightsOnlyLoadPlanner({key: block}), no_dist=True)
+                yield item.fqn, local
+                continue
             target = to_dtensor(LocalShard.of(local, item.placement), self.mesh)
-            dcp.load({f"{MODEL_PREFIX}{item.fqn}": target}, storage_reader=SafeFileSystemReader(self.directory, metadata),
-                     planner=WeightsOnlyLoadPlanner(), no_dist=True)
+            dcp.load({key: target}, storage_reader=storage, planner=WeightsOnlyLoadPlanner(), no_dist=True)
             loaded = target.to_local()
             if loaded.data_ptr() != local.data_ptr():
                 local.copy_(loaded)

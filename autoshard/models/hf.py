@@ -28,9 +28,9 @@ key/value heads, the MLP width and the vocabulary (``search/space.py``, ``tp_div
 trunk (one key/value head) or GPT-2's 50257-token vocabulary gets no tp, and a forced plan is
 refused (``PlanError``) while the program is built. Mixtral's experts stay unsplit over tp, a model
 with MoE layers trains without ``sp``, and expert parallelism is refused at plan time (its experts
-run as ``_grouped_mm``: ``LayerInfo.ep_refusal``). Checkpoints of a tp plan of GPT-2 are not
-supported yet: its fused ``c_attn`` is one block per part on each rank, which no DCP chunk describes
-(``runtime/checkpoint.py`` refuses to save or load one, before any collective). Pipeline parallelism
+run as ``_grouped_mm``: ``LayerInfo.ep_refusal``). Checkpoints of a tp plan of GPT-2 save its
+fused ``c_attn`` as one DCP chunk per part's block, under the global tensor's key, so they resume under any
+plan (``runtime/checkpoint.py``, ``tests/test_checkpoint_fused_tp.py``). Pipeline parallelism
 (pp > 1, with ZeRO-1/2/3 or tp) trains like plain PyTorch for Llama, Qwen2, Mixtral and GPT-2, whose tied ``wte``/``lm_head`` is mirrored between pp ranks
 (``tests/test_pipeline_user_models.py``); the search prices no such mirror and keeps a tied model at
 pp = 1 (``tied/pp``). Weights come from
