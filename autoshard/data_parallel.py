@@ -39,6 +39,16 @@ Resident when (``DataParallelForm.optimizer``, ``gathered``, ``build``; priced b
 
 With dp = 1 every state holds everything (offload: its optimizer state on the host).
 
+While one layer's backward runs (``DataParallelForm.backward``; ``search/memory.backward_buffer_bytes``,
+p / g = parameter / gradient bytes per element, Ψ the layer's local parameters):
+
+| form | backward | bytes | why |
+| --- | --- | --- | --- |
+| replicate, zero1 / zero2 / offload held full | ``none`` | 0 | gradients are the model states' own |
+| zero3, eager (``passes/_zero3.py``) | ``gather_grad_copy`` | (p + 2g)Ψ | re-gathered weights, the unsharded gradient and the reduce-scatter's flat copy-in, live together |
+| zero3, compiled | ``graph_gather`` | max(p + g, 2g)Ψ | the graph frees each gathered weight after its last use (the input gradient), before the flat copy-in exists |
+| zero1 / zero2 gathered in forward | ``graph_kept`` | max(g, 2g − p)Ψ | the gradient, then its flat copy-in once the graph has freed the layer's kept weights (counted with its activations) |
+
 Reductions "after the backward" are the optimizer's (``runtime/optimizer.py``), exposed: the
 runtime's default (``build_program(overlap_grad_sync=False)``, measured faster on H100s) does not
 start them during the backward. ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
@@ -110,6 +120,7 @@ class DataParallelForm:
     optimizer: str = "full"  # AdamW moments and fp32 master: "full" | "chunk" (1/D flat) | "shard" | "host" (1/D)
     gathered: str = "none"  # full parameters beside the held ones: "none" | "kept" (forward to backward) | "transient"
     build: str = "full"  # what one rank reads at once while building a parameter: "full" | "shard"
+    backward: str = "none"  # held while its backward runs (module docstring): "none" | "gather_grad_copy" | "graph_gather" | "graph_kept"
 
     def has(self, kind: str, axis: str | None = None, phase: str | None = None) -> bool:
         return any(c.kind == kind and axis in (None, c.axis) and phase in (None, c.phase) for c in self.collectives)
@@ -140,7 +151,7 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
             return DataParallelForm(state, "shard", "shard", (
                 c("all_gather", "dp_shard", "param", "forward", in_graph=True, hides="forward"),
                 c("reduce_scatter", "dp_shard", "grad", "backward", in_graph=True, hides="backward")),
-                optimizer="shard", gathered="kept", build="shard")
+                optimizer="shard", gathered="kept", build="shard", backward="graph_kept")
         gather = c("all_gather", "dp", "param", "after_update")
         flat = "host" if state == "offload" else "chunk"
         if state != "offload" and one_step and exact:
@@ -161,7 +172,7 @@ def data_parallel_form(strategy: LayerStrategy, mesh: Mesh, num_micro_batches: i
         reduce.append(c("all_reduce", "dp_replicate", "grad", "backward" if hsdp_in_graph else "after_backward",
                         in_graph=hsdp_in_graph, hides="backward" if hsdp_in_graph else None))
     return DataParallelForm(state, "shard", "shard", tuple(gathers + reduce), optimizer="shard", gathered="transient",
-                            build="shard")
+                            build="shard", backward="graph_gather" if compiled else "gather_grad_copy")
 
 
 GRAD_COPIES = ("none", "full", "chunk", "shard")

@@ -23,8 +23,9 @@ micro-batches of activations (1F1B), so deep pipelines do not look roomier
 than they are. ``Â_l = min(A_l, A'_l)`` for a layer that continues its block
 and ``A_l`` for the first layer of a block (which keeps its input even under
 full recompute, so fully recomputed blocks still cost activations). With one
-micro-batch on one stage ``S_l`` leaves out the gradients (``Option.static_floor``):
-the CP-SAT row there is ``Σ(S − Gr) + max(ΣGr, ΣA)``. Every row is implied by
+micro-batch on one stage ``S_l`` leaves out the gradients (``Option.static_floor``), and with
+one stage the buffers term is dropped: the CP-SAT timeline rows there (``memory.step_peak_bytes``)
+are each ≥ ``Σ S_floor + Σ A`` only at the last layer, not that plus buffers. Every row is implied by
 the CP-SAT memory rows (strategies are shared by all stages; every term is
 non-negative).
 
@@ -153,6 +154,8 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
     min_gathered = np.array([min(o.gathered_bytes for o in opts) for opts in options])  # (C,)
     buffers = np.maximum(np.where(rows.counts > 0, min_buffer[None, :], 0.0).max(axis=1),  # (R,)
                          (1 + schedule.prefetch) * np.where(rows.counts > 0, min_gathered[None, :], 0.0).max(axis=1))
+    if p == 1:  # one stage: the timeline rows (memory.step_peak_bytes) are ≥ Σ S_floor + ΣA, not ≥ that + buffers
+        buffers = np.zeros_like(buffers)
     time_lb, mem_lb = math.inf, math.inf
     for sp in (False, True):
         padded = _padded(options, sp, slots, p, p == 1 and schedule.num_micro_batches == 1)

@@ -132,19 +132,18 @@ parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11; m
 ``optimizer_overhead_s`` = Σ_tensors max(share, floor) − the sum above.
 
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
-Korthikanti activations). Whole plan (``predict``): per pipeline rank k,
+Korthikanti activations). Whole plan (``predict``): per pipeline rank k, the forward/backward
+peak ``memory.step_peak_bytes``. On one stage it follows the backward through the layers (in
+reverse): when it reaches layer i the rank holds
 
-    peak_k = Σ (params + grads + optimizer) + max(max buffers, (1 + prefetch)·max gathered)
-             + in_flight_k·Σ activations
+    peak_k = Σ (params + optimizer) + max_i [ (f − 1)·Σ A + A≤i + Gr>i + max(G_i, (1 + prefetch)·H_i) ]
 
-except with one micro-batch on one stage (m = 1, pp = 1), where ``Σ grads + in_flight·Σ
-activations`` becomes ``max(Σ grads, Σ activations)``: gradients exist only from the step's
-backward on (the runtime, like ``zero_grad(set_to_none=True)``, drops them after each update), so
-at the forward's end, the activation peak, none is live; as the backward runs, each layer's
-activations are freed as its gradients appear. With more micro-batches (gradient accumulation)
-or pipeline stages, the gradients of one micro-batch stay live under the next one's activations,
-and the sum stands. Measured on 2×H100 (compiled searched DP plans, m = 1), the sum
-over-predicted the peak by about the gradients' bytes (docs/cost-model.md, "Memory per rank").
+(Gr>i: gradients of the layers after i, already produced; with gradient accumulation, m > 1,
+every gradient is live from the first micro-batch on and Gr>i is Σ grads). Gradients exist only
+from the step's backward on (the runtime, like ``zero_grad(set_to_none=True)``, drops them after
+each update). A pipelined rank interleaves micro-batches' forwards and backwards and keeps the
+order-free bound ``Σ (params + grads + optimizer) + max(max G, (1 + prefetch)·max H) + f_k·Σ A``
+(docs/cost-model.md, "Memory per rank").
 
 Building the rank's program (``search/memory.py``, "Build"; ``memory.build_peak_bytes``) holds
 the same params and device optimizer states, no gradients, activations or buffers, plus the
@@ -196,12 +195,13 @@ from autoshard.search.layer_terms import (
     usable_memory_bytes,
 )
 from autoshard.search.memory import (
+    LayerLive,
     MemoryBreakdown,
     build_peak_bytes,
     live_buffers,
     optimizer_step_peak_bytes,
-    rank_memory,
     state_bytes,
+    step_peak_bytes,
 )
 from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank
 from autoshard.train import TrainSpec
@@ -223,7 +223,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "9"  # plans record it (fingerprints); bump when a prediction of the same plan changes
+COST_MODEL_VERSION = "10"  # plans record it (fingerprints); bump when a prediction of the same plan changes
 
 
 @dataclass(frozen=True)
@@ -464,6 +464,7 @@ class _RankTotals:
     grads_beside_activations: bool = True  # False: one micro-batch on one stage (module docstring)
     build_bytes: float = 0.0  # build (materialization) peak: search/memory.build_peak_bytes
     optimizer_step_bytes: float = 0.0  # gradient sync to write-back: search/memory.optimizer_step_peak_bytes
+    step_peak: float = 0.0  # forward/backward peak: search/memory.step_peak_bytes
 
     @property
     def micro_batch_s(self) -> float:
@@ -490,12 +491,16 @@ class _RankTotals:
             grads_beside_activations=plan.schedule.num_micro_batches > 1 or mesh.pp > 1,
             build_bytes=build_peak_bytes(c.memory for c in mine),
             optimizer_step_bytes=optimizer_step_peak_bytes(c.memory for c in mine),
+            step_peak=step_peak_bytes(static.model_states,
+                                      [LayerLive(c.memory.activations, c.memory.grads, c.memory.buffers,
+                                                 c.memory.gathered) for c in mine],
+                                      plan.schedule.prefetch, in_flight(plan.schedule, mesh.pp, rank),
+                                      plan.schedule.num_micro_batches > 1 or mesh.pp > 1, mesh.pp > 1),
         )
 
     def step_bytes(self) -> float:
-        """Peak bytes of one training step (``memory.rank_memory``)."""
-        return rank_memory(self.static.model_states, self.static.grads, self.static.buffers, self.activations,
-                           self.grads_beside_activations)
+        """Peak bytes of the forward and backward (``memory.step_peak_bytes``)."""
+        return self.step_peak
 
     def allocated_bytes(self) -> float:
         """The rank's peak: the largest of the forward/backward's, the optimizer step's and the build's."""
@@ -521,6 +526,7 @@ class _RankTotals:
             # optimizer-step peak = params + grads + optimizer + these two
             "step_grads": int(s.step_grads),
             "step_transient": int(s.step_transient),
+            "step_peak": int(self.step_peak),  # forward/backward peak (the other two peaks: build, optimizer step)
         }
 
 

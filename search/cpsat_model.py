@@ -70,7 +70,7 @@ class _Builder:
         self.pp = inp.mesh.pp
         self.v = virtual_stages(inp.schedule)
         self.num_blocks = len(inp.block_classes)
-        # one micro-batch on one stage: gradients and activations are not live at once (memory.rank_memory)
+        # one micro-batch on one stage: gradients appear as the backward runs (memory.step_peak_bytes)
         self.grads_apart = self.pp == 1 and inp.schedule.num_micro_batches == 1
 
     # -- scaled coefficients ---------------------------------------------------------------
@@ -202,33 +202,40 @@ class _Builder:
         """1 iff class c runs full recompute."""
         return sum(x for o, x in zip(self.inp.options[c], self.x[c]) if o.full_recompute)
 
-    def _activation_var(self, members: tuple[int, ...], chain: tuple[bool, ...]) -> cp_model.IntVar:
-        """A_b with checkpoint regions (evaluate.py): a full-recompute layer whose predecessor in the
-        block is full too holds A' instead of A. ``z ≤ x[c,s]``, ``z ≤ full(c_prev)``; the memory rows
-        are upper bounds, so the optimum sets z to the product (``chain_region/<classes>``)."""
-        expr, lo, hi = [], 0, 0
+    def _member_activations(self, members: tuple[int, ...], chain: tuple[bool, ...]) -> list[cp_model.LinearExpr]:
+        """A_l (or A'_l, evaluate.py) of each layer of a block composition, in order: a full-recompute layer
+        whose predecessor in the block is full too holds A' instead of A. ``z ≤ x[c,s]``, ``z ≤ full(c_prev)``;
+        the memory rows are upper bounds, so the optimum sets z to the product (``chain_region/<classes>``)."""
+        out = []
         for i, c in enumerate(members):
             opts = self.inp.options[c]
-            expr.append(self.class_expr(c, self.a))
+            expr = [self.class_expr(c, self.a)]
+            if chain[i]:
+                prev = members[i - 1]
+                for j, (o, x) in enumerate(zip(opts, self.x[c])):
+                    saving = self.a(o) - self.a_chain(o)
+                    if not o.full_recompute or saving <= 0 or not any(p.full_recompute for p in self.inp.options[prev]):
+                        continue
+                    key = (prev, c, j)
+                    if key not in self._chain_z:
+                        z = self.model.new_bool_var(f"z[{prev}>{c}][{j}]")
+                        self.model.add(z <= x).with_name(f"chain_region/{self.inp.classes[c].name}")
+                        self.model.add(z <= self._full_recompute(prev)).with_name(
+                            f"chain_region/{self.inp.classes[c].name}")
+                        self._chain_z[key] = z
+                    expr.append(-saving * self._chain_z[key])
+            out.append(sum(expr))
+        return out
+
+    def _activation_var(self, members: tuple[int, ...], chain: tuple[bool, ...]) -> cp_model.IntVar:
+        """A_b with checkpoint regions: the sum of ``_member_activations``."""
+        lo = hi = 0
+        for i, c in enumerate(members):
+            opts = self.inp.options[c]
             hi += max(self.a(o) for o in opts)
-            lo += min(min(self.a(o), self.a_chain(o)) for o in opts)
-            if not chain[i]:
-                continue
-            prev = members[i - 1]
-            for j, (o, x) in enumerate(zip(opts, self.x[c])):
-                saving = self.a(o) - self.a_chain(o)
-                if not o.full_recompute or saving <= 0 or not any(p.full_recompute for p in self.inp.options[prev]):
-                    continue
-                key = (prev, c, j)
-                if key not in self._chain_z:
-                    z = self.model.new_bool_var(f"z[{prev}>{c}][{j}]")
-                    self.model.add(z <= x).with_name(f"chain_region/{self.inp.classes[c].name}")
-                    self.model.add(z <= self._full_recompute(prev)).with_name(
-                        f"chain_region/{self.inp.classes[c].name}")
-                    self._chain_z[key] = z
-                expr.append(-saving * self._chain_z[key])
+            lo += min(min(self.a(o), self.a_chain(o)) if chain[i] else self.a(o) for o in opts)
         var = self.model.new_int_var(lo, hi, f"A{list(members)}")
-        self.model.add(var == sum(expr))
+        self.model.add(var == sum(self._member_activations(members, chain)))
         self.upper[var.index] = hi
         return var
 
@@ -294,17 +301,11 @@ class _Builder:
         for k in range(p):
             m.add(self.t_max >= self._rank_sum(k, 0) + p2p[k][0]).with_name(f"stage_time/stage{k}")
             flight_v = int(round(in_flight(inp.schedule, p, k) * v))
-            live_buffers = v * self.live_rank[k]
-            if self.grads_apart:  # S − Gr + buffers + max(Gr, A) ≤ M, exact: the max is convex
-                grads, acts = self._rank_sum(k, 5), self._rank_sum(k, 3)
-                peak_hi = max(sum(self._ub(t[5]) for t in self.block_terms),
-                              flight_v * sum(self._ub(t[3]) for t in self.block_terms))
-                top = m.new_int_var(0, peak_hi, f"max_grads_acts[{k}]")
-                m.add(top >= grads).with_name(f"mem/stage{k}")
-                m.add(top >= flight_v * acts).with_name(f"mem/stage{k}")
-                m.add(self._rank_sum(k, 2) - grads + top + live_buffers <= cap_kib).with_name(f"mem/stage{k}")
+            if p == 1:  # one stage: the backward's timeline (memory.step_peak_bytes)
+                self.add_timeline_rows(cap_kib, flight_v)
             else:
-                m.add(self._rank_sum(k, 2, scale_a=flight_v) + live_buffers <= cap_kib * v).with_name(f"mem/stage{k}")
+                m.add(self._rank_sum(k, 2, scale_a=flight_v) + v * self.live_rank[k] <= cap_kib * v).with_name(
+                    f"mem/stage{k}")
             # The build peak (Σ R + max X) is not implied by mem/stage<k>: that row adds gradients,
             # buffers and activations to the same R, but X = 8 B × the largest region can exceed them
             # (DDP in bf16: 2 B of gradient per element against 8 B of transient for a layer that
@@ -326,6 +327,34 @@ class _Builder:
         max_noise = sum(max(w for w, _ in noise) for _ in inp.classes) + sum(w * (p - 1) for w, _ in stage_noise)
         self.weight = 1 << max(1, max_noise.bit_length())
         m.minimize(self.weight * self.z + sum(w * x for w, x in noise) + sum(w * st for w, st in stage_noise))
+
+    # -- mem/block<b>/layer<j> (pp = 1): the backward's timeline, memory.step_peak_bytes ---------
+    def add_timeline_rows(self, cap_kib: int, flight: int) -> None:
+        """One stage: when the backward reaches layer j of block b, the rank holds
+        ``S − Gr + (f − 1)·ΣA + A_{<b} + a_{b,≤j} + Gr_{>b} + gr_{b,>j} + max(G, (1 + prefetch)·H)_{b,j}``
+        (gradients only with one micro-batch; with more, every gradient is live and ``S`` keeps them).
+        Of a run of blocks with the same composition only the first and the last need rows: along the
+        run the left side changes by the same ``A_blk − Gr_blk`` per block, so its maximum is at an end."""
+        chains = self.inp.block_chain or tuple((False,) * len(m) for m in self.inp.block_classes)
+        keys = [(tuple(m), tuple(c)) for m, c in zip(self.inp.block_classes, chains)]
+        factor = 1 + self.inp.schedule.prefetch
+        peak_coef = lambda o: max(self.g(o), factor * self.h(o))  # noqa: E731
+        ends = {b for b in range(self.num_blocks)
+                if b == 0 or b == self.num_blocks - 1 or keys[b] != keys[b - 1] or keys[b] != keys[b + 1]}
+        acts = [terms[3] for terms in self.block_terms]
+        grads = [terms[5] for terms in self.block_terms] if self.grads_apart else None
+        base = sum(terms[2] for terms in self.block_terms) + (flight - 1) * sum(acts)
+        if grads is not None:
+            base -= sum(grads)
+        for b in sorted(ends):
+            members, chain = keys[b]
+            member_acts = self._member_activations(members, chain)
+            before = base + sum(acts[:b]) + (sum(grads[b + 1:]) if grads is not None else 0)
+            for j, c in enumerate(members):
+                row = before + sum(member_acts[:j + 1]) + self.class_expr(c, peak_coef)
+                if grads is not None:
+                    row += sum(self.class_expr(later, self.gr) for later in members[j + 1:])
+                self.model.add(row <= cap_kib).with_name(f"mem/block{b}/layer{j}")
 
     def stage_p2p(self) -> list[tuple]:
         """Per rank, (send/recv expression per micro-batch, its upper bound): P of the last layer of

@@ -26,7 +26,8 @@ Per pipeline rank ``r`` (layers of every virtual stage on ``r``), with ``m``
 micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
     T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
-    M_r   = Σ S_l + max(max G_l, (1 + prefetch) · max H_l) + f_r · Σ A_l   (step peak; ``memory.rank_memory``)
+    M_r   = forward/backward peak of r's layers in order (``memory.step_peak_bytes``; pp > 1:
+            Σ S_l + max(max G_l, (1 + prefetch) · max H_l) + f_r · Σ A_l)
     B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
     O_r   = Σ O_l + max_{l on r} Y_l                        (optimizer step; ``memory.optimizer_step_peak_bytes``)
     peak_r = max(M_r, O_r, B_r)
@@ -62,7 +63,7 @@ from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Predictions, Schedule
 from autoshard.search import cost_model
 from autoshard.search.cost_model import LayerCost
-from autoshard.search.memory import live_buffers, rank_memory
+from autoshard.search.memory import LayerLive, live_buffers, step_peak_bytes
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import strategy_key
 from autoshard.train import TrainSpec
@@ -103,7 +104,7 @@ class Option:
     def static_floor(self, grads_apart: bool) -> float:
         """What of ``static_bytes`` a memory lower bound may add to the activations: all of it, or
         without the gradients when they are not live beside the activations (one micro-batch on one
-        stage, ``memory.rank_memory``: ``S − Gr + max(Gr, A) ≥ S − Gr + A``)."""
+        stage, ``memory.step_peak_bytes`` ≥ ``S − Gr + A``)."""
         return self.static_bytes - self.cost.memory.grads if grads_apart else self.static_bytes
 
     @property
@@ -244,8 +245,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
     """
     pp = mesh.pp
-    t, tail, static, act, buf, grads, resident, transient, opt, opt_transient, gathered = (
-        [0.0] * pp for _ in range(11))
+    t, tail, static, resident, transient, opt, opt_transient = ([0.0] * pp for _ in range(7))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
     for i, (option, r) in enumerate(zip(layer_options, ranks)):
@@ -254,17 +254,16 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
             t[r] += option.p2p_s
         tail[r] += option.tail_s
         static[r] += option.static_bytes
-        grads[r] += option.cost.memory.grads
-        act[r] += acts[i]
-        buf[r] = max(buf[r], option.buffer_bytes)
-        gathered[r] = max(gathered[r], option.gathered_bytes)
         resident[r] += option.build_resident_bytes
         transient[r] = max(transient[r], option.build_transient_bytes)
         opt[r] += option.optimizer_step_bytes
         opt_transient[r] = max(opt_transient[r], option.step_transient_bytes)
     build = tuple(resident[r] + transient[r] for r in range(pp))  # memory.build_peak_bytes, from the sums
-    memory = tuple(max(rank_memory(static[r], grads[r], live_buffers(buf[r], gathered[r], schedule.prefetch),
-                                   in_flight(schedule, pp, r) * act[r], schedule.num_micro_batches > 1 or pp > 1),
+    live = [[] for _ in range(pp)]
+    for option, a, r in zip(layer_options, acts, ranks):
+        live[r].append(LayerLive(a, option.cost.memory.grads, option.buffer_bytes, option.gathered_bytes))
+    memory = tuple(max(step_peak_bytes(static[r], live[r], schedule.prefetch, in_flight(schedule, pp, r),
+                                       schedule.num_micro_batches > 1 or pp > 1, pp > 1),
                        opt[r] + opt_transient[r], build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)

@@ -21,6 +21,7 @@ from autoshard.search.memory import (
     MemoryBreakdown,
     StateBytes,
     activation_bytes,
+    backward_buffer_bytes,
     build_region_elements,
     build_transient_bytes,
     model_state_memory,
@@ -507,7 +508,8 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     kept = form.gathered == "kept"
     for group in groups:
         degree = _shard_degree(group, strategy.state)
-        group_states = model_state_memory(group.psi, state, degree, sizes)
+        group_states = replace(model_state_memory(group.psi, state, degree, sizes),
+                               buffers=backward_buffer_bytes(form.backward, group.psi, sizes))
         if kept:
             gathered = group_states.params
             group_states = replace(group_states, params=gathered / degree, activations=gathered, kept_gathered=gathered)

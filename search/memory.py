@@ -26,15 +26,17 @@ master 4 + momentum 4 + variance 4; ``TrainSpec.optimizer_state_bytes_per_param`
 4 for SGD (fp32 master). Full fp32 (``precision="fp32"``): p = g = 4 and K is
 the same: the runtime keeps its fp32 master apart from the compute parameters
 (``runtime/optimizer.py``: the update writes the master, the write-back copies
-it into the parameter). ``buffers`` is what one layer holds while its backward runs: its
-gathered parameters (ZeRO-3), its unsharded gradient and that gradient's reduce-scatter
-copy-in (the packed layer, ``passes/_zero3.py``). ``gathered`` is a layer's gathered parameters
-in the forward, where ``schedule.prefetch`` more heavy layers' gathers are in flight. A rank's
-live buffers are ``max(max buffers, (1 + prefetch)·max gathered)`` over its layers
-(``live_buffers``), never a sum. The backward prefetch (one layer ahead) and the reduce-scatter
-still pending from the layer after (``passes/recompute.py``, ``passes/_zero3.py``) are the
-neighbouring norms of an attention or MLP layer, which capture makes layers of their own: light,
-so not priced.
+it into the parameter). ``buffers`` is what one layer holds while its backward runs, as its form declares
+(``DataParallelForm.backward``, ``backward_buffer_bytes``): the table's column is the eager ZeRO-3
+packed layer's (re-gathered parameters, unsharded gradient, the reduce-scatter's copy-in,
+``passes/_zero3.py``); a compiled graph frees each gathered weight before the copy-in exists.
+``gathered`` is a layer's gathered parameters in the forward, where ``schedule.prefetch`` more heavy
+layers' gathers are in flight. The forward/backward peak places them on the backward's timeline
+(``step_peak_bytes``); a pipelined rank takes ``max(max buffers, (1 + prefetch)·max gathered)``
+over its layers (``live_buffers``), never a sum. The backward prefetch (one layer ahead) and the
+reduce-scatter still pending from the layer after (``passes/recompute.py``, ``passes/_zero3.py``)
+are the neighbouring norms of an attention or MLP layer, which capture makes layers of their own:
+light, so not priced.
 
 Activations of one micro-batch (Korthikanti et al. 2022, Table 2), from the
 captured per-token coefficients of ``LayerInfo`` (B = saved_boundary, I =
@@ -95,7 +97,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Sequence
 
 from autoshard.graph import LayerInfo, ParamInfo
 from autoshard.plan import LayerStrategy
@@ -196,6 +198,22 @@ def model_state_memory(psi: float, state: str, shard_degree: int, sizes: StateBy
     return MemoryBreakdown(params=p, grads=g, optimizer=0.0, host=k / n)  # offload
 
 
+def backward_buffer_bytes(backward: str, psi: float, sizes: StateBytes) -> float:
+    """Bytes one layer of ``psi`` local parameters holds while its backward runs, for the form's
+    ``DataParallelForm.backward`` (``autoshard/data_parallel.py``, the table's why): replaces the
+    ``buffers`` column of ``model_state_memory``, which is the eager ZeRO-3 one."""
+    p, g = sizes.param * psi, sizes.grad * psi
+    if backward == "gather_grad_copy":
+        return p + 2 * g
+    if backward == "graph_gather":
+        return max(p + g, 2 * g)
+    if backward == "graph_kept":
+        return max(g, 2 * g - p)
+    if backward == "none":
+        return 0.0
+    raise ValueError(f"backward={backward!r}: allowed none, gather_grad_copy, graph_gather, graph_kept")
+
+
 TP_SPLIT_ROLES = ("column", "row", "vocab")
 
 
@@ -238,15 +256,55 @@ def live_buffers(max_buffers: float, max_gathered: float, prefetch: int) -> floa
 
 
 def rank_memory(static: float, grads: float, buffers: float, activations: float, grads_beside_activations: bool) -> float:
-    """Peak bytes of one rank: ``static`` (params + grads + optimizer) + buffers + activations, except
-    with one micro-batch on one stage (``grads_beside_activations`` False), where gradients and
-    activations are not live at once: ``static − grads + buffers + max(grads, activations)``
-    (``search/cost_model.py``, "Memory per rank"). The CP-SAT memory row takes the same form
-    (``search/cpsat_model.py``: a variable bounded below by both terms), so the solver admits
-    exactly the plans this admits."""
+    """Peak bytes of one pipelined rank (``step_peak_bytes``' bound, no layer order): ``static`` (params
+    + grads + optimizer) + buffers + activations, or, when gradients are not live beside activations
+    (``grads_beside_activations`` False), ``static − grads + buffers + max(grads, activations)``."""
     if grads_beside_activations:
         return static + buffers + activations
     return static - grads + buffers + max(grads, activations)
+
+
+@dataclass(frozen=True)
+class LayerLive:
+    """What one layer adds to a rank's forward/backward timeline (``step_peak_bytes``): bytes."""
+
+    activations: float  # one micro-batch (A'_l inside a checkpoint region)
+    grads: float  # its gradients once its backward has run
+    buffers: float  # while its backward runs (G_l)
+    gathered: float  # while its forward runs (H_l)
+
+
+def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, in_flight: float,
+                    grads_beside_activations: bool, pipelined: bool) -> float:
+    """Forward/backward peak of one rank, bytes. ``static`` is Σ (params + grads + optimizer) of its layers,
+    ``layers`` its layers in forward order, ``in_flight`` the micro-batches whose activations it holds.
+
+    One stage (``pipelined`` False): the backward runs the layers in reverse; when it reaches layer i, the
+    activations of layers ≤ i are still saved, the gradients of layers > i exist and layer i holds its
+    buffers (its forward, earlier, held ``(1 + prefetch)·H_i`` with fewer activations and no gradients)::
+
+        peak = static − ΣGr + max_i [ (f − 1)·ΣA + A≤i + Gr>i + max(G_i, (1 + prefetch)·H_i) ]
+
+    With gradient accumulation (``grads_beside_activations``) every gradient is live from the first
+    micro-batch on: ``Gr>i`` becomes ``ΣGr`` (the ``static`` term keeps it). Pipelined ranks (interleaved
+    micro-batches and stages) keep the order-free bound ``rank_memory(static, ΣGr, live_buffers(max G,
+    max H), f·ΣA)``, which is never below this."""
+    total_grads = sum(layer.grads for layer in layers)
+    total_acts = sum(layer.activations for layer in layers)
+    if pipelined:
+        buffers = live_buffers(max((layer.buffers for layer in layers), default=0.0),
+                               max((layer.gathered for layer in layers), default=0.0), prefetch)
+        return rank_memory(static, total_grads, buffers, in_flight * total_acts, grads_beside_activations)
+    base = static if grads_beside_activations else static - total_grads
+    earlier = (in_flight - 1) * total_acts
+    grads_after = 0.0 if grads_beside_activations else total_grads
+    peak = 0.0
+    for layer in layers:
+        earlier += layer.activations
+        if not grads_beside_activations:
+            grads_after -= layer.grads
+        peak = max(peak, earlier + max(grads_after, 0.0) + max(layer.buffers, (1 + prefetch) * layer.gathered))
+    return base + peak
 
 
 def build_region_elements(param: ParamInfo, strategy: LayerStrategy, tp: int, ep: int, zero3_degree: int) -> int:

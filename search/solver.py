@@ -39,8 +39,10 @@ n_{c,b} layers of class c riding on block b, ranks k:
     Y_k ≥ Σ_s x[c,s]·Y[c,s]  (c on rank k)                             optstep_max/<c>/stage<k> add_buffer_max
     A_b −= Σ (A−A')[c,s]·z,  z ≤ x[c,s], z ≤ full(c_prev)             chain_region/<c>       add_block_terms
     T_max ≥ Σ_b y[b,k]·t_b + P_k                                       stage_time/stage<k>    add_stage_rows_and_objective
-    Σ_b y[b,k]·(S_b + f_k·A_b) + L_k ≤ M                              mem/stage<k>           add_stage_rows_and_objective
-      (pp = m = 1: Σ_b (S_b − Gr_b) + max(Σ Gr_b, f·Σ A_b) + L_k ≤ M; Gr = gradients)
+    Σ_b y[b,k]·(S_b + f_k·A_b) + L_k ≤ M    (pp > 1)                  mem/stage<k>           add_stage_rows_and_objective
+    pp = 1: per layer j of block b (first and last block of each run of equal blocks):
+      Σ S − [m=1]·Σ Gr + (f−1)·Σ A + A_{<b} + a_{b,≤j} + [m=1]·(Gr_{>b} + gr_{b,>j})
+          + max(G, (1+prefetch)·H)_{b,j} ≤ M   (Gr = gradients)         mem/block<b>/layer<j>  add_timeline_rows
     Σ_b y[b,k]·R_b + X_k ≤ M                                          build/stage<k>         add_stage_rows_and_objective
     Σ_b y[b,k]·O_b + Y_k ≤ M                                          optstep/stage<k>       add_stage_rows_and_objective
     Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective

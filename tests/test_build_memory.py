@@ -23,7 +23,6 @@ from autoshard.search.memory import (
     build_peak_bytes,
     build_region_elements,
     build_transient_bytes,
-    rank_memory,
 )
 from autoshard.train import TrainSpec
 
@@ -42,12 +41,9 @@ def make_plan(graph: ModelGraph, mesh: Mesh, schedule: Schedule, **strategy) -> 
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=schedule)
 
 
-def step_bytes(pred: Predictions, micro_batches: int = 1) -> int:
-    """The forward/backward peak of the peak rank from its breakdown, pp = 1 (``memory.rank_memory``: with
-    one micro-batch gradients and activations are not live together)."""
-    b = pred.memory_breakdown
-    return int(rank_memory(b["params"] + b["grads"] + b["optimizer"], b["grads"], b["buffers"], b["activations"],
-                           micro_batches > 1))
+def step_bytes(pred: Predictions) -> int:
+    """The forward/backward peak of the peak rank (``memory.step_peak_bytes``, breakdown key ``step_peak``)."""
+    return pred.memory_breakdown["step_peak"]
 
 
 def optimizer_step_bytes(pred: Predictions) -> int:
@@ -129,7 +125,7 @@ def test_build_peak_of_llama_tiny_by_hand(llama_tiny, case):
     assert pred.build_peak_bytes == HAND[case]
     sharded = ("zero3", "zero1_gathered", "tp2")
     assert pred.memory_breakdown["build_transient"] == (8 * 4096 if case in sharded else 8 * 8192)
-    assert pred.peak_memory_bytes == max(step_bytes(pred, schedule.num_micro_batches), optimizer_step_bytes(pred),
+    assert pred.peak_memory_bytes == max(step_bytes(pred), optimizer_step_bytes(pred),
                                          pred.build_peak_bytes)
 
 

@@ -674,8 +674,9 @@ def test_dp_copy_kernels_on_the_critical_path():
 
 @pytest.mark.parametrize("micro_batches, pp", [(1, 1), (2, 1), (2, 2)])
 def test_gradients_beside_activations_only_when_they_coexist(micro_batches, pp):
-    """One micro-batch on one stage: gradients and activations are not live together (peak = the larger);
-    gradient accumulation or pipeline stages: their sum (search/memory.rank_memory)."""
+    """One micro-batch on one stage: gradients appear as the backward frees activations (here the peak is
+    the larger: the head's logits come last); gradient accumulation or pipeline stages: their sum
+    (search/memory.step_peak_bytes)."""
     graph = gpt_graph(blocks=4, h=1024, a=16)
     cluster, train = make_cluster(nodes=1), TrainSpec(global_batch=8, seq_len=512)
     mesh = Mesh(dp_shard=2, pp=pp)
@@ -737,3 +738,21 @@ def test_compiled_saved_scale_is_measured_for_any_model_and_read_by_predict():
     assert compiled_activation_scale(measured, plan, gpu) == measured.compiled_saved_scale
     assert compiled_activation_scale(measured, plan, cpu) == 1.0
     assert compiled_activation_scale(graph, plan, gpu) == 1.0  # not measured: eager activations
+
+
+def test_step_peak_follows_the_backward():
+    """``memory.step_peak_bytes`` by hand: three layers (A, Gr, G, H) on one stage, one micro-batch. When the
+    backward reaches layer i it holds A≤i + Gr>i + max(G_i, 2·H_i) (prefetch 1); the largest buffer sits in
+    the middle, where the head's activations are already freed: less than the order-free bound."""
+    from autoshard.search.memory import LayerLive, rank_memory, step_peak_bytes
+    layers = [LayerLive(10, 4, 0, 0), LayerLive(20, 8, 30, 5), LayerLive(40, 2, 3, 1)]
+    static = 100 + 14  # params + optimizer, + the gradients
+    # i = 0: 10 + 10 + 0; i = 1: 30 + 2 + 30 = 62; i = 2: 70 + 0 + 3 = 73
+    assert step_peak_bytes(static, layers, 1, 1, False, False) == 100 + 73
+    # with gradient accumulation every gradient is live: max(10, 30 + 30, 70 + 3) = 73 on top of all states
+    assert step_peak_bytes(static, layers, 1, 1, True, False) == static + 73
+    # two micro-batches in flight (GPipe on one stage): one whole micro-batch more
+    assert step_peak_bytes(static, layers, 1, 2, True, False) == static + 70 + 73
+    # a pipelined rank keeps the order-free bound
+    bound = rank_memory(static, 14, 30, 70, True)
+    assert step_peak_bytes(static, layers, 1, 1, True, True) == bound == static + 30 + 70

@@ -15,9 +15,9 @@ world size for the compiled ones, the only clusters whose plans the cost model p
 Asserted per case, for the rank with the largest shards, within ``TOLERANCE`` of the prediction:
 the optimizer step's peak (params + grads + optimizer + ``step_grads`` + ``step_transient`` of
 ``Predictions.memory_breakdown``), the build's (``Predictions.build_peak_bytes``) and the step's
-(``Predictions.peak_memory_bytes``: max of forward/backward, optimizer step and build; compiled cases priced with the model's compiled-activation scale, as ``autoshard.compile`` prices GPU plans). The
-compiled ZeRO-3 and gathered-in-forward ZeRO-1 forward/backward peaks are expected to miss
-(``_COMPILED_BACKWARD``). Measuring a compiled program needs ``LiveBytes.ignore_compile_internals``:
+(``Predictions.peak_memory_bytes``: max of forward/backward, ``search/memory.step_peak_bytes``, optimizer
+step and build; compiled cases priced with the model's compiled-activation scale, as ``autoshard.compile``
+prices GPU plans). Measuring a compiled program needs ``LiveBytes.ignore_compile_internals``:
 under any other dispatch mode ``torch.compile`` runs its frames eagerly.
 """
 
@@ -39,7 +39,6 @@ from autoshard.runtime import build_program
 from autoshard.runtime.live_bytes import LiveBytes
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.search.cost_model import predict
-from autoshard.search.memory import rank_memory
 from autoshard.train import TrainSpec
 
 SPEC = "llama:tiny"
@@ -112,7 +111,7 @@ def _predicted(state: str, micro_batches: int, compiled: bool, mesh: Mesh) -> di
     b = pred.memory_breakdown
     states = b["params"] + b["grads"] + b["optimizer"]
     return {"step": pred.peak_memory_bytes, "build": pred.build_peak_bytes,
-            "backward": rank_memory(states, b["grads"], b["buffers"], b["activations"], micro_batches > 1),
+            "backward": b["step_peak"],
             "optimizer": states + b["step_grads"] + b["step_transient"]}
 
 
@@ -149,20 +148,6 @@ def _errors(results: list[dict], state: str, micro_batches: int, compiled: bool,
     return errors, report
 
 
-# The forward/backward of a compiled ZeRO-3 or gathered-in-forward ZeRO-1 graph, not the optimizer step, priced
-# with the model's compiled-activation scale as ``autoshard.compile`` prices GPU plans: measured -6.9% (ZeRO-3)
-# and -9.5% (gathered ZeRO-1) at world 2, -6.3% (ZeRO-3 HSDP) at world 4. What remains is the backward
-# buffers' timing: the cost model puts the largest layer's buffers ((p + 2g)Psi for ZeRO-3: re-gathered
-# weights, unsharded gradient, the reduce-scatter's flat copy) on top of every activation, while the
-# partitioned backward frees the re-gathered weights before the flat gradient exists and runs that layer
-# when most activations are freed (ZeRO-3's gap is about one MLP's gathered weights, 2.25 MiB).
-_COMPILED_BACKWARD = pytest.mark.xfail(
-    reason="compiled forward/backward over-predicted 6-10% (comment above): the backward buffers' timing",
-    strict=False)
-PEAK_2 = [pytest.param(*c, marks=_COMPILED_BACKWARD) if c[2] and c[0] in ("zero1", "zero3") else c for c in CASES_2]
-PEAK_4 = [pytest.param(*c, marks=_COMPILED_BACKWARD) if c[2] and c[0] == "zero3" else c for c in CASES_4]
-
-
 def _check(results: list[dict], case: tuple, mesh: Mesh, keys: tuple[str, ...]) -> None:
     errors, report = _errors(results, *case, mesh)
     for key in keys:
@@ -184,14 +169,14 @@ def test_optimizer_step_and_build_memory_hsdp(measured4, state, micro_batches, c
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("state, micro_batches, compiled", PEAK_2)
+@pytest.mark.parametrize("state, micro_batches, compiled", CASES_2)
 def test_step_peak_memory(measured2, state, micro_batches, compiled):
     case = (state, micro_batches, compiled)
     _check(measured2[_name(*case)], case, DP, ("step",))
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("state, micro_batches, compiled", PEAK_4)
+@pytest.mark.parametrize("state, micro_batches, compiled", CASES_4)
 def test_step_peak_memory_hsdp(measured4, state, micro_batches, compiled):
     case = (state, micro_batches, compiled)
     _check(measured4[_name(*case)], case, HSDP, ("step",))

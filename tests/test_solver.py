@@ -122,17 +122,17 @@ def test_cp_sat_matches_brute_force(world, mesh, memory):
 
 def grads_heavy_cost(layer, s, mesh, cluster, train, schedule) -> LayerCost:
     """``hashed_cost`` plus 2 MB of gradient per layer (halved under ZeRO-2/3): gradients large enough
-    that a plan fits only because, with one micro-batch on one stage, they are not live beside the
-    activations (``memory.rank_memory``)."""
+    that a plan fits only because, with one micro-batch on one stage, they appear as the backward frees
+    the activations (``memory.step_peak_bytes``)."""
     cost = hashed_cost(layer, s, mesh, cluster, train, schedule)
     extra = 2e6 / (2 if s.state in ("zero2", "zero3") else 1)
     return dataclasses.replace(cost, memory=dataclasses.replace(cost.memory, grads=cost.memory.grads + extra))
 
 
-@pytest.mark.parametrize("memory", [34e6, 36e6])  # m = 1 fits only by max(grads, activations): sum 45 MB
+@pytest.mark.parametrize("memory", [34e6, 36e6])  # m = 1 fits only by the backward's timeline: sum 45 MB
 def test_cp_sat_admits_plans_whose_gradients_and_activations_do_not_coexist(memory):
-    """pp = m = 1: the mem/stage row takes ``max(gradients, activations)`` as ``predict`` does, so the
-    solver reaches the brute-force optimum that a row adding both would exclude (faster here)."""
+    """pp = m = 1: the timeline rows count gradients as the backward produces them, as ``predict`` does, so
+    the solver reaches the brute-force optimum that a row adding all of both would exclude (faster here)."""
     graph = _tiny_graph()
     cluster, train = synthetic_cluster("cpu", 2), TrainSpec(global_batch=4, seq_len=16)
     constraints = Constraints(max_memory_bytes=int(memory), memory_headroom=0.0)
