@@ -99,6 +99,10 @@ class LayerInfo:
     tied_params: tuple[str, ...] = ()  # FQNs used here but owned (counted) by an earlier layer
     # why expert parallelism cannot run on this moe layer ("" when it can; ``passes/capture.py``)
     ep_refusal: str = ""
+    # why Megatron tp cannot split this layer at any degree ("" when it can; ``passes/_capture_tp.py``); the
+    # degree-dependent rules (num_heads, num_kv_heads, ffn_hidden, vocab divisible by tp) are
+    # ``Plan.check_compatible``'s, from the counts above
+    tp_refusal: str = ""
 
     @property
     def param_count(self) -> int:

@@ -49,7 +49,12 @@ Megatron-Core); ``virtual_stages > 1`` only with
 says what differs: the first layer or parameter shape (from
 ``Fingerprints.layers``) or the first cluster field (from
 ``Fingerprints.cluster_spec``). The cost-model version is recorded, not
-enforced: stale predictions do not make a plan wrong to execute.
+enforced: stale predictions do not make a plan wrong to execute. With a graph
+it also refuses, before any rank starts, what the runtime could not run: expert
+parallelism on a layer with ``LayerInfo.ep_refusal``, and Megatron tp (mesh
+``tp > 1``, layer ``tp="megatron"``) on a layer with ``LayerInfo.tp_refusal`` or
+whose recorded heads, key/value heads, FFN width or vocabulary tp does not
+divide (the search's ``tp_divides`` rules: MQA's one key/value head under any tp).
 """
 
 from __future__ import annotations
@@ -451,6 +456,10 @@ class Plan(Record):
             refused = _unrunnable_expert_parallel(self, graph)
             if refused:
                 raise PlanError(f"{refused}; plan it with ep = 1 (the search does: rule ep_runs/experts)")
+            refused = _unrunnable_tensor_parallel(self, graph)
+            if refused:
+                raise PlanError(f"{refused}; the tensor-parallel runtime cannot split the layer: use tp='none' for "
+                                "it or a mesh with tp = 1")
         if cluster is not None:
             problem = _cluster_mismatch(self, cluster)
             if problem:
@@ -500,6 +509,38 @@ def _unrunnable_expert_parallel(plan: Plan, graph: Any) -> str | None:
         strategy = strategies.get(layer.name)
         if getattr(layer, "ep_refusal", "") and strategy is not None and strategy.ep:
             return f"layer {layer.name!r} cannot run expert-parallel: {layer.ep_refusal}"
+    return None
+
+
+# What Megatron tp splits, per layer kind: (LayerInfo field, kinds, what it counts, rule); the
+# ``tp_divides`` rules of ``search/space.py`` over the same fields.
+_TP_DIVIDES = (("num_heads", ("attention",), "attention heads", "heads"),
+               ("num_kv_heads", ("attention",), "key/value heads", "kv_heads"),
+               ("ffn_hidden", ("mlp",), "FFN width", "ffn"), ("vocab", ("embedding", "head"), "vocabulary", "vocab"))
+_TP_SPLIT_ROLES = ("column", "row", "vocab")
+
+
+def _unrunnable_tensor_parallel(plan: Plan, graph: Any) -> str | None:
+    """The first layer the plan splits over tp (``tp="megatron"``, mesh ``tp > 1``, a column / row / vocab
+    parameter or the LM head) that the runtime cannot split, and why; or ``None``."""
+    tp = plan.mesh.tp
+    if tp <= 1:
+        return None
+    strategies = {s.layer: s for s in plan.layers}
+    for layer in graph.layers:
+        strategy = strategies.get(layer.name)
+        split = layer.kind == "head" or any(p.tp_role in _TP_SPLIT_ROLES for p in layer.params)
+        if strategy is None or strategy.tp != "megatron" or not split:
+            continue
+        for field_name, kinds, what, rule in _TP_DIVIDES:
+            size = getattr(layer, field_name, None)
+            if layer.kind in kinds and size and size % tp:
+                heads = (f" (num_heads={layer.num_heads}, num_kv_heads={layer.num_kv_heads})"
+                         if layer.kind == "attention" else "")
+                return (f"layer {layer.name!r}: {what} of size {size} split over tp={tp}: tp does not divide it"
+                        f"{heads}, and the search never proposes that (rule tp_divides/{rule})")
+        if getattr(layer, "tp_refusal", ""):
+            return f"layer {layer.name!r}: {layer.tp_refusal}"
     return None
 
 

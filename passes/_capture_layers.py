@@ -17,7 +17,9 @@ Layer discovery (registration order of the model's modules):
   one is named ``ROOT_LAYER`` and gets no graph nodes or saved tensors of its own
   (root-level nodes follow the nearest-preceding rule of capture).
 
-Kinds come from the module's last name component and type (see ``layer_kind``);
+Kinds come from the module's last name component and type (see ``layer_kind``), and for a layer
+that these call ``other`` from the dataflow of the exported graph (``_capture_blocks``: a
+hand-written block's raw ``qkv`` / ``proj`` / ``fc`` / ``out`` projections);
 the reference models' fixed names (``embed``, ``pos_embed``, ``attn_norm``,
 ``attn``, ``mlp_norm``, ``mlp``, ``moe``, ``norm``, ``head``, ``value_head``) all
 resolve by name. A module holding 3-D parameters (stacked experts) is a ``moe``
@@ -25,7 +27,8 @@ layer, unless it has a block container child: a trunk wrapper such as Hugging
 Face's ``model`` (``model.layers.i.mlp.experts``) is searched, not one layer.
 
 Tensor-parallel roles come from ``model.tp_roles()`` when the model has it (any
-alias of a tied parameter may be named). Otherwise, the heuristic:
+alias of a tied parameter may be named), then from the dataflow for the layers
+``_capture_blocks`` recognised. Otherwise, the heuristic:
 
 * weights of ``nn.Embedding`` / ``nn.Linear`` in ``embedding`` and ``head`` layers
   whose vocabulary dimension equals the model's vocabulary → ``vocab`` (a
@@ -174,11 +177,14 @@ def _block_of(name: str, layers: list[LayerSpec]) -> int | None:
     return None
 
 
-def param_roles(model: nn.Module, layers: list[LayerSpec], vocab: int) -> dict[int, str]:
-    """``id(parameter)`` → tp role, from ``model.tp_roles()`` or the documented heuristic."""
+def param_roles(model: nn.Module, layers: list[LayerSpec], vocab: int,
+                inferred: dict[int, str] | None = None) -> dict[int, str]:
+    """``id(parameter)`` → tp role, from ``model.tp_roles()``, else ``inferred`` (the roles the exported
+    graph's dataflow gives the layers it recognised: ``_capture_blocks``), else the documented heuristic."""
     roles: dict[int, str] = {}
     for spec in layers:
         roles.update(_heuristic_roles(spec, vocab))
+    roles.update(inferred or {})
     declared = model.tp_roles() if callable(getattr(model, "tp_roles", None)) else {}
     by_name = dict(model.named_parameters(remove_duplicate=False))
     for fqn, role in declared.items():

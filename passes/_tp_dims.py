@@ -37,7 +37,7 @@ from torch import fx
 
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import tag
-from autoshard.passes.shard_parameters import RESHAPES
+from autoshard.passes.shard_parameters import PROJECTIONS, RESHAPES
 
 NAME = "insert_collectives"  # the pass whose nodes these rewrites tag
 aten = torch.ops.aten
@@ -46,6 +46,20 @@ aten = torch.ops.aten
 _SHAPE_ARG = {aten.view.default: (1, 0), aten.reshape.default: (1, 0), aten._unsafe_view.default: (1, 0),
               aten.unflatten.int: (2, None)}  # op → (arg holding output sizes, first output dim it covers)
 _SDPA = (aten.scaled_dot_product_attention.default,)
+
+
+def split_param_misuse(param: fx.Node) -> fx.Node | None:
+    """The first user of a tp-split parameter that takes it other than as a projection's weight or bias
+    or an embedding's table (``x @ W.t()``, a weight sliced by hand: it would see this rank's piece as if
+    it were whole), or None. One rule for the runtime (``insert_collectives``) and capture
+    (``LayerInfo.tp_refusal``); ``param`` is a ``get_attr`` or a lifted placeholder."""
+    for user in param.users:
+        weight_at, bias_at, _ = PROJECTIONS.get(user.target, (None, None, False))
+        positions = {weight_at, bias_at} if user.target in PROJECTIONS else {0}
+        known = user.target in PROJECTIONS or user.target == aten.embedding.default
+        if not known or not any(i is not None and i < len(user.args) and user.args[i] is param for i in positions):
+            return user
+    return None
 
 
 class ShardDims:

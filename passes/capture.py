@@ -23,7 +23,11 @@ Steps:
    first layer when it precedes every layer node. A deep stack of
    verified-identical blocks is exported as a three-block proxy and expanded
    (``_capture_proxy``: the checks, and why this is exact); ``export_all_blocks``
-   turns that off.
+   turns that off. Layers the names left ``other`` whose projections form
+   attention (around SDPA) or an MLP in the exported graph's dataflow take
+   that kind, Megatron roles and head / FFN counts (``_capture_blocks``: a
+   hand-written nanoGPT or Llama block); the roles are final only now, so the
+   saved-activation measurement below follows this step.
 3. Costs (``_capture_costs``): FLOPs and activation bytes per node from the
    symbolic shapes evaluated at ``(b, s1)`` and ``(b, s2)`` (the sequence symbol
    substituted, so one dynamic export serves both points). When the sequence
@@ -50,7 +54,11 @@ Steps:
    (``LayerInfo``); a boundary slope (none in the reference blocks) is folded
    into ``saved_interior_per_token_seq`` because ``LayerInfo`` has one seq term.
    Input/output activation bytes per token are taken at ``s2``.
-6. ``class_id``: ``"<kind>:<sha256[:10]>"`` of kind, parameters (names relative
+6. Tensor-parallel refusals (``_capture_tp``): a layer whose split the runtime
+   could not build at any tp degree (a fused projection with unequal parts, a
+   weight used outside a projection) records why in ``LayerInfo.tp_refusal``,
+   for ``Plan.check_compatible`` to refuse a forced plan before any rank starts.
+7. ``class_id``: ``"<kind>:<sha256[:10]>"`` of kind, parameters (names relative
    to the layer, shapes, dtypes, roles), tied parameter names, every cost
    coefficient (9 significant digits) and the shape metadata; equal ids mean
    structurally identical layers that the solver may decide once.
@@ -83,7 +91,7 @@ import hashlib
 import json
 import logging
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
 
 import torch
@@ -91,6 +99,7 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
+from autoshard.passes._capture_blocks import recognise_layers
 from autoshard.passes._capture_inputs import InputSpec, ModelInputs, bind_example
 from autoshard.passes._capture_costs import MATMUL_OPS
 from autoshard.passes._capture_export import Accum, Exported, GraphView, edges, export, price
@@ -107,6 +116,7 @@ from autoshard.passes._capture_layers import (
 from autoshard.passes._capture_proxy import make_proxy
 from autoshard.passes._capture_report import format_coverage, format_layer_table
 from autoshard.passes._capture_saved import SavedBytes, measure_saved
+from autoshard.passes._capture_tp import tp_refusals
 
 log = logging.getLogger(__name__)
 
@@ -154,16 +164,21 @@ def capture(
     model_name = name or type(model).__name__
     layers = find_layers(model)
     hidden, vocab = model_hidden_vocab(model, layers)
-    roles = param_roles(model, layers, vocab)
     example = _Example.make(model, example_inputs, seq_lens, batch)
     with _training_mode(model):
-        view = _graph_view(model, example, layers, dynamic, model_name, export_all_blocks)
+        view, program = _graph_view(model, example, layers, dynamic, model_name, export_all_blocks)
+        recognised = recognise_layers(layers, program.exported, program.rename, hidden)
+        layers = recognised.layers
+        roles = param_roles(model, layers, vocab, recognised.roles)
         saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
     ordered = _execution_order(layers, view.layer_order)
     params = layer_params(ordered, roles)
+    refusals = _tp_refusals(program, ordered, params, roles)
     infos = []
     for index, spec in enumerate(ordered):
-        meta = shape_meta(spec, model, hidden, vocab)
+        meta = {**shape_meta(spec, model, hidden, vocab), **recognised.meta.get(spec.name, {})}
+        if spec.name in refusals:
+            meta["tp_refusal"] = refusals[spec.name]
         points = [point.get(spec.name, Accum()) for point in view.costs]
         info = _layer_info(spec, index, params[spec.name], points, [s[spec.name] for s in saved], example, meta)
         infos.append(replace(info, class_id=_class_id(info)))
@@ -298,6 +313,15 @@ def _training_mode(model: nn.Module) -> Iterator[None]:
 # export and measurement
 
 
+@dataclass(frozen=True)
+class _Program:
+    """The exported program capture read (the proxy's when it was used) and how to name into it."""
+
+    exported: Exported
+    module: nn.Module  # the module exported: the model, or the proxy sharing its blocks
+    rename: Callable[[str], str]  # full-model module / parameter name → its name in ``module``
+
+
 def _graph_view(
     model: nn.Module,
     example: _Example,
@@ -305,7 +329,7 @@ def _graph_view(
     dynamic: bool,
     model_name: str,
     export_all_blocks: bool,
-) -> GraphView:
+) -> tuple[GraphView, _Program]:
     """Export (a three-block proxy when it qualifies, else the whole model) and price every layer."""
     names = [spec.name for spec in layers]
     proxy = None if export_all_blocks else make_proxy(model)
@@ -320,9 +344,10 @@ def _graph_view(
             if full is not None:
                 log.info("capture: %s: exported blocks 0, 1, %d of %d identical blocks", model_name,
                          proxy.num_blocks - 1, proxy.num_blocks)
-                return full
+                return full, _Program(exported, proxy.module, proxy.proxy_name)
             log.info("capture: %s: proxy graph failed the replication checks; exporting every block", model_name)
-    return _export_view(model, example, names, dynamic, model_name)[0]
+    view, exported = _export_view(model, example, names, dynamic, model_name)
+    return view, _Program(exported, model, lambda name: name)
 
 
 def _export_view(
@@ -365,6 +390,19 @@ def _measure_saved(
             ) from exc
         log.warning("capture: meta forward of %s failed (%s); measuring on %s", model_name, exc, _model_device(model))
         return measure_saved(model, layers, weight_roles, inputs, on_meta=False)
+
+
+def _tp_refusals(program: _Program, ordered: list[LayerSpec], params: dict, roles: dict[int, str]) -> dict[str, str]:
+    """Layer name → why tp cannot split it (``_capture_tp``), named with the full model's parameter names."""
+    found = tp_refusals(program.exported, lambda fqn: roles.get(id(program.module.get_parameter(fqn)), "replicate"))
+    out = {}
+    for spec in ordered:
+        for param in params[spec.name][0]:
+            exported_name = program.rename(param.name)
+            if exported_name in found:
+                out[spec.name] = found[exported_name].replace(repr(exported_name), repr(param.name))
+                break
+    return out
 
 
 def _execution_order(layers: list[LayerSpec], layer_order: tuple[str, ...]) -> list[LayerSpec]:

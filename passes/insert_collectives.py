@@ -79,7 +79,9 @@ A size on the split dim that tp does not divide (2 key/value heads under
 tp = 4, MQA's one), an op no rule understands and a tp-split parameter used
 other than as a projection's weight or bias or an embedding table (``x @
 W.t()``) raise ``PlanError`` naming the layer, while the program is built (before any step); the search never
-proposes such a tp degree (``search/space.py``, ``tp_divides``). A vocab-parallel
+proposes such a tp degree (``search/space.py``, ``tp_divides``). ``Plan.check_compatible`` refuses most of these
+before any rank starts, from what capture recorded (head counts, ``LayerInfo.tp_refusal``: ``passes/_capture_tp.py``);
+the checks here stay for what only following the split dim finds. A vocab-parallel
 embedding keeps the table's ``padding_idx`` (Gemma's pad token gets no gradient).
 
 ZeRO-3: for each layer whose parameters are split over dp_shard one
@@ -114,7 +116,7 @@ from torch import fx, nn
 from autoshard.data_parallel import data_parallel_form
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, node_layer, rebuild, tag
-from autoshard.passes._tp_dims import ShardDims
+from autoshard.passes._tp_dims import ShardDims, split_param_misuse
 from autoshard.passes._expert_parallel import insert_expert_parallel
 from autoshard.passes._zero3 import GatherSpec, Zero3Gather
 from autoshard.passes.context import RankContext
@@ -289,17 +291,11 @@ class _TPRewriter:
         use (``x @ W.t()``, a weight sliced by hand) would see this rank's piece as if it were whole."""
         for node in self.graph.nodes:
             param = self.param_of(node)
-            if param is None or param.tp_dim is None:
-                continue
-            for user in node.users:
-                weight_at, bias_at, _ = PROJECTIONS.get(user.target, (None, None, False))
-                positions = {weight_at, bias_at} if user.target in PROJECTIONS else {0}
-                known = user.target in PROJECTIONS or user.target == aten.embedding.default
-                if not known or not any(i is not None and i < len(user.args) and user.args[i] is node
-                                        for i in positions):
-                    raise PlanError(f"layer {param.layer!r}: tp-split parameter {param.fqn!r} is used by {user.name} "
-                                    f"({user.target}), not as a projection's weight or bias; the tensor-parallel "
-                                    "runtime cannot split it: use tp='none' for the layer")
+            user = split_param_misuse(node) if param is not None and param.tp_dim is not None else None
+            if user is not None:
+                raise PlanError(f"layer {param.layer!r}: tp-split parameter {param.fqn!r} is used by {user.name} "
+                                f"({user.target}), not as a projection's weight or bias; the tensor-parallel "
+                                "runtime cannot split it: use tp='none' for the layer")
 
     def visit(self, node: fx.Node) -> str:
         if node.target == aten.embedding.default:
