@@ -18,10 +18,12 @@ sizes in elements of the compute dtype (payloads: ``PAYLOADS``; "AR" all-reduce,
 
 | form | layer | forward | backward |
 | --- | --- | --- | --- |
-| TP | attention, MLP (column → row) | AR(T·h) after the row linear (g) | AR(T·h) of the input's gradient (f, shared by q/k/v, by gate/up) |
+| TP | attention, MLP: its column projections (f) | — | AR(T·h) of the input's gradient (shared by q/k/v, by gate/up) |
+| TP | attention, MLP: its row projection (g) | AR(T·h) after the row linear | — |
 | TP | embedding (vocab-parallel) | AR(T·h) of the masked partial rows | — |
 | TP | head (vocab-parallel) | AG(T·V): the logits are gathered, the loss runs over all V on every tp rank | AR(T·h) (f) |
-| SP | attention, MLP | AG(T·h) before the column linear, RS(T·h) after the row linear | RS(T·h), AG(T·h) |
+| SP | attention, MLP: its column projections | AG(T·h) before the column linear | RS(T·h) |
+| SP | attention, MLP: its row projection | RS(T·h) after the row linear | AG(T·h) |
 | SP | embedding | RS(T·h) | AG(T·h) |
 | SP | head | AG(T·h) + AG(T·V) | RS(T·h) |
 | SP | every tp-replicated parameter of an SP layer (norms, value head, row biases, router) | — | AR of its gradient, one per use (these layers use each once) |
@@ -34,6 +36,12 @@ sizes in elements of the compute dtype (payloads: ``PAYLOADS``; "AR" all-reduce,
 
 Notes, each what the runtime does:
 
+* A layer runs the f side if it holds a ``column`` parameter and the g side if it holds a ``row`` one
+  (``passes/insert_collectives.py``: f converts the column projection's replicated / sequence-sharded
+  input, g the row projection's partial output). A whole attention or MLP module (the reference,
+  Hugging Face and Llama-style blocks) holds both; a block whose projections are layers of their own
+  (nanoGPT's ``qkv``, ``proj``, ``fc``, ``out``: ``passes/_capture_blocks.py``) splits them: ``qkv``
+  and ``fc`` run f only, ``proj`` and ``out`` g only.
 * Every TP/SP/EP collective is a node of the per-rank graph (``in_graph``) and synchronous
   (``runtime/collectives.py``, note "synchronous kernels"): on the critical path, hidden under
   nothing. SP's parameter all-reduces run once per parameter per micro-batch (each use of a
@@ -131,6 +139,21 @@ def _replicated(layer: LayerInfo) -> list:
     return [p for p in layer.params if p.tp_role not in TP_SPLIT_ROLES + ("expert",)]
 
 
+def _megatron_f_g(layer: LayerInfo, sp: bool) -> list[Collective]:
+    """f for a layer with column projections, g for one with a row projection (module docstring note)."""
+    roles = {p.tp_role for p in layer.params}
+    out = []
+    if "column" in roles:  # f: the replicated input (SP: the sequence chunks) of the column projections
+        out += ([Collective("all_gather", "tp", "hidden", "forward"),
+                 Collective("reduce_scatter", "tp", "hidden", "backward")] if sp
+                else [Collective("all_reduce", "tp", "hidden", "backward")])
+    if "row" in roles:  # g: the row projection's partial sums
+        out += ([Collective("reduce_scatter", "tp", "hidden", "forward"),
+                 Collective("all_gather", "tp", "hidden", "backward")] if sp
+                else [Collective("all_reduce", "tp", "hidden", "forward")])
+    return out
+
+
 def tensor_parallel_form(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) -> tuple[Collective, ...]:
     """The layer's TP/SP collectives of one micro-batch (module docstring table)."""
     if mesh.tp == 1:
@@ -147,11 +170,8 @@ def tensor_parallel_form(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) 
             out += ([Collective("all_gather", "tp", "hidden", "forward"),
                      Collective("reduce_scatter", "tp", "hidden", "backward")] if sp
                     else [Collective("all_reduce", "tp", "hidden", "backward")])
-        elif sp:
-            out += [Collective(kind, "tp", "hidden", phase) for phase in ("forward", "backward")
-                    for kind in ("all_gather", "reduce_scatter")]
         else:
-            out += [Collective("all_reduce", "tp", "hidden", phase) for phase in ("forward", "backward")]
+            out += _megatron_f_g(layer, sp)
     if sp:
         if _replicated(layer):
             out.append(Collective("all_reduce", "tp", "replicated_params", "backward", count=len(_replicated(layer))))

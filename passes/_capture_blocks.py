@@ -35,12 +35,6 @@ other parameter ``replicate``) and the shape metadata. A nanoGPT block thus give
 Llama block gives one of each. Not recognised: attention written as matmul + softmax (no SDPA
 node), an attention output gated before its projection, MLP intermediates combined with a
 full-width tensor that no projection computed (those layers stay ``other``, replicated).
-
-Known gap (outside capture): ``autoshard/model_parallel.tensor_parallel_form`` declares both Megatron
-collectives, f (backward all-reduce) and g (forward all-reduce), for every tp-split attention / MLP
-layer. A layer holding only the column side (``qkv``, ``fc``) runs only f and one holding only the row
-side (``proj``, ``out``) only g, so the cost model charges such blocks twice the TP (and SP)
-communication the runtime runs; the runtime itself is exact.
 """
 
 from __future__ import annotations

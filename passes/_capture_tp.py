@@ -17,9 +17,8 @@ divisible by tp: MQA's one key/value head under any tp > 1) are checked by
 ``ffn_hidden``, ``vocab``), as the search's ``tp_divides`` rules are. Not recorded here: what only
 following the split dim through the graph finds (``_tp_dims.ShardDims``: a per-head attention
 mask, a slice of the split dim, a reshape that mixes heads); the runtime refuses those while
-building, before any step. The search does not read ``tp_refusal`` yet (it prunes by the
-``tp_divides`` rules only), so it may still propose tp for a model with such a layer; that plan is
-then refused by ``check_compatible`` when it is built.
+building, before any step. The search keeps such a layer at tp = 'none' and the model without SP
+(``search/space.py``, rules ``tp_runs/<reason>`` and ``sp_runs/tp_refusal``).
 """
 
 from __future__ import annotations

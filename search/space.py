@@ -21,6 +21,12 @@ Mesh (``enumerate_meshes``)
     ``ep_runs/experts``          ``ep = 1`` when a ``moe`` layer's experts are not the bmm on a capacity
                                  buffer the expert-parallel pass exchanges (``LayerInfo.ep_refusal``:
                                  Hugging Face's Mixtral, ``_grouped_mm``)
+    ``tp_runs/<reason>``         not a mesh rule but recorded with them (``mesh=None``): a layer with
+                                 ``LayerInfo.tp_refusal`` (``passes/_capture_tp.py``; ``<reason>``
+                                 ``fused_parts``: a fused projection split into unequal parts,
+                                 ``weight_use``: a tp-split weight used other than as a projection's)
+                                 keeps ``tp = "none"`` on every mesh (per layer, below); tp > 1 is
+                                 still searched for the other layers
     ``pp_le/blocks``             ``pp ≤ num_blocks`` (each stage holds ≥ 1 block)
     ``tied/pp``                  ``pp = 1`` for a model with tied weights: the runtime mirrors a
                                  parameter used on several pipeline ranks (``passes/split_pipeline.py``),
@@ -37,12 +43,19 @@ Per layer (``admissible_strategies``), for one mesh:
     * ``tp = "megatron"`` iff ``mesh.tp > 1`` and the layer has a column / row /
       vocab parameter: once the mesh has a tp axis every tp-able layer uses it
       (a layer replicated over tp would waste the axis and need extra
-      re-layout collectives); norms and the value head stay ``"none"``.
+      re-layout collectives); norms and the value head stay ``"none"``, and so
+      does a layer the runtime cannot split (``tp_runs/<reason>``:
+      ``LayerInfo.tp_refusal``; ``Plan.check_compatible`` refuses a plan that
+      splits it).
     * ``sp ∈ {False, True}`` only when ``mesh.tp > 1``; the solver makes ``sp``
       one global choice (the norm regions between tp layers must agree). A
       ``moe`` layer offers ``sp = False`` only (``sp_runs/moe``: the runtime
       routes flattened ``[B·S, h]`` tokens, which have no sequence dim to keep
-      sharded), so a model with MoE layers trains without SP.
+      sharded), so a model with MoE layers trains without SP. Nor does a layer
+      kept at ``tp = "none"`` by ``tp_runs`` (``sp_runs/tp_refusal``): the
+      runtime would run it, replicated, on the sequence chunks (an attention
+      would see only this rank's chunk; ``model_parallel`` declares no
+      collectives for its column / row parameters left unsplit).
     * ``ep = True`` iff the layer is MoE and ``mesh.ep > 1`` (same reasoning as tp).
     * ``state``: all of ``STATES`` when ``dp > 1`` and the layer has parameters;
       ``replicate`` / ``offload`` when ``dp = 1`` (sharding over one rank is
@@ -150,8 +163,9 @@ class MeshEnumeration:
 class SolverClass:
     """A group of layers that share one strategy variable set in CP-SAT.
 
-    Normally one layer class (``LayerInfo.class_id``); a pin on a single layer
-    splits it off into its own group, named ``<class_id>@<layer>``.
+    Normally one layer class (``LayerInfo.class_id``); a pin on a single layer, or a
+    ``tp_refusal`` its class twins lack, splits it off into its own group, named
+    ``<class_id>@<layer>``.
     """
 
     name: str
@@ -173,6 +187,29 @@ def divisors(n: int) -> list[int]:
 def is_tp_able(layer: LayerInfo) -> bool:
     """Whether Megatron tp splits any of the layer's parameters."""
     return any(p.tp_role in TP_ABLE_ROLES for p in layer.params)
+
+
+def tp_runs(layer: LayerInfo) -> bool:
+    """Whether Megatron tp may split the layer: it is tp-able and capture found nothing the tensor-parallel
+    runtime cannot split (``LayerInfo.tp_refusal``, rule ``tp_runs/<reason>``)."""
+    return is_tp_able(layer) and not layer.tp_refusal
+
+
+# ``tp_runs/<reason>``: a phrase of the refusals ``passes/_capture_tp.py`` writes → the reason's name
+_TP_REFUSAL_REASONS = (("unequal parts", "fused_parts"), ("not as a projection's weight", "weight_use"))
+
+
+def _tp_refusal_records(graph: ModelGraph) -> list[PruneRecord]:
+    """One ``tp_runs/<reason>`` record per reason: the first layer kept at tp='none' for it, and how many."""
+    by_rule: dict[str, list[LayerInfo]] = {}
+    for layer in graph.layers:
+        if is_tp_able(layer) and layer.tp_refusal:
+            reason = next((name for phrase, name in _TP_REFUSAL_REASONS if phrase in layer.tp_refusal), "layer")
+            by_rule.setdefault(f"tp_runs/{reason}", []).append(layer)
+    return [PruneRecord(rule, f"tp='megatron' on {layers[0].name}"
+                        + (f" (and {len(layers) - 1} more layers)" if len(layers) > 1 else "")
+                        + f": {layers[0].tp_refusal}; kept at tp='none' (and sp=False) on meshes with tp > 1")
+            for rule, layers in by_rule.items()]
 
 
 def is_moe(graph: ModelGraph) -> bool:
@@ -226,6 +263,8 @@ def enumerate_meshes(graph: ModelGraph, cluster: Cluster, train: TrainSpec | Non
     no_ep = next((layer for layer in graph.layers if layer.kind == "moe" and layer.ep_refusal), None)
     if no_ep is not None:
         pruned.append(PruneRecord("ep_runs/experts", f"ep > 1: {no_ep.name}: {no_ep.ep_refusal}"))
+    if world > 1:
+        pruned.extend(_tp_refusal_records(graph))
     for tp in divisors(world):
         if cluster.devices_per_node % tp:
             pruned.append(PruneRecord("tp_in_node", f"tp={tp} does not divide devices_per_node={cluster.devices_per_node}"))
@@ -302,13 +341,14 @@ def admissible_strategies(layer: LayerInfo, mesh: Mesh, pin: Mapping[str, Any] |
     order is canonical (enum order of every field), so the solver is deterministic.
     """
     has_params = bool(layer.params)
-    tp = "megatron" if mesh.tp > 1 and is_tp_able(layer) else "none"
+    tp = "megatron" if mesh.tp > 1 and tp_runs(layer) else "none"
     ep = mesh.ep > 1 and layer.kind == "moe"
     states = STATES if mesh.dp > 1 and has_params else (("replicate", "offload") if has_params else ("replicate",))
     pin = dict(pin or {})
     if not offload and pin.get("state") != "offload":
         states = tuple(s for s in states if s != "offload")
-    sps = (False, True) if mesh.tp > 1 and layer.kind != "moe" else (False,)
+    sp_runs = layer.kind != "moe" and not (is_tp_able(layer) and layer.tp_refusal)  # sp_runs/moe, sp_runs/tp_refusal
+    sps = (False, True) if mesh.tp > 1 and sp_runs else (False,)
     out = []
     for state in states:
         weights, grads = _comm_options(state, mesh.dp, has_params, pin, comm_precision)
@@ -422,7 +462,14 @@ def _check_pin_contradictions(layer: LayerInfo, pin: Mapping[str, Any], mesh: Ma
                              "pin tp='none' or drop the pin")
     if pin.get("tp") == "megatron" and mesh.get("tp") == 1:
         raise AutoshardError(f"{where}: tp='megatron' contradicts Constraints.mesh tp=1; drop one of them")
-    if pin.get("tp") == "none" and is_tp_able(layer) and mesh.get("tp", 1) > 1:
+    if pin.get("tp") == "megatron" and layer.tp_refusal:
+        raise AutoshardError(f"{where}: tp='megatron' but the tensor-parallel runtime cannot split the layer "
+                             f"({layer.tp_refusal}; rule tp_runs); pin tp='none' or drop the pin")
+    if pin.get("sp") and is_tp_able(layer) and layer.tp_refusal:
+        raise AutoshardError(f"{where}: sp=True on a layer kept at tp='none' (rule tp_runs: {layer.tp_refusal}) "
+                             "would run replicated on sequence chunks (sp_runs/tp_refusal); pin sp=False or "
+                             "drop the pin")
+    if pin.get("tp") == "none" and tp_runs(layer) and mesh.get("tp", 1) > 1:
         raise AutoshardError(f"{where}: tp='none' contradicts Constraints.mesh tp={mesh['tp']} (every tp-able "
                              "layer uses the tp axis); drop one of them")
     if pin.get("sp") and mesh.get("tp") == 1:
@@ -448,12 +495,13 @@ def solver_classes(graph: ModelGraph, pins: Mapping[str, Mapping[str, Any]]) -> 
     groups: dict[tuple, list[LayerInfo]] = {}
     for layer in graph.layers:
         pin = tuple(sorted(pins.get(layer.name, {}).items()))
-        groups.setdefault((layer.class_id, pin), []).append(layer)
+        # tp_refusal is not in the class id: a refused layer must not share a strategy with a splittable twin
+        groups.setdefault((layer.class_id, pin, layer.tp_refusal), []).append(layer)
     per_class: dict[str, int] = {}
-    for class_id, _ in groups:
+    for class_id, _, _ in groups:
         per_class[class_id] = per_class.get(class_id, 0) + 1
     out = []
-    for (class_id, pin), layers in groups.items():
+    for (class_id, pin, _), layers in groups.items():
         name = class_id if per_class[class_id] == 1 else f"{class_id}@{layers[0].name}"
         out.append(SolverClass(name=name, class_id=class_id, layers=tuple(layers), pin=pin))
     return tuple(out)

@@ -23,7 +23,10 @@ Plans (eager, two micro-batches, unless said): world 2: TP2; TP2+SP; TP2+SP comp
 micro-batch); EP2 with a capacity factor (dp 2 = ep 2); ZeRO-3 with qwZ int8 + qgZ int8; ZeRO-2 with
 qgZ int4; PP2 interleaved 1F1B (4 virtual stages). World 4: DP2×TP2 (blocks ZeRO-3, the rest DDP);
 PP2×TP2+SP GPipe; PP2×DP2×EP2 (dropless, the dense layers ZeRO-1); DP4×EP2 (expert gradients
-all-reduced over edp = 2; the dense layers ZeRO-2, one micro-batch).
+all-reduced over edp = 2; the dense layers ZeRO-2, one micro-batch). User blocks (world 2): NanoPolicy
+(``tests/_user_models.py``) at TP2 and TP2+SP, whose ``qkv`` / ``fc`` layers hold only column projections
+(f only) and ``proj`` / ``out`` only row ones (g only); what capture does not record about two of its
+other layers is filled in (``_CAPTURE_GAPS``).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ import pytest
 
 from _harness import run_gloo_cases
 from _runtime_cases import BATCH, OPT, SEQ, batches, loss_fn
+from _user_models import NanoPolicy
 
 from autoshard import model_parallel as mp
 from autoshard.data_parallel import data_parallel_form
@@ -52,14 +56,19 @@ from autoshard.runtime import build_program
 from autoshard.train import TrainSpec
 
 BIG_BUCKET = 1 << 30
-MODELS = {"llama": ("llama:tiny", {}), "moe": ("moe:tiny", {}), "moe_capacity": ("moe:tiny", {"capacity_factor": 1.0})}
+MODELS = {"llama": ("llama:tiny", {}), "moe": ("moe:tiny", {}), "moe_capacity": ("moe:tiny", {"capacity_factor": 1.0}),
+          "nano": (NanoPolicy, {})}  # a registry spec, or a user's module class (tests/_user_models.py)
 _TYPE_BYTES = {"float": 4, "unsigned char": 1, "c10::BFloat16": 2, "long int": 8}
+
+
+def _model(model: str):
+    spec, overrides = MODELS[model]
+    return build(spec, **overrides) if isinstance(spec, str) else spec(**overrides)
 
 
 @functools.lru_cache(maxsize=None)
 def _graph(model: str):
-    spec, overrides = MODELS[model]
-    return capture(build(spec, **overrides), seq_lens=(8, 16))
+    return capture(_model(model), seq_lens=(8, 16))
 
 
 def _stage(layer: str, stages: int) -> int:
@@ -146,6 +155,11 @@ CASES_4 = {
     "pp2_dp2_ep2_zero1": Case("moe", Mesh(pp=2, dp_shard=2, ep=2), _ep_zero1_rest),
     "dp4_ep2_zero2": Case("moe", Mesh(dp_shard=4, ep=2), _ep_zero2_rest, micro_batches=1),  # edp = 2
 }
+# a nanoGPT block whose qkv / proj / fc / out are layers of their own: column-only layers run f, row-only g
+CASES_USER = {
+    "nano_tp2": Case("nano", Mesh(tp=2), _tp),
+    "nano_tp2_sp": Case("nano", Mesh(tp=2), _tp_sp),
+}
 
 
 # ---- the child: what the runtime issues --------------------------------------------------------
@@ -157,8 +171,7 @@ def _issued(rank, world_size, case: Case):
 
     from autoshard.runtime.collectives import _group
 
-    spec, overrides = MODELS[case.model]
-    program = build_program(build(spec, **overrides), _graph(case.model), case.plan(), None,
+    program = build_program(_model(case.model), _graph(case.model), case.plan(), None,
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
                             compile_graph=case.compiled, compile_backend="aot_eager")
     ctx = program.ctx
@@ -273,6 +286,18 @@ def _add_data_parallel(out: _Declared, layer, strategy: LayerStrategy, mesh: Mes
                 out.add(kind, c.axis, times, times * nbytes)
 
 
+# What capture does not record about a layer of a user's model, filled in here so that the rest of the
+# declaration is checked exactly; each (model, layer) → (layer, micro-batch size) → the layer as the runtime
+# runs it. NanoPolicy: ``pos`` embeds ``arange(S)``, a [S, h] output without the batch dim, so its
+# vocab-parallel all-reduce (SP: reduce-scatter, all-gather) moves S·h, T·h/b, not T·h; ``critic`` is a value
+# head capture leaves of kind ``other``, whose output (a model output) SP all-gathers as a ``value_head``'s.
+_CAPTURE_GAPS = {
+    ("nano", "pos"): lambda layer, b: dataclasses.replace(
+        layer, hidden=None, output_bytes_per_token=layer.output_bytes_per_token / b),
+    ("nano", "critic"): lambda layer, _b: dataclasses.replace(layer, kind="value_head"),
+}
+
+
 def _declared(case: Case, pp_coord: int) -> _Declared:
     graph, plan = _graph(case.model), case.plan()
     mesh, m = plan.mesh, case.micro_batches
@@ -286,6 +311,7 @@ def _declared(case: Case, pp_coord: int) -> _Declared:
     for i, (layer, strategy) in enumerate(zip(graph.layers, strategies)):
         if not mine[i]:
             continue
+        layer = _CAPTURE_GAPS.get((case.model, layer.name), lambda x, _b: x)(layer, BATCH // mesh.dp // m)
         _add_data_parallel(out, layer, strategy, mesh, m, case.compiled)
         for c in mp.model_parallel_form(layer, strategy, mesh):
             times = m if c.per_micro_batch else 1
@@ -306,6 +332,12 @@ def _declared(case: Case, pp_coord: int) -> _Declared:
 def issued2():
     return run_gloo_cases({name: functools.partial(_issued, case=case) for name, case in CASES_2.items()}, 2,
                           timeout_s=900)
+
+
+@pytest.fixture(scope="module")
+def issued_user():
+    return run_gloo_cases({name: functools.partial(_issued, case=case) for name, case in CASES_USER.items()}, 2,
+                          timeout_s=300)
 
 
 @pytest.fixture(scope="module")
@@ -330,6 +362,11 @@ def test_mixed_plans_issue_the_declared_collectives_world2(issued2, name):
     _check(CASES_2[name], issued2[name])
 
 
+@pytest.mark.parametrize("name", list(CASES_USER))
+def test_user_blocks_issue_the_declared_collectives(issued_user, name):
+    _check(CASES_USER[name], issued_user[name])
+
+
 @pytest.mark.parametrize("name", list(CASES_4))
 def test_mixed_plans_issue_the_declared_collectives_world4(issued4, name):
     _check(CASES_4[name], issued4[name])
@@ -344,3 +381,24 @@ def test_quantized_rows_match_the_kernels_layout():
         for shard in (1, 63, 64, 65, 100, 1000, 4096, 8320, 12288, 100_000):
             block = block_for(shard, wire)
             assert mp.quantized_row_bytes(shard, wire) == QuantLayout(wire, block, shard, 1).chunk_bytes
+
+
+def test_split_blocks_declare_and_price_one_side():
+    """NanoPolicy's column-only layers (qkv, fc) declare f, its row-only ones (proj, out) g; the cost model
+    prices only those: one tp direction each, half a whole attention's TP time (tier 1, no ranks)."""
+    from autoshard.search.layer_terms import critical_terms, sharding
+    from autoshard.search.synthetic import synthetic_cluster
+
+    graph, mesh, schedule = _graph("nano"), Mesh(tp=2), Schedule(micro_batch=4, num_micro_batches=1)
+    sides = {"qkv": "backward", "fc": "backward", "proj": "forward", "out": "forward"}
+    for name, phase in sides.items():
+        layer = graph.layer(f"blocks.0.{name}")
+        for sp, kinds in ((False, {"all_reduce"}), (True, {"all_gather", "reduce_scatter"})):
+            strategy = LayerStrategy(layer=layer.name, tp="megatron", sp=sp)
+            form = [c for c in mp.tensor_parallel_form(layer, strategy, mesh) if c.payload == "hidden"]
+            assert {c.kind for c in form} == kinds and len(form) == (2 if sp else 1)
+            if not sp:
+                assert form[0].phase == phase
+                terms = critical_terms(layer, strategy, sharding(layer, strategy, mesh, schedule, SEQ), mesh,
+                                       synthetic_cluster("h100-sxm", 1))
+                assert (terms["tp_fwd_s"] > 0, terms["tp_bwd_s"] > 0) == (phase == "forward", phase == "backward")

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.plan import Mesh, Schedule
@@ -207,3 +208,56 @@ def test_tied_weights_are_never_pipelined():
     assert any(r.constraint == "tied/pp" for r in tied.pruned)
     untied = enumerate_meshes(capture(build("llama:tiny")), synthetic_cluster("cpu", 4))
     assert any(m.pp > 1 for m in untied.meshes)
+
+
+class _FusedGqa(torch.nn.Module):
+    """Attention with a fused ``[q | k | v]`` of widths 64, 32, 32 (heads of 16): tp cannot split it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.qkv, self.o = torch.nn.Linear(64, 128, bias=False), torch.nn.Linear(64, 64)
+
+    def forward(self, x):
+        b, s, _ = x.shape
+        q, k, v = (t.view(b, s, -1, 16).transpose(1, 2) for t in self.qkv(x).split([64, 32, 32], dim=-1))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.o(y.transpose(1, 2).reshape(b, s, 64))
+
+
+class _RefusedBlock(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(256, 64)
+        self.blocks = torch.nn.ModuleList([torch.nn.ModuleDict({"attn": _FusedGqa()})])
+        self.head = torch.nn.Linear(64, 256, bias=False)
+        self.value_head = torch.nn.Linear(64, 1)
+
+    def forward(self, tokens):
+        x = self.embed(tokens)
+        x = x + self.blocks[0]["attn"](x)
+        return self.head(x), self.value_head(x).squeeze(-1)
+
+
+def test_a_layer_tp_cannot_split_keeps_tp_none():
+    """``tp_runs/<reason>``: capture's ``tp_refusal`` keeps the layer at tp='none' (and the model without SP)
+    while the embedding and head still split; the solved plan passes ``check_compatible``."""
+    from autoshard.passes import capture
+    from autoshard.search import solve
+
+    graph = capture(_RefusedBlock(), seq_lens=(8, 16))
+    attn = graph.layer("blocks.0.attn")
+    assert "unequal parts" in attn.tp_refusal
+    cluster = synthetic_cluster("h100-sxm", 1, devices_per_node=2)
+    record = next(r for r in enumerate_meshes(graph, cluster).pruned if r.constraint.startswith("tp_runs/"))
+    assert record.constraint == "tp_runs/fused_parts" and "blocks.0.attn" in record.detail
+    assert {(s.tp, s.sp) for s in admissible_strategies(attn, Mesh(tp=2))} == {("none", False)}
+    assert {s.tp for s in admissible_strategies(graph.layer("head"), Mesh(tp=2))} == {"megatron"}
+    plan = solve(graph, cluster, TrainSpec(global_batch=8, seq_len=16), constraints=Constraints(mesh={"tp": 2}),
+                 time_limit_s=20, num_workers=1)
+    assert plan.mesh.tp == 2
+    assert plan.strategy("blocks.0.attn").tp == "none" and not any(s.sp for s in plan.layers)
+    assert {plan.strategy(name).tp for name in ("embed", "head")} == {"megatron"}
+    plan.check_compatible(graph=graph)
+    with pytest.raises(AutoshardError, match=r"tp='megatron' but the tensor-parallel runtime cannot split .*tp_runs"):
+        validate_constraints(Constraints(pin={"blocks.0.attn": {"tp": "megatron"}}), graph, cluster)
+    validate_constraints(Constraints(pin={"blocks.0.attn": {"tp": "none"}}, mesh={"tp": 2}), graph, cluster)
