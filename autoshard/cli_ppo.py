@@ -12,6 +12,11 @@
    note "user models". It is built on meta here, so a bad MODEL or a
    vocabulary smaller than the task's is refused in one line before any
    search or launch.
+   With ``--resume`` the checkpoint's sidecar is checked against the
+   captured policy here too (``ppo_checkpoint.check_resumable``): a
+   checkpoint of another model (both named, or the first parameter whose
+   shape changed), a missing checkpoint or one already at ``--steps`` is
+   refused in one line, exit 2, before any search or launch.
 1. the plan: ``--plan`` loads one (checked against the model by the runtime);
    otherwise capture the policy (``ppo_program.load_policy`` on meta) and search it for the
    cluster with what the runtime implements fixed: ``pp = ep = cp = 1`` and
@@ -94,7 +99,7 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     """``autoshard ppo``: plan (search or load), then train here or through torchrun (module docstring)."""
     from autoshard.cli_search import reference_spec
     from autoshard.cluster import Cluster
-    from autoshard.runtime.ppo_program import TASK_PRESETS, check_policy_vocab, load_policy
+    from autoshard.runtime.ppo_program import TASK_PRESETS, capture_policy, check_policy_vocab, load_policy
     from autoshard.runtime.tasks import get_task
 
     _check_flags(args)
@@ -103,7 +108,10 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     check_policy_vocab(policy.module, policy.name, task)
     spec = policy.name  # file paths made absolute: the workers and plans name the model alike
     cluster = Cluster.load(args.cluster)
-    plan = _resolve_plan(args, policy, cluster, console)
+    graph = capture_policy(policy.module, policy.name) if args.plan is None or args.resume else None
+    if args.resume:
+        _check_resume(args, graph)
+    plan = _resolve_plan(args, graph, cluster, console)
     if _under_torchrun():
         return _train_here(args, spec, plan)
     if cluster.nodes > 1:
@@ -125,22 +133,34 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise AutoshardError("--save-every needs --checkpoint DIR to save to")
 
 
+def _check_resume(args: argparse.Namespace, graph: Any) -> None:
+    """Refuse a ``--checkpoint`` of another model, or one with no step left to train (module docstring, step 0)."""
+    from autoshard.runtime.ppo_checkpoint import check_resumable
+
+    info = check_resumable(args.checkpoint, graph)
+    if info.step >= args.steps:
+        raise AutoshardError(
+            f"checkpoint {str(args.checkpoint)!r} is at step {info.step}, and --steps {args.steps} counts the steps "
+            f"of the whole run: nothing is left to train; pass --steps above {info.step} to continue it"
+        )
+
+
 def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _resolve_plan(args: argparse.Namespace, policy: Any, cluster: Any, console: Any) -> Any:
-    """The plan of ``--plan``, or one searched for ``cluster`` with the runtime's limits pinned."""
+def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: Any) -> Any:
+    """The plan of ``--plan``, or one searched for ``cluster`` (against the policy's ``graph``) with the runtime's
+    limits pinned."""
     from autoshard.plan import Plan
 
     if args.plan is not None:
         return Plan.load(args.plan)
-    from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN, capture_policy
+    from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN
     from autoshard.search import solve
     from autoshard.search.space import Constraints
     from autoshard.train import TrainSpec
 
-    graph = capture_policy(policy.module, policy.name)
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
     constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
     train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision=args.precision)

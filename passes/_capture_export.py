@@ -13,18 +13,41 @@ module is the innermost traceback frame whose first argument (``self``) is a
 module of the model, preferring frames outside torch itself; the op is the last
 ``torch.ops.<op>`` the exception text mentions (export prints the graph traced
 so far, ending at the failing op), else the source line of that frame.
+
+Output dataclasses (decision): a forward that returns a plain ``@dataclass`` (or
+nests one in a tuple, a dict or another dataclass) is captured as it is. Export
+can only flatten an output whose type is a pytree node, so while ``export`` traces,
+a forward hook on the root module registers every dataclass type of the output
+that pytree does not know with ``torch.export.register_dataclass`` (each init
+field a child; a field left ``None`` rides in the context), before export
+flattens it. Registration is what the error hint used to ask of the user, done
+for them: once per class and process-wide (torch keeps one registry; it cannot
+be undone), only for a class a captured forward returned, and never for a type
+pytree already handles (tuples, dicts, ``ModelOutput``, namedtuples, a class the
+user registered). The export's ``out_spec`` then names the class, so the
+runtime gives it back: the program's ``torch.export`` of its meta twin
+(``runtime/program.py``) and a pipeline's last stage (``split_pipeline``: the
+model's structure from ``out_spec``) rebuild the dataclass, and ``loss_fn``
+receives it as the model returns it. The registration lives in the process
+that ran it; the program's own export registers the classes again (``runtime/program.py``),
+so a graph captured in another process builds as well. Any other unknown output class is refused
+as before, the hint naming ``register_pytree_node``.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import linecache
 import os
 import re
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import sympy
 import torch
+import torch.utils._pytree as pytree
 from torch import fx, nn
 from torch.export import Dim, ExportedProgram
 
@@ -90,7 +113,8 @@ def export(model: nn.Module, inputs: tuple, dynamic: bool, layer_names: list[str
     if dynamic:
         shapes = tuple({d: Dim.AUTO for d in range(x.dim())} if isinstance(x, torch.Tensor) else None for x in inputs)
     try:
-        program = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
+        with registering_output_dataclasses(model):
+            program = torch.export.export(model, inputs, dynamic_shapes=shapes, strict=False)
     except Exception as exc:  # every export failure is reported as a CaptureError
         raise export_error(model, model_name, exc) from exc
     graph = program.graph
@@ -105,6 +129,43 @@ def export(model: nn.Module, inputs: tuple, dynamic: bool, layer_names: list[str
     batch_sym, seq_sym, hints = _symbols(graph, sig.user_inputs)
     weight_like = frozenset(costs.weight_like_nodes(graph, constants))
     return Exported(program, owner, weight_like, order, batch_sym, seq_sym, hints)
+
+
+@contextlib.contextmanager
+def registering_output_dataclasses(model: nn.Module) -> Iterator[None]:
+    """While open, every call of ``model`` registers the unknown dataclass types of its output as pytree nodes
+    (module docstring, "Output dataclasses"): a forward hook, which runs before export flattens the output."""
+    def hook(_module: nn.Module, _args: tuple, output: object) -> None:  # None: the output stays as it is
+        register_output_dataclasses(output)
+
+    handle = model.register_forward_hook(hook)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+def register_output_dataclasses(output: object) -> tuple[type, ...]:
+    """Register each dataclass type in ``output`` that pytree does not know (``torch.export.register_dataclass``);
+    returns the types registered now (none when every one was known)."""
+    found = unregistered_dataclasses(output)
+    for cls in found:
+        torch.export.register_dataclass(cls)
+    return found
+
+
+def unregistered_dataclasses(value: object) -> tuple[type, ...]:
+    """Dataclass types pytree would take for leaves in ``value``, outermost first, searched through pytree nodes
+    and through the init fields of those dataclasses themselves."""
+    found: list[type] = []
+    pending = [value]
+    while pending:
+        for leaf in pytree.tree_leaves(pending.pop()):
+            cls = type(leaf)
+            if dataclasses.is_dataclass(leaf) and not isinstance(leaf, type) and cls not in found:
+                found.append(cls)
+                pending.extend(getattr(leaf, f.name) for f in dataclasses.fields(leaf) if f.init)
+    return tuple(found)
 
 
 def _symbols(graph: fx.Graph, user_inputs) -> tuple[sympy.Symbol | None, sympy.Symbol | None, dict]:
@@ -311,8 +372,9 @@ def export_error(model: nn.Module, model_name: str, exc: BaseException) -> Captu
 
 
 _HINTS = (
-    ("which is not a known type", "return a tuple or a dict of tensors, or register the output class as a pytree "
-                                  "node (torch.utils._pytree.register_dataclass(cls) for a dataclass)"),
+    ("which is not a known type", "return a tuple, a dict or a dataclass of tensors (a dataclass is registered as "
+                                  "a pytree node for you), or register the output class as one "
+                                  "(torch.utils._pytree.register_pytree_node)"),
     ("object is not callable", "a field of the output class hides a method its pytree flattening calls (a "
                                "ModelOutput field named 'values', 'keys' or 'items'): rename the field"),
     ("data-dependent", "replace Python branching on tensor values (.item(), `if tensor:`) with torch.where "

@@ -39,8 +39,10 @@ value produced on a stage ``<= s`` and used on a stage ``> s`` (values that
 skip stages are passed through), in graph order; each must be a tensor.
 The last stage returns the tensor leaves of the model's outputs (logits and
 values: the loss is computed there) as a flat tuple; ``PipelineSplit.outputs``
-rebuilds the model's structure (a tuple, a dict, a ``ModelOutput`` or any
-registered pytree; the export's ``out_spec``), putting back the constant leaves
+rebuilds the model's structure (a tuple, a dict, a ``ModelOutput``, a plain
+dataclass, which capture registers as a pytree node (``_capture_export``,
+"Output dataclasses"), or any registered pytree; the export's ``out_spec``),
+putting back the constant leaves
 (``None``, a Python number) the export kept out of the graph. So every stage
 returns a tuple of tensors, the one output form ``torch.distributed.pipelining``
 handles (it detaches each output of the last stage after its backward: a dict

@@ -26,7 +26,7 @@ shapes the export recorded for the concrete micro-batch (no metadata
 round-trip; schedules are cached per micro-batch shape, so a new sequence
 length builds new stages). Every stage returns a flat tuple of tensors, the
 last one the model's tensor output leaves, rebuilt in the model's own output
-structure (a dict, a ``ModelOutput``, ...; constant leaves put back:
+structure (a dict, a ``ModelOutput``, a dataclass, ...; constant leaves put back:
 ``PipelineSplit.outputs``) before ``loss_fn`` and ``forward`` see them.
 Floating boundary tensors travel in the compute dtype. Eager, the ZeRO-3 re-gather hooks
 (``passes/recompute.py``) wrap every stage forward, and are reset after the

@@ -26,6 +26,16 @@ the parameter's placement; on load each rank keeps its own chunk again
 
 Every rank calls ``save_ppo`` / ``load_ppo`` (DCP collectives plus one
 device-mesh build).
+
+Which model a checkpoint belongs to: the fingerprint of the policy's graph
+(``ModelGraph.fingerprint``: the MODEL's name, as plans record it, and every
+parameter's global shape) and the saving plan's ``model_name``.
+``check_resumable`` compares them with the run's graph from the sidecar alone
+(no collective, no tensor read), so ``autoshard ppo --resume`` refuses another
+model in one line before it searches or launches a rank, naming both models,
+or, when the name is the same but the model changed (a factory or config
+edited since), the first parameter whose shape differs; ``load_ppo`` runs the
+same check first on every rank.
 """
 
 from __future__ import annotations
@@ -74,13 +84,50 @@ def save_ppo(path: str | os.PathLike, trainer: Any, graph: Any) -> Path:
     return ckpt.save(path, _state(trainer, graph, _device_mesh(trainer)))
 
 
+def check_resumable(path: str | os.PathLike, graph: Any) -> Any:
+    """The sidecar (``CheckpointInfo``) of the PPO checkpoint at ``path`` once it is known to hold ``graph``'s model;
+    ``CheckpointError`` naming the mismatch otherwise (module docstring; reads one JSON file, no collective)."""
+    directory = ckpt.resolve_checkpoint(path)
+    info = ckpt.read_info(directory)
+    if not info.model_fingerprint or info.model_fingerprint == graph.fingerprint():
+        return info
+    saved_name = (info.plan or {}).get("model_name", "?")
+    where = f"checkpoint {str(directory)!r}"
+    if saved_name != graph.model_name:
+        raise ckpt.CheckpointError(
+            f"{where} was saved from model {saved_name!r}, not {graph.model_name!r}; resume with the MODEL it was "
+            "saved from, or train this one into another --checkpoint DIR"
+        )
+    raise ckpt.CheckpointError(f"{where} was saved from another version of model {graph.model_name!r}: "
+                               f"{_first_difference(info, graph)}; resume with the model as it was saved, or "
+                               "train this one into another --checkpoint DIR")
+
+
+def _first_difference(info: Any, graph: Any) -> str:
+    """The first policy parameter whose global shape differs between the checkpoint and ``graph``, in words."""
+    prefix = f"{ckpt.MODEL_PREFIX}policy."
+    saved = {key[len(prefix):]: tuple(r.shape) for key, r in info.tensors.items() if key.startswith(prefix)}
+    here = {p.name: tuple(p.global_shape) for layer in graph.layers for p in layer.params}
+    for fqn in [*here, *(fqn for fqn in saved if fqn not in here)]:
+        if saved.get(fqn) != here.get(fqn):
+            return (f"parameter {fqn!r} is {_shape_text(saved.get(fqn))} in the checkpoint and "
+                    f"{_shape_text(here.get(fqn))} now")
+    return (f"the parameters' shapes agree but its layers or dtype do not (fingerprint {info.model_fingerprint} in "
+            f"the checkpoint, {graph.fingerprint()} now)")
+
+
+def _shape_text(shape: tuple[int, ...] | None) -> str:
+    return "absent" if shape is None else f"[{', '.join(map(str, shape))}]"
+
+
 def load_ppo(path: str | os.PathLike, trainer: Any, graph: Any) -> ckpt.CheckpointState:
     """Load a PPO checkpoint saved under any plan into ``trainer`` (collective); returns the loaded state.
 
     Sets the policy and reference weights, the AdamW moments and step
     counter, and ``trainer.step_count``; refuses (``CheckpointError``) a
-    checkpoint of another model before any collective.
+    checkpoint of another model before any collective (``check_resumable``).
     """
+    check_resumable(path, graph)
     template = _state(trainer, graph, _device_mesh(trainer))
     loaded = ckpt.load(path, template)
     for name in _ENGINES:
@@ -95,4 +142,4 @@ def load_ppo(path: str | os.PathLike, trainer: Any, graph: Any) -> ckpt.Checkpoi
     return loaded
 
 
-__all__ = ["load_ppo", "save_ppo"]
+__all__ = ["check_resumable", "load_ppo", "save_ppo"]

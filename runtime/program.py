@@ -68,6 +68,7 @@ from torch import nn
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.graph import ModelGraph
 from autoshard.passes import run_passes
+from autoshard.passes._capture_export import registering_output_dataclasses
 from autoshard.passes._capture_inputs import InputSpec, ModelInputs
 from autoshard.passes._graph_utils import META_KEY, retarget_device
 from autoshard.passes.context import ParamPlacement, RankContext
@@ -530,7 +531,8 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: Model
     twin = meta_twin(model).to(ctx.compute_dtype)
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
     args, kwargs, shapes = inputs.export_call(2, seq)
-    exported = torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False)
+    with registering_output_dataclasses(twin):  # a graph captured in another process: register them here too
+        exported = torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False)
     gm = exported.module()
     retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
