@@ -103,6 +103,10 @@ class LayerInfo:
     # degree-dependent rules (num_heads, num_kv_heads, ffn_hidden, vocab divisible by tp) are
     # ``Plan.check_compatible``'s, from the counts above
     tp_refusal: str = ""
+    # the layer module returns no batch dim: ``[S, h]``, a positional table looked up at ``arange(S)``; its tp
+    # collectives move s·h per micro-batch, not T·h (``passes/_capture_blocks.py``). ``output_bytes_per_token``
+    # still counts what leaves the layer (the root-level ``tok + pos`` add attributed to it: ``[B, S, h]``)
+    batch_free_output: bool = False
 
     @property
     def param_count(self) -> int:

@@ -20,7 +20,7 @@ sizes in elements of the compute dtype (payloads: ``PAYLOADS``; "AR" all-reduce,
 | --- | --- | --- | --- |
 | TP | attention, MLP: its column projections (f) | — | AR(T·h) of the input's gradient (shared by q/k/v, by gate/up) |
 | TP | attention, MLP: its row projection (g) | AR(T·h) after the row linear | — |
-| TP | embedding (vocab-parallel) | AR(T·h) of the masked partial rows | — |
+| TP | embedding (vocab-parallel) | AR(T·h) of the masked partial rows (S·h for a batch-free positional table) | — |
 | TP | head (vocab-parallel) | AG(T·V): the logits are gathered, the loss runs over all V on every tp rank | AR(T·h) (f) |
 | SP | attention, MLP: its column projections | AG(T·h) before the column linear | RS(T·h) |
 | SP | attention, MLP: its row projection | RS(T·h) after the row linear | AG(T·h) |
@@ -232,8 +232,11 @@ def expert_rows_per_token(layer: LayerInfo) -> float:
 
 
 def payload_bytes(c: Collective, layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, tokens: float,
-                  element_bytes: float, rows_per_token: float | None = None) -> float:
+                  element_bytes: float, rows_per_token: float | None = None, seq_len: float | None = None) -> float:
     """Bytes of ``c`` (all ``count`` of them) for a micro-batch of ``tokens`` (``b·s/cp``) on one rank.
+
+    ``seq_len``: the micro-batch's sequence length on a rank (``s/cp``): the rows of the hidden payload of a
+    layer whose output has no batch dim (``LayerInfo.batch_free_output``: a positional table of ``arange(s)``).
 
     ``element_bytes``: the compute dtype's. Where capture did not record ``hidden`` / ``vocab``, its
     per-token bytes stand in (the head's input, another layer's output; at capture's dtype).
@@ -244,7 +247,7 @@ def payload_bytes(c: Collective, layer: LayerInfo, strategy: LayerStrategy, mesh
     hidden = layer.hidden * element_bytes if layer.hidden else (
         layer.input_bytes_per_token if layer.kind == "head" else layer.output_bytes_per_token)
     if c.payload == "hidden":
-        return tokens * hidden
+        return (seq_len if layer.batch_free_output and seq_len else tokens) * hidden
     if c.payload == "logits":
         return tokens * (layer.vocab * element_bytes if layer.vocab else layer.output_bytes_per_token)
     if c.payload == "output":

@@ -1,4 +1,4 @@
-"""Capture, part 6: attention and MLP structure of hand-written blocks, read from the exported graph.
+"""Capture, part 6: attention, MLP and value-head structure of hand-written layers, read from the exported graph.
 
 Kinds and tensor-parallel roles come from module names first (``_capture_layers``): the ``attn``
 and ``mlp`` modules of the reference and Hugging Face models. A user's block may hold raw
@@ -35,6 +35,28 @@ other parameter ``replicate``) and the shape metadata. A nanoGPT block thus give
 Llama block gives one of each. Not recognised: attention written as matmul + softmax (no SDPA
 node), an attention output gated before its projection, MLP intermediates combined with a
 full-width tensor that no projection computed (those layers stay ``other``, replicated).
+
+Two more facts about a layer's output that names and per-token bytes do not show, read for every
+layer from the same graph:
+
+    value head   a layer of kind ``other`` that is one projection of width 1 (a critic, whatever its
+                 name: nanoGPT's ``critic``) whose activation operand is the output of a root-level
+                 ``norm`` layer (the final norm; reached back through views, copies and dropout) and
+                 whose result reaches a graph output through single-input ops (``squeeze``). It takes
+                 kind ``value_head``, as the reference models' named one has, so SP declares the
+                 all-gather of its sequence-sharded output (``autoshard/model_parallel.py``); its
+                 parameters stay replicated. The LM head is a projection on the same norm output,
+                 wider than 1.
+    batch-free   the layer's module returns only tensors without the batch dim: a positional table
+    output       looked up at ``arange(S)`` (nanoGPT's ``pos``) returns ``[S, h]``, broadcast over the
+                 batch by the add after it. ``LayerInfo.batch_free_output``: the tp collectives on
+                 that output (vocab-parallel all-reduce; SP's reduce-scatter and all-gather) move
+                 ``s·h`` per micro-batch, not ``T·h``. A module output is a node inside the module
+                 (``nn_module_stack``) that a node outside it, or the graph output, uses; it has the
+                 batch dim when a dim of its shape contains the tokens' batch symbol (a static
+                 export: when its dim 0 equals the batch). ``output_bytes_per_token`` is unchanged: it
+                 counts what leaves the *layer*, root-level ops attributed to it included (the
+                 ``tok + pos`` add, ``[B, S, h]``).
 """
 
 from __future__ import annotations
@@ -45,9 +67,9 @@ from dataclasses import dataclass, field, replace
 import torch
 from torch import fx
 
-from autoshard.passes._capture_costs import MOVE_OPS, SDPA_OPS, VIEW_OPS, op_name
-from autoshard.passes._capture_export import Exported
-from autoshard.passes._capture_layers import LayerSpec, is_projection
+from autoshard.passes._capture_costs import MOVE_OPS, SDPA_OPS, VIEW_OPS, op_name, tensors_of
+from autoshard.passes._capture_export import Exported, module_path
+from autoshard.passes._capture_layers import LayerSpec, is_projection, out_features
 from autoshard.passes.shard_parameters import PROJECTIONS
 
 aten = torch.ops.aten
@@ -69,42 +91,46 @@ class Found:
 
 @dataclass(frozen=True)
 class Recognised:
-    """What dataflow recognition changes: layers (new kinds), roles by ``id(parameter)``, metadata per layer."""
+    """What dataflow recognition changes: layers (new kinds), roles by ``id(parameter)``, ``LayerInfo`` fields
+    per layer (shape metadata, ``batch_free_output``)."""
 
     layers: list[LayerSpec]
     roles: dict[int, str]
-    meta: dict[str, dict[str, int]]
+    meta: dict[str, dict[str, int | bool]]
 
 
 def recognise_layers(layers: list[LayerSpec], exported: Exported, rename: Callable[[str], str],
-                     hidden: int) -> Recognised:
+                     hidden: int, batch: int) -> Recognised:
     """Kinds, roles and shape metadata of the ``other`` layers whose projections form attention or an
-    MLP (module docstring). ``rename`` maps a full-model module name to its name in the exported
-    module (the three-block proxy's, ``_capture_proxy``; identity otherwise)."""
+    MLP or that are a value head, and which layers' outputs are batch-free (module docstring). ``rename``
+    maps a full-model module name to its name in the exported module (the three-block proxy's,
+    ``_capture_proxy``; identity otherwise); ``batch``: the example's (a static export's batch dim)."""
+    kind_of = {rename(spec.name): spec.kind for spec in layers}
+    graph = _Graph(exported, kind_of, hidden)
     unnamed = {spec.name for spec in layers if spec.kind == "other" and not spec.direct_only
                and any(is_projection(m) for m in spec.module.modules())}
-    if not unnamed:  # every projection is in a named layer (the reference and Hugging Face models)
-        return Recognised(layers, {}, {})
-    kind_of = {rename(spec.name): spec.kind for spec in layers}
     candidates = {rename(f"{spec.name}.{local}" if local else spec.name) for spec in layers if spec.name in unnamed
                   for local, module in spec.module.named_modules() if is_projection(module)}
-    found = _Graph(exported, kind_of, hidden).structures(candidates)
+    # every projection in a named layer (the reference and Hugging Face models): no structure to look for
+    found = graph.structures(candidates) if candidates else {}
+    final_norms = {rename(spec.name) for spec in layers if spec.kind == "norm" and spec.block is None}
     out_layers, roles, meta = [], {}, {}
     for spec in layers:
+        meta[spec.name] = {"batch_free_output": True} if graph.batch_free(rename(spec.name), batch) else {}
         hits = _layer_hits(spec, found, rename) if spec.name in unnamed else []
         if not hits:
-            out_layers.append(spec)
+            head = spec.name in unnamed and graph.value_head(spec, rename(spec.name), final_norms)
+            out_layers.append(replace(spec, kind="value_head") if head else spec)
             continue
         kind = "attention" if any(f.kind == "attention" for _, f in hits) else "mlp"
         out_layers.append(replace(spec, kind=kind))
         roles.update({id(p): "replicate" for _, p in spec.own_parameters()})
-        meta[spec.name] = {}
         for module, f in hits:
             roles[id(module.weight)] = f.role
             if getattr(module, "bias", None) is not None:
                 roles[id(module.bias)] = "column" if f.role == "column" else "replicate"
             meta[spec.name].update(f.meta)
-    return Recognised(out_layers, roles, meta)
+    return Recognised(out_layers, roles, {name: fields for name, fields in meta.items() if fields})
 
 
 def _layer_hits(spec: LayerSpec, found: dict[str, Found], rename) -> list[tuple[torch.nn.Module, Found]]:
@@ -121,7 +147,8 @@ class _Graph:
 
     def __init__(self, exported: Exported, kind_of: dict[str, str], hidden: int) -> None:
         self.owner, self.weight_like, self.hidden = exported.owner, exported.weight_like, hidden
-        self.kind_of = kind_of
+        self.kind_of, self.batch_symbol = kind_of, exported.batch_symbol
+        self.returned = _module_outputs(exported.owner)
         params = exported.program.graph_signature.inputs_to_parameters  # placeholder name → fqn
         self.graph = exported.program.graph
         self.module_of: dict[fx.Node, str] = {}  # projection node → module path of its weight
@@ -183,6 +210,49 @@ class _Graph:
             return None
         meta = {"ffn_hidden": width}
         return {**{node: Found("column", "mlp", meta) for node in columns}, row: Found("row", "mlp", meta)}
+
+    # ------------------------------------------------------------------ outputs
+    def value_head(self, spec: LayerSpec, path: str, final_norms: set[str]) -> bool:
+        """``spec`` (module path ``path`` in the export) is one width-1 projection reading a final norm's
+        output, whose result reaches a graph output (module docstring)."""
+        if not (is_projection(spec.module) and out_features(spec.module) == 1):
+            return False
+        nodes = [node for node, module in self.module_of.items() if module == path]
+        return len(nodes) == 1 and self._from(self._activation(nodes[0]), final_norms) \
+            and self._reaches_output(nodes[0])
+
+    def _from(self, node: fx.Node, layers: set[str]) -> bool:
+        """``node`` is computed in one of ``layers``, or from such a node through views, copies and dropout."""
+        for _ in range(_MAX_WALK):
+            if self.owner.get(node) in layers:
+                return True
+            inputs = self._activation_inputs(node)
+            if node.op != "call_function" or op_name(node) not in _NOT_ACTIVATIONS or len(inputs) != 1:
+                return False
+            node = inputs[0]
+        return False
+
+    def _reaches_output(self, node: fx.Node) -> bool:
+        """A graph output is ``node`` or computed from it alone (single-input ops: ``squeeze``, casts)."""
+        stack = [node]
+        while stack:
+            current = stack.pop()
+            for user in current.users:
+                if user.op == "output":
+                    return True
+                if user.op == "call_function" and self._activation_inputs(user) == [current]:
+                    stack.append(user)
+        return False
+
+    def batch_free(self, path: str, batch: int) -> bool:
+        """Every tensor the module at ``path`` returns lacks the batch dim (module docstring)."""
+        tensors = [t for node in self.returned.get(path, ()) for t in tensors_of(node.meta.get("val"))]
+        return bool(tensors) and not any(self._has_batch(t, batch) for t in tensors)
+
+    def _has_batch(self, t: torch.Tensor, batch: int) -> bool:
+        if self.batch_symbol is None:  # a static export: the batch dim is dim 0 (model inputs: B != S)
+            return t.dim() > 0 and isinstance(t.shape[0], int) and t.shape[0] == batch
+        return any(isinstance(d, torch.SymInt) and self.batch_symbol in d.node.expr.free_symbols for d in t.shape)
 
     # ------------------------------------------------------------------ walks
     def _walk_back(self, start: fx.Node, width: int | None) -> tuple[set[fx.Node], set[fx.Node]]:
@@ -279,6 +349,19 @@ class _Graph:
     def _activation_inputs(self, node: fx.Node) -> list[fx.Node]:
         return [a for a in node.all_input_nodes
                 if a not in self.weight_like and isinstance(a.meta.get("val"), (torch.Tensor, list, tuple))]
+
+
+def _module_outputs(nodes) -> dict[str, list[fx.Node]]:
+    """Module path → the nodes run inside that module (``nn_module_stack``) that a node outside it, or the
+    graph output, uses: what the module returns."""
+    paths = {node: frozenset(module_path(entry[0]) for entry in node.meta["nn_module_stack"].values())
+             for node in nodes if node.meta.get("nn_module_stack")}
+    out: dict[str, list[fx.Node]] = {}
+    for node, inside in paths.items():
+        for path in inside:
+            if any(user.op == "output" or path not in paths.get(user, ()) for user in node.users):
+                out.setdefault(path, []).append(node)
+    return out
 
 
 def _int(size) -> int | None:

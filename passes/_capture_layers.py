@@ -19,7 +19,8 @@ Layer discovery (registration order of the model's modules):
 
 Kinds come from the module's last name component and type (see ``layer_kind``), and for a layer
 that these call ``other`` from the dataflow of the exported graph (``_capture_blocks``: a
-hand-written block's raw ``qkv`` / ``proj`` / ``fc`` / ``out`` projections);
+hand-written block's raw ``qkv`` / ``proj`` / ``fc`` / ``out`` projections; a width-1 critic on the
+final norm's output, whatever its name, becomes ``value_head``);
 the reference models' fixed names (``embed``, ``pos_embed``, ``attn_norm``,
 ``attn``, ``mlp_norm``, ``mlp``, ``moe``, ``norm``, ``head``, ``value_head``) all
 resolve by name. A module holding 3-D parameters (stacked experts) is a ``moe``

@@ -26,8 +26,11 @@ Steps:
    turns that off. Layers the names left ``other`` whose projections form
    attention (around SDPA) or an MLP in the exported graph's dataflow take
    that kind, Megatron roles and head / FFN counts (``_capture_blocks``: a
-   hand-written nanoGPT or Llama block); the roles are final only now, so the
-   saved-activation measurement below follows this step.
+   hand-written nanoGPT or Llama block); a width-1 projection on the final
+   norm's output that reaches a model output takes kind ``value_head``, and a
+   layer whose module returns no batch dim (a positional table looked up at
+   ``arange(S)``) is marked ``batch_free_output``. The roles are final only
+   now, so the saved-activation measurement below follows this step.
 3. Costs (``_capture_costs``): FLOPs and activation bytes per node from the
    symbolic shapes evaluated at ``(b, s1)`` and ``(b, s2)`` (the sequence symbol
    substituted, so one dynamic export serves both points). When the sequence
@@ -167,7 +170,7 @@ def capture(
     example = _Example.make(model, example_inputs, seq_lens, batch)
     with _training_mode(model):
         view, program = _graph_view(model, example, layers, dynamic, model_name, export_all_blocks)
-        recognised = recognise_layers(layers, program.exported, program.rename, hidden)
+        recognised = recognise_layers(layers, program.exported, program.rename, hidden, example.batch)
         layers = recognised.layers
         roles = param_roles(model, layers, vocab, recognised.roles)
         saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
@@ -509,6 +512,7 @@ def _class_id(info: LayerInfo) -> str:
         "tied": [name[prefix:] for name in info.tied_params],
         "costs": numbers,
         "meta": [getattr(info, f) for f in _META_FIELDS],
+        **({"batch_free_output": True} if info.batch_free_output else {}),  # absent otherwise: ids stay as they were
     }
     digest = hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:10]
     return f"{info.kind}:{digest}"

@@ -309,7 +309,8 @@ def critical_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, mesh
         if not c.per_micro_batch:
             continue
         size, stride = _CRITICAL_GROUPS[c.axis](mesh)
-        nbytes = model_parallel.payload_bytes(c, layer, strategy, mesh, sh.tokens, compute_bytes)
+        nbytes = model_parallel.payload_bytes(c, layer, strategy, mesh, sh.tokens, compute_bytes,
+                                              seq_len=sh.seq_len / sh.cp)
         seconds = c.count * _TIMED[c.kind](nbytes / c.count, size, comm.group_link(cluster, size, stride))
         terms[f"{c.axis}_{'fwd' if c.phase == 'forward' else 'bwd'}_s"] += seconds
     fwd = terms["tp_fwd_s"] + terms["ep_fwd_s"] + terms["cp_fwd_s"]

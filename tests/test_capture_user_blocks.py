@@ -18,6 +18,7 @@ from _hf_tp_cases import reassemble
 from _runtime_cases import BATCH, MICRO, OPT, SEQ, batches, loss_fn
 from _runtime_cases import single_device as train_single_device
 from _user_models import LlamaStylePolicy, NanoPolicy
+from autoshard import model_parallel as mp
 from autoshard.passes import capture
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.search.space import admissible_strategies, enumerate_meshes, is_tp_able
@@ -67,8 +68,59 @@ def test_nano_block_gets_attention_and_mlp_roles():
     assert fc.ffn_hidden == out.ffn_hidden == 256
     assert qkv.attention_flops_per_token_seq > 0  # SDPA follows qkv: the attention core's seq term
     assert out.saved_interior_per_token > 0 and out.saved_boundary_per_token == 0  # GELU output: tp-sharded
-    assert graph.layer("critic").kind == "other" and graph.layer("lm_head").kind == "head"
+    assert graph.layer("lm_head").kind == "head"
     assert not any(layer.tp_refusal for layer in graph.layers)
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_critic_is_a_value_head(name):
+    """``critic``: a width-1 linear on the final norm's output, squeezed into a model output, is recognised
+    by structure (not by name) as a value head, replicated; so SP declares the all-gather of its output."""
+    critic = graph_of(name).layer("critic")
+    assert critic.kind == "value_head"
+    assert {p.tp_role for p in critic.params} == {"replicate"}
+    assert critic.output_bytes_per_token == 4  # the squeezed value, [B, S] fp32
+    sp = LayerStrategy(layer="critic", sp=True)
+    assert [(c.kind, c.payload) for c in mp.tensor_parallel_form(critic, sp, TP2)] == [
+        ("all_reduce", "replicated_params"), ("all_gather", "output")]
+
+
+class _NotAValueHead(nn.Module):
+    """Width-1 linears that are no critic: one on a block's output (not the final norm's), one whose result
+    is mixed into the logits instead of returned."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(64, 32)
+        self.blocks = nn.ModuleList([nn.ModuleDict({"mix": nn.Linear(32, 32)})])
+        self.probe, self.gate = nn.Linear(32, 1), nn.Linear(32, 1)
+        self.ln = nn.LayerNorm(32)
+        self.head = nn.Linear(32, 64)
+
+    def forward(self, tokens):
+        x = self.blocks[0]["mix"](self.tok(tokens))
+        probe = self.probe(x).squeeze(-1)
+        x = self.ln(x)
+        return self.head(x) * torch.sigmoid(self.gate(x)), probe
+
+
+def test_width_one_linears_off_the_final_norm_or_mixed_are_not_value_heads():
+    graph = capture(_NotAValueHead(), seq_lens=(8, 16))
+    assert (graph.layer("probe").kind, graph.layer("gate").kind) == ("other", "other")
+
+
+def test_positional_table_output_is_batch_free():
+    """``pos`` embeds ``arange(S)``: its module returns ``[S, h]`` with no batch dim (the add broadcasting it
+    over the batch is root-level), recorded as ``batch_free_output``; ``tok`` returns ``[B, S, h]``. The
+    three-block proxy and a static export record the same."""
+    graph = graph_of("nano")
+    assert {layer.name for layer in graph.layers if layer.batch_free_output} == {"pos"}
+    pos = graph.layer("pos")
+    assert (pos.kind, pos.hidden, pos.vocab) == ("embedding", 64, 256)
+    assert pos.output_bytes_per_token == 64 * 4  # what leaves the layer: the tok + pos sum, [B, S, h]
+    static = capture(NanoPolicy(layers=4), seq_lens=(8, 16), dynamic=False)
+    assert {layer.name for layer in static.layers if layer.batch_free_output} == {"pos"}
+    assert not any(layer.batch_free_output for layer in graph_of("llama_style").layers)
 
 
 def test_llama_style_block_grouped_query_rope_swiglu():
@@ -84,8 +136,8 @@ def test_llama_style_block_grouped_query_rope_swiglu():
 def test_deep_stack_through_the_three_block_proxy():
     deep = capture(NanoPolicy(layers=7), seq_lens=(8, 16))  # exported as blocks 0, 1, 6 (_capture_proxy)
     full = capture(NanoPolicy(layers=7), seq_lens=(8, 16), export_all_blocks=True)
-    assert [(layer.name, layer.kind, layer.class_id) for layer in deep.layers] == \
-        [(layer.name, layer.kind, layer.class_id) for layer in full.layers]
+    assert [(layer.name, layer.kind, layer.class_id, layer.batch_free_output) for layer in deep.layers] == \
+        [(layer.name, layer.kind, layer.class_id, layer.batch_free_output) for layer in full.layers]
     assert all(_roles(deep, i) == _roles(graph_of("nano"), 0) for i in range(7))
 
 

@@ -25,8 +25,8 @@ qgZ int4; PP2 interleaved 1F1B (4 virtual stages). World 4: DP2×TP2 (blocks ZeR
 PP2×TP2+SP GPipe; PP2×DP2×EP2 (dropless, the dense layers ZeRO-1); DP4×EP2 (expert gradients
 all-reduced over edp = 2; the dense layers ZeRO-2, one micro-batch). User blocks (world 2): NanoPolicy
 (``tests/_user_models.py``) at TP2 and TP2+SP, whose ``qkv`` / ``fc`` layers hold only column projections
-(f only) and ``proj`` / ``out`` only row ones (g only); what capture does not record about two of its
-other layers is filled in (``_CAPTURE_GAPS``).
+(f only) and ``proj`` / ``out`` only row ones (g only), whose ``pos`` embeds ``arange(S)`` (a batch-free
+``[S, h]`` output: its vocab-parallel collectives move S·h) and whose ``critic`` is a value head.
 """
 
 from __future__ import annotations
@@ -286,18 +286,6 @@ def _add_data_parallel(out: _Declared, layer, strategy: LayerStrategy, mesh: Mes
                 out.add(kind, c.axis, times, times * nbytes)
 
 
-# What capture does not record about a layer of a user's model, filled in here so that the rest of the
-# declaration is checked exactly; each (model, layer) → (layer, micro-batch size) → the layer as the runtime
-# runs it. NanoPolicy: ``pos`` embeds ``arange(S)``, a [S, h] output without the batch dim, so its
-# vocab-parallel all-reduce (SP: reduce-scatter, all-gather) moves S·h, T·h/b, not T·h; ``critic`` is a value
-# head capture leaves of kind ``other``, whose output (a model output) SP all-gathers as a ``value_head``'s.
-_CAPTURE_GAPS = {
-    ("nano", "pos"): lambda layer, b: dataclasses.replace(
-        layer, hidden=None, output_bytes_per_token=layer.output_bytes_per_token / b),
-    ("nano", "critic"): lambda layer, _b: dataclasses.replace(layer, kind="value_head"),
-}
-
-
 def _declared(case: Case, pp_coord: int) -> _Declared:
     graph, plan = _graph(case.model), case.plan()
     mesh, m = plan.mesh, case.micro_batches
@@ -311,11 +299,10 @@ def _declared(case: Case, pp_coord: int) -> _Declared:
     for i, (layer, strategy) in enumerate(zip(graph.layers, strategies)):
         if not mine[i]:
             continue
-        layer = _CAPTURE_GAPS.get((case.model, layer.name), lambda x, _b: x)(layer, BATCH // mesh.dp // m)
         _add_data_parallel(out, layer, strategy, mesh, m, case.compiled)
         for c in mp.model_parallel_form(layer, strategy, mesh):
             times = m if c.per_micro_batch else 1
-            nbytes = mp.payload_bytes(c, layer, strategy, mesh, tokens, 4, rows.get(layer.name))
+            nbytes = mp.payload_bytes(c, layer, strategy, mesh, tokens, 4, rows.get(layer.name), seq_len=SEQ)
             out.add(c.kind, c.axis, times * c.count, times * nbytes, bucketed=not c.in_graph)
     for i in range(len(strategies) - 1):  # stage boundaries: one value (the residual stream) crosses each
         if strategies[i].stage == strategies[i + 1].stage:
