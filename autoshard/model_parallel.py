@@ -42,6 +42,11 @@ Notes, each what the runtime does:
   Hugging Face and Llama-style blocks) holds both; a block whose projections are layers of their own
   (nanoGPT's ``qkv``, ``proj``, ``fc``, ``out``: ``passes/_capture_blocks.py``) splits them: ``qkv``
   and ``fc`` run f only, ``proj`` and ``out`` g only.
+* SP's all-gather before the column projections (and the vocab-parallel head) is not repeated in the
+  backward, as Megatron-LM repeats it: the gathered whole-sequence input is what the column linear saves
+  for its weight gradient, so each such layer keeps ``T·h`` of it, not ``T·h/t``
+  (``search/memory.sp_gathered_input_bytes``; measured on 2 × H200, a 1.1B Llama at tp 2 + SP: 45 of them,
+  2.8 GiB, live at the step's peak).
 * Every TP/SP/EP collective is a node of the per-rank graph (``in_graph``) and synchronous
   (``runtime/collectives.py``, note "synchronous kernels"): on the critical path, hidden under
   nothing. SP's parameter all-reduces run once per parameter per micro-batch (each use of a

@@ -20,6 +20,7 @@
    ``--warmup``), the peak memory per rank and the loss curve to ``--out``.
 
 ``--tp N`` fixes the tensor-parallel degree the search must use (default 1; 0 leaves it to the search).
+``--memory-snapshot`` records what rank 0's step holds at its peak, by allocating line (one more step).
 """
 
 from __future__ import annotations
@@ -93,6 +94,9 @@ def main() -> None:
     p.add_argument("--warmup-steps", type=int, default=10)
     p.add_argument("--calibration", type=Path)
     p.add_argument("--tp", type=int, default=1, help="tensor-parallel degree the search must use (0: its choice)")
+    p.add_argument("--memory-snapshot", action="store_true",
+                   help="one more step under the CUDA allocator's history; the record gets memory_at_peak "
+                        "(benchmarks/run.py's peak_summary: what the step allocated and held at its peak, by line)")
     p.add_argument("--out", type=Path, required=True)
     args = p.parse_args()
 
@@ -157,6 +161,12 @@ def main() -> None:
     peak = torch.tensor([torch.cuda.max_memory_allocated()], device="cuda")
     peaks = [torch.zeros_like(peak) for _ in range(dist.get_world_size())]
     dist.all_gather(peaks, peak)
+    at_peak = None
+    if args.memory_snapshot:  # after the measured steps: their peak is recorded above
+        from benchmarks.run import memory_snapshot_step
+
+        tokens = program.local_batch(batch(args.steps, args.global_batch, args.seq_len, config.vocab_size)).cuda()
+        at_peak = memory_snapshot_step(lambda t: program.step(t, loss_fn), tokens, torch.device("cuda", local_rank))
 
     if rank == 0:
         from autoshard.search.cost_model import predict
@@ -177,6 +187,7 @@ def main() -> None:
             "build_report": str(program.memory_report()),
             "peak_memory_bytes": [int(x) for x in peaks], "predicted_peak_memory_bytes": pred.peak_memory_bytes,
             "memory_error": pred.peak_memory_bytes / max(int(x) for x in peaks) - 1,
+            "memory_breakdown": pred.memory_breakdown, "memory_at_peak": at_peak,
         }
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(record, indent=1, default=str))

@@ -105,6 +105,7 @@ from benchmarks.baselines.common import (  # noqa: E402
     model_flops_per_step,
     prepare_reference,
     rank_device,
+    reset_after_build,
     reset_memory,
     synchronize,
 )
@@ -289,11 +290,13 @@ def _run_one(name: str, build: Callable[[], Any], batches, warmup: int, device, 
     try:
         trainer = build()
         built = time.perf_counter()
+        build_peak = reset_after_build(device)  # the harness's fp32 reference model is not the step's
         result = measure(trainer.step, batches, warmup, device)
         # build_s / wall_s: this rank's set-up and whole-config times, to budget later runs
         row = {"config": name, "status": "ok", "losses": list(result.losses),
                "step_times_s": list(result.step_times_s), "median_step_s": result.median_step_s,
-               "peak_memory_bytes": result.peak_memory_bytes, "build_s": built - start}
+               "peak_memory_bytes": result.peak_memory_bytes, "peak_by_step": list(result.peak_by_step),
+               "build_peak_bytes": build_peak, "build_s": built - start}
         fallbacks = ((getattr(getattr(trainer, "program", None), "compile_options", None) or {})
                      .get("fallbacks"))
         if fallbacks:  # graphs compiled without inductor's overlap passes (runtime/inductor_fallback.py)

@@ -133,17 +133,22 @@ parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11; m
 
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
 Korthikanti activations). Whole plan (``predict``): per pipeline rank k, the forward/backward
-peak ``memory.step_peak_bytes``. On one stage it follows the backward through the layers (in
-reverse): when it reaches layer i the rank holds
+peak ``memory.step_peak_bytes``: it follows the rank's schedule through its layers. A forward reaching
+layer i holds the other in-flight micro-batches' activations, ``A≤i`` and ``(1 + prefetch)·H_i`` of
+gathers; the step's first backward reaching layer i (in reverse) holds ``A≤i``, the gradients of the
+layers after i (``Gr>i``) and layer i's buffers ``G_i`` (or, without buffers, its own gradient ``Gr_i``); later backwards hold every
+gradient. With f_k = ``pipeline.in_flight`` (1 on one stage) and m micro-batches::
 
-    peak_k = Σ (params + optimizer) + max_i [ (f − 1)·Σ A + A≤i + Gr>i + max(G_i, (1 + prefetch)·H_i) ]
+    peak_k = Σ (params + optimizer) + max( (f − 1)·Σ A + max_i [A≤i + (1 + prefetch)·H_i] + [m > f]·Σ Gr,
+                                           (f − 1)·Σ A + max_i [A≤i + Gr>i + max(G_i, Gr_i)],
+                                           (f − 1 − [m ≤ f])·Σ A + Σ Gr + max_i [A≤i + G_i]  (m ≥ 2) )
 
-(Gr>i: gradients of the layers after i, already produced; with gradient accumulation, m > 1,
-every gradient is live from the first micro-batch on and Gr>i is Σ grads). Gradients exist only
-from the step's backward on (the runtime, like ``zero_grad(set_to_none=True)``, drops them after
-each update). A pipelined rank interleaves micro-batches' forwards and backwards and keeps the
-order-free bound ``Σ (params + grads + optimizer) + max(max G, (1 + prefetch)·max H) + f_k·Σ A``
-(docs/cost-model.md, "Memory per rank").
+Gradients exist only from the step's first backward on (the runtime, like
+``zero_grad(set_to_none=True)``, drops them after each update). An interleaved rank keeps the
+order-free bound ``Σ (params + grads + optimizer) + max(max G, (1 + prefetch)·max H) + f_k·Σ A``,
+never below the timeline, and so does the search for every pipeline (``search/evaluate.py``: its
+CP-SAT rows have no layer order across stage boundaries); on one stage the search prices the timeline
+too (docs/cost-model.md, "Memory per rank").
 
 Building the rank's program (``search/memory.py``, "Build"; ``memory.build_peak_bytes``) holds
 the same params and device optimizer states, no gradients, activations or buffers, plus the
@@ -203,7 +208,7 @@ from autoshard.search.memory import (
     state_bytes,
     step_peak_bytes,
 )
-from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank
+from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank, virtual_stages
 from autoshard.train import TrainSpec
 
 __all__ = [
@@ -495,7 +500,7 @@ class _RankTotals:
                                       [LayerLive(c.memory.activations, c.memory.grads, c.memory.buffers,
                                                  c.memory.gathered) for c in mine],
                                       plan.schedule.prefetch, in_flight(plan.schedule, mesh.pp, rank),
-                                      plan.schedule.num_micro_batches > 1 or mesh.pp > 1, mesh.pp > 1),
+                                      plan.schedule.num_micro_batches, virtual_stages(plan.schedule) > 1),
         )
 
     def step_bytes(self) -> float:

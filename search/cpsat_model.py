@@ -330,15 +330,18 @@ class _Builder:
 
     # -- mem/block<b>/layer<j> (pp = 1): the backward's timeline, memory.step_peak_bytes ---------
     def add_timeline_rows(self, cap_kib: int, flight: int) -> None:
-        """One stage: when the backward reaches layer j of block b, the rank holds
-        ``S − Gr + (f − 1)·ΣA + A_{<b} + a_{b,≤j} + Gr_{>b} + gr_{b,>j} + max(G, (1 + prefetch)·H)_{b,j}``
-        (gradients only with one micro-batch; with more, every gradient is live and ``S`` keeps them).
-        Of a run of blocks with the same composition only the first and the last need rows: along the
-        run the left side changes by the same ``A_blk − Gr_blk`` per block, so its maximum is at an end."""
+        """One stage (``memory.step_peak_bytes`` with f = 1): per layer j of block b,
+
+            forward    S − [m = 1]·Gr + A_{<b} + a_{b,≤j} + (1 + prefetch)·H_{b,j}
+            backward   S − [m = 1]·Gr + A_{<b} + a_{b,≤j} + [m = 1]·(Gr_{>b} + gr_{b,>j}) + max(G, gr)_{b,j}
+
+        (one row with ``max(G, (1 + prefetch)·H)`` when m > 1: every gradient is live from the first
+        micro-batch's backward on, which the later micro-batches' rows dominate). Of a run of blocks with
+        the same composition only the first and the last need rows: along the run a row changes by the
+        same ``A_blk`` (``A_blk − Gr_blk``) per block, so its maximum is at an end."""
         chains = self.inp.block_chain or tuple((False,) * len(m) for m in self.inp.block_classes)
         keys = [(tuple(m), tuple(c)) for m, c in zip(self.inp.block_classes, chains)]
         factor = 1 + self.inp.schedule.prefetch
-        peak_coef = lambda o: max(self.g(o), factor * self.h(o))  # noqa: E731
         ends = {b for b in range(self.num_blocks)
                 if b == 0 or b == self.num_blocks - 1 or keys[b] != keys[b - 1] or keys[b] != keys[b + 1]}
         acts = [terms[3] for terms in self.block_terms]
@@ -346,15 +349,20 @@ class _Builder:
         base = sum(terms[2] for terms in self.block_terms) + (flight - 1) * sum(acts)
         if grads is not None:
             base -= sum(grads)
+            rows = (("forward", lambda o: factor * self.h(o), False), ("backward", lambda o: max(self.g(o), self.gr(o)), True))
+        else:
+            rows = (("step", lambda o: max(self.g(o), factor * self.h(o)), False),)
         for b in sorted(ends):
             members, chain = keys[b]
             member_acts = self._member_activations(members, chain)
-            before = base + sum(acts[:b]) + (sum(grads[b + 1:]) if grads is not None else 0)
+            before = base + sum(acts[:b])
             for j, c in enumerate(members):
-                row = before + sum(member_acts[:j + 1]) + self.class_expr(c, peak_coef)
-                if grads is not None:
-                    row += sum(self.class_expr(later, self.gr) for later in members[j + 1:])
-                self.model.add(row <= cap_kib).with_name(f"mem/block{b}/layer{j}")
+                held = before + sum(member_acts[:j + 1])
+                for name, coef, with_grads in rows:
+                    row = held + self.class_expr(c, coef)
+                    if with_grads:
+                        row += sum(grads[b + 1:]) + sum(self.class_expr(later, self.gr) for later in members[j + 1:])
+                    self.model.add(row <= cap_kib).with_name(f"mem/{name}/block{b}/layer{j}")
 
     def stage_p2p(self) -> list[tuple]:
         """Per rank, (send/recv expression per micro-batch, its upper bound): P of the last layer of

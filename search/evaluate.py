@@ -26,8 +26,9 @@ Per pipeline rank ``r`` (layers of every virtual stage on ``r``), with ``m``
 micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
     T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
-    M_r   = forward/backward peak of r's layers in order (``memory.step_peak_bytes``; pp > 1:
-            Σ S_l + max(max G_l, (1 + prefetch) · max H_l) + f_r · Σ A_l)
+    M_r   = forward/backward peak (``memory.step_peak_bytes``): pp = 1, the timeline of the layers in
+            order; pp > 1, the order-free bound Σ S_l + max(max G_l, (1 + prefetch)·max H_l) + f_r·Σ A_l,
+            ≥ ``predict``'s schedule timeline (the search is conservative for pipelines)
     B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
     O_r   = Σ O_l + max_{l on r} Y_l                        (optimizer step; ``memory.optimizer_step_peak_bytes``)
     peak_r = max(M_r, O_r, B_r)
@@ -35,7 +36,7 @@ micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
 exactly ``cost_model.predict`` (stage-boundary send/recv, the per-rank buffer
 maximum, and checkpoint regions included), so the solver's objective and
-``predict`` agree to rounding.
+``predict`` agree to rounding; so does memory on one stage (on several, M_r is an upper bound).
 
 Checkpoint regions: a layer under full recompute whose predecessor is in the
 same block and also under full recompute keeps no input (``A'_l = 0`` for the
@@ -263,7 +264,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     for option, a, r in zip(layer_options, acts, ranks):
         live[r].append(LayerLive(a, option.cost.memory.grads, option.buffer_bytes, option.gathered_bytes))
     memory = tuple(max(step_peak_bytes(static[r], live[r], schedule.prefetch, in_flight(schedule, pp, r),
-                                       schedule.num_micro_batches > 1 or pp > 1, pp > 1),
+                                       schedule.num_micro_batches, order_free=pp > 1),
                        opt[r] + opt_transient[r], build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)

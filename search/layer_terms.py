@@ -25,6 +25,7 @@ from autoshard.search.memory import (
     build_region_elements,
     build_transient_bytes,
     model_state_memory,
+    sp_gathered_input_bytes,
     step_grad_bytes,
     step_pack_bytes,
     tp_shardable,
@@ -526,7 +527,10 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions],
                            0 if strategy.grad_comm in _QUANTIZED else bucket_bytes)
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
-    return states + MemoryBreakdown(activations=acts + loss_bytes(layer, sh),
+    # SP's gathered inputs, saved whole: collective outputs, which a compiled graph keeps as they are (not scaled)
+    gathered_inputs = sp_gathered_input_bytes(layer, strategy, mesh.tp, sh.tokens, sizes.param)
+    return states + MemoryBreakdown(activations=acts + gathered_inputs + loss_bytes(layer, sh),
+                                    kept_gathered=gathered_inputs,
                                     build_transient=build_transient_bytes(regions), step_transient=pack)
 
 

@@ -119,7 +119,7 @@ class MemoryBreakdown:
     grads: float = 0.0
     optimizer: float = 0.0
     activations: float = 0.0  # for ONE micro-batch in flight
-    kept_gathered: float = 0.0  # of activations: gathered parameters the forward keeps for backward
+    kept_gathered: float = 0.0  # of activations: gathered tensors the forward keeps for backward (parameters, SP inputs)
     buffers: float = 0.0  # collective / gather buffers of the layer's backward
     gathered: float = 0.0  # the layer's gathered parameters in forward (ZeRO-3); prefetch keeps more alive
     host: float = 0.0  # bytes in host memory (ZeRO-Offload optimizer states); not device memory
@@ -249,6 +249,21 @@ def activation_bytes(
     return tokens * (layer.saved_boundary_per_token / tp_boundary + interior / tp_interior)
 
 
+def sp_gathered_input_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, tokens: float,
+                            element_bytes: float) -> float:
+    """Bytes SP adds to ``activation_bytes`` (which prices the layer's input at ``1/t``): the column projections
+    (and the vocab-parallel head) save their all-gathered, whole-sequence input for the weight gradient, and
+    the runtime does not re-gather it in the backward as Megatron-LM does, so ``T·h·(1 − 1/t)`` more at the
+    compute dtype's ``element_bytes`` (capture's input bytes per token where it recorded no ``hidden``;
+    ``autoshard/model_parallel.py``, SP notes). None under full recompute (the region keeps only its input)."""
+    if not (strategy.sp and tp > 1) or strategy.recompute == "full":
+        return 0.0
+    if layer.kind != "head" and not any(p.tp_role == "column" for p in layer.params):
+        return 0.0
+    per_token = layer.hidden * element_bytes if layer.hidden else layer.input_bytes_per_token
+    return tokens * per_token * (1.0 - 1.0 / tp)
+
+
 def live_buffers(max_buffers: float, max_gathered: float, prefetch: int) -> float:
     """Gather / collective buffers live at once on a rank (module docstring): the largest layer's backward
     buffers, or ``1 + prefetch`` of its forward gathers, whichever is larger."""
@@ -274,37 +289,47 @@ class LayerLive:
     gathered: float  # while its forward runs (H_l)
 
 
-def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, in_flight: float,
-                    grads_beside_activations: bool, pipelined: bool) -> float:
+def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, in_flight: float, micro_batches: int,
+                    order_free: bool = False) -> float:
     """Forward/backward peak of one rank, bytes. ``static`` is Σ (params + grads + optimizer) of its layers,
-    ``layers`` its layers in forward order, ``in_flight`` the micro-batches whose activations it holds.
+    ``layers`` its layers in forward order, ``in_flight`` (f) the micro-batches whose activations it holds at
+    once (``pipeline.in_flight``: 1 on one stage), ``micro_batches`` (m) those of the step.
 
-    One stage (``pipelined`` False): the backward runs the layers in reverse; when it reaches layer i, the
-    activations of layers ≤ i are still saved, the gradients of layers > i exist and layer i holds its
-    buffers (its forward, earlier, held ``(1 + prefetch)·H_i`` with fewer activations and no gradients)::
+    The rank runs forwards and backwards of whole micro-batches (one stage, or one stage of a 1F1B or GPipe
+    pipeline). A forward reaching layer i holds its in-flight micro-batches' activations and ``(1 +
+    prefetch)·H_i`` of gathers; a backward reaching layer i (in reverse) still holds the activations of
+    layers ≤ i, the gradients of layers > i (all of them once an earlier backward of the step ran) and
+    layer i's buffers ``G_i``. Gradients exist only from the step's first backward on. With ``Gr`` the
+    gradients and ``A`` the activations of one micro-batch::
 
-        peak = static − ΣGr + max_i [ (f − 1)·ΣA + A≤i + Gr>i + max(G_i, (1 + prefetch)·H_i) ]
+        forward       (f − 1)·ΣA + max_i [A≤i + (1 + prefetch)·H_i] + [m > f]·ΣGr   (a forward after a backward)
+        1st backward  (f − 1)·ΣA + max_i [A≤i + Gr>i + max(G_i, Gr_i)]
+        later ones    (f − 1 − [m ≤ f])·ΣA + ΣGr + max_i [A≤i + G_i]                (m ≥ 2)
+        peak = static − ΣGr + the largest
 
-    With gradient accumulation (``grads_beside_activations``) every gradient is live from the first
-    micro-batch on: ``Gr>i`` becomes ``ΣGr`` (the ``static`` term keeps it). Pipelined ranks (interleaved
-    micro-batches and stages) keep the order-free bound ``rank_memory(static, ΣGr, live_buffers(max G,
-    max H), f·ΣA)``, which is never below this."""
+    ``order_free``: the bound without layer order or schedule, ``rank_memory(static, ΣGr, live_buffers(max
+    G, max H), f·ΣA)``, never below the above; interleaved schedules take it (a rank's virtual stages
+    interleave their micro-batches), and so does the search for pipelines (``search/evaluate.py``)."""
     total_grads = sum(layer.grads for layer in layers)
     total_acts = sum(layer.activations for layer in layers)
-    if pipelined:
+    if order_free:
         buffers = live_buffers(max((layer.buffers for layer in layers), default=0.0),
                                max((layer.gathered for layer in layers), default=0.0), prefetch)
-        return rank_memory(static, total_grads, buffers, in_flight * total_acts, grads_beside_activations)
-    base = static if grads_beside_activations else static - total_grads
-    earlier = (in_flight - 1) * total_acts
-    grads_after = 0.0 if grads_beside_activations else total_grads
-    peak = 0.0
+        return rank_memory(static, total_grads, buffers, in_flight * total_acts, True)
+    forward = first = later = acts = 0.0
+    grads_after = total_grads
     for layer in layers:
-        earlier += layer.activations
-        if not grads_beside_activations:
-            grads_after -= layer.grads
-        peak = max(peak, earlier + max(grads_after, 0.0) + max(layer.buffers, (1 + prefetch) * layer.gathered))
-    return base + peak
+        acts += layer.activations
+        grads_after = max(grads_after - layer.grads, 0.0)
+        forward = max(forward, acts + (1 + prefetch) * layer.gathered)
+        # layer i holds its buffers (which hold its unsharded gradient) or, with none, its own gradient
+        first = max(first, acts + grads_after + max(layer.buffers, layer.grads))
+        later = max(later, acts + layer.buffers)
+    others = (in_flight - 1) * total_acts
+    peaks = [others + forward + (total_grads if micro_batches > in_flight else 0.0), others + first]
+    if micro_batches >= 2:
+        peaks.append(max(in_flight - 1 - (micro_batches <= in_flight), 0.0) * total_acts + total_grads + later)
+    return static - total_grads + max(peaks)
 
 
 def build_region_elements(param: ParamInfo, strategy: LayerStrategy, tp: int, ep: int, zero3_degree: int) -> int:

@@ -42,7 +42,7 @@ n_{c,b} layers of class c riding on block b, ranks k:
     Σ_b y[b,k]·(S_b + f_k·A_b) + L_k ≤ M    (pp > 1)                  mem/stage<k>           add_stage_rows_and_objective
     pp = 1: per layer j of block b (first and last block of each run of equal blocks):
       Σ S − [m=1]·Σ Gr + (f−1)·Σ A + A_{<b} + a_{b,≤j} + [m=1]·(Gr_{>b} + gr_{b,>j})
-          + max(G, (1+prefetch)·H)_{b,j} ≤ M   (Gr = gradients)         mem/block<b>/layer<j>  add_timeline_rows
+          + max(G, (1+prefetch)·H)_{b,j} ≤ M   (Gr = gradients; m = 1: forward and backward rows)         mem/block<b>/layer<j>  add_timeline_rows
     Σ_b y[b,k]·R_b + X_k ≤ M                                          build/stage<k>         add_stage_rows_and_objective
     Σ_b y[b,k]·O_b + Y_k ≤ M                                          optstep/stage<k>       add_stage_rows_and_objective
     Z ≥ (m + (p−1)/v)·T_max + Σ_b y[b,k]·tail_b                        step/stage<k>          add_stage_rows_and_objective

@@ -28,9 +28,14 @@ differs from another only by how the step is parallelised):
 - **Timing**: wall time of whole steps, with ``torch.cuda.synchronize`` before
   and after on GPUs; each step's time is the slowest rank's (all-reduce MAX);
   the table reports the median of the measured steps after ``warmup`` steps.
-- **Memory**: ``torch.cuda.max_memory_allocated`` (max over ranks), reset
-  before each config; on CPU there is no resettable per-config peak, so it is
-  reported as ``None``.
+- **Memory**: ``torch.cuda.max_memory_allocated`` (max over ranks) of the
+  steps, reset after each config is built (``reset_after_build``): every
+  config builds from the fp32 reference model materialised whole on each GPU
+  (``reference_model``; 27 GB for a 7B model), which is the harness's, not
+  the config's, so the build's peak is recorded apart (``build_peak_bytes``;
+  before 2026-11-27 it was part of the peak: a 7B ZeRO-3 plan on 4 × H200
+  measured 47.5 GiB, its build, against a 41.8 GiB step). On CPU there is no
+  resettable per-config peak, so it is reported as ``None``.
 - **MFU**: model FLOPs ``3·Σ_layers forward_flops(B, S)`` from the captured
   graph (the formula ``search.cost_model.predict`` uses) over ``step time ·
   world · peak_flops[precision]`` of the cluster's device.
@@ -267,6 +272,7 @@ class Measurement:
     losses: tuple[float, ...]  # every step, warm-up included
     step_times_s: tuple[float, ...]  # measured steps only, slowest rank each
     peak_memory_bytes: int | None  # max over ranks of max_memory_allocated; None on CPU
+    peak_by_step: tuple[int, ...] = ()  # the same peak before the first step (the build), then after each step
 
     @property
     def median_step_s(self) -> float:
@@ -286,6 +292,17 @@ def reset_memory(device: torch.device | str) -> None:
         torch.cuda.synchronize()
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
+
+
+def reset_after_build(device: torch.device | str) -> int | None:
+    """The peak so far (the config's build, the harness's reference model included), then reset the CUDA peak
+    counter for the steps (module docstring, "Memory"); ``None`` on the CPU."""
+    peak = peak_memory_bytes(device)
+    if torch.device(device).type == "cuda":
+        gc.collect()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    return peak
 
 
 def peak_memory_bytes(device: torch.device | str) -> int | None:
@@ -312,16 +329,18 @@ def measure(step: Callable[[torch.Tensor], float], batches: Sequence[torch.Tenso
     """Run ``step`` on every batch; time the ones after ``warmup`` (module docstring, "Timing")."""
     if not 0 <= warmup < len(batches):
         raise BaselineError(f"warmup={warmup} must be in [0, steps={len(batches)}); run more steps than warm-up")
-    losses, times = [], []
+    losses, times, peaks = [], [], [peak_memory_bytes(device)]
     for index, tokens in enumerate(batches):
         synchronize(device)
         start = time.perf_counter()
         losses.append(step(tokens))
         synchronize(device)
         elapsed = _slowest(time.perf_counter() - start, device)
+        peaks.append(peak_memory_bytes(device))
         if index >= warmup:
             times.append(elapsed)
-    return Measurement(tuple(losses), tuple(times), peak_memory_bytes(device))
+    return Measurement(tuple(losses), tuple(times), peak_memory_bytes(device),
+                       tuple(p for p in peaks if p is not None))
 
 
 def model_flops_per_step(graph: Any, spec: RunSpec) -> float:
@@ -363,6 +382,7 @@ __all__ = [
     "prepare_reference",
     "rank_device",
     "reference_model",
+    "reset_after_build",
     "reset_memory",
     "synchronize",
     "torch_optimizer",
