@@ -148,7 +148,8 @@ Gradients exist only from the step's first backward on (the runtime, like
 order-free bound ``Σ (params + grads + optimizer) + max(max G, (1 + prefetch)·max H) + f_k·Σ A``,
 never below the timeline, and so does the search for every pipeline (``search/evaluate.py``: its
 CP-SAT rows have no layer order across stage boundaries); on one stage the search prices the timeline
-too (docs/cost-model.md, "Memory per rank").
+too (docs/cost-model.md, "Memory per rank"). A pipeline rank adds its receive buffers, ``m`` per boundary its
+stages cross, each way (``boundary_buffer_bytes``).
 
 Building the rank's program (``search/memory.py``, "Build"; ``memory.build_peak_bytes``) holds
 the same params and device optimizer states, no gradients, activations or buffers, plus the
@@ -389,7 +390,8 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
                                            + c.memory.kept_gathered))
                  if layer.block is not None else c for layer, c in zip(graph.layers, costs)]
     p2p = _boundary_p2p(graph, strategies, ranks, mesh, cluster, schedule, train)
-    stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh) for k in range(mesh.pp)]
+    receive = _boundary_buffers(graph, strategies, ranks, mesh, schedule, train)
+    stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh, receive[k]) for k in range(mesh.pp)]
     slow = max(stages, key=lambda r: r.micro_batch_s)
     tail = max(stages, key=lambda r: r.dp_exposed_s + r.optimizer_s)
     _, bubble = pipeline_time(slow.micro_batch_s, mesh.pp, schedule)
@@ -477,7 +479,7 @@ class _RankTotals:
 
     @classmethod
     def of(cls, rank: int, costs: list[LayerCost], ranks: list[int], p2p_s: float, plan: Plan,
-           mesh: Mesh) -> _RankTotals:
+           mesh: Mesh, receive_bytes: float = 0.0) -> _RankTotals:
         mine = [c for c, k in zip(costs, ranks) if k == rank]
         summed = sum((c.memory for c in mine), MemoryBreakdown())
         buffers = live_buffers(max((c.memory.buffers for c in mine), default=0.0),
@@ -500,7 +502,8 @@ class _RankTotals:
                                       [LayerLive(c.memory.activations, c.memory.grads, c.memory.buffers,
                                                  c.memory.gathered) for c in mine],
                                       plan.schedule.prefetch, in_flight(plan.schedule, mesh.pp, rank),
-                                      plan.schedule.num_micro_batches, virtual_stages(plan.schedule) > 1),
+                                      plan.schedule.num_micro_batches, virtual_stages(plan.schedule) > 1)
+            + receive_bytes,
         )
 
     def step_bytes(self) -> float:
@@ -591,6 +594,32 @@ def boundary_send_s(layer: LayerInfo, sp: bool, mesh: Mesh, cluster: Cluster, sc
     compute_bytes = state_bytes(train).param
     return sum(comm.send_recv_time(model_parallel.payload_bytes(c, layer, strategy, mesh, tokens, compute_bytes), link)
                for c in model_parallel.stage_boundary_form(sends=True))
+
+
+def boundary_buffer_bytes(layer: LayerInfo, sp: bool, mesh: Mesh, schedule: Schedule, train: TrainSpec) -> float:
+    """Bytes of one value crossing a stage boundary that follows ``layer`` (one micro-batch): what each side
+    keeps a receive buffer of, per micro-batch, for the whole step (torch.distributed.pipelining allocates
+    one per micro-batch: the activation on the receiving rank, its gradient on the sending rank)."""
+    if mesh.pp == 1:
+        return 0.0
+    tokens = schedule.micro_batch * train.seq_len / mesh.cp
+    strategy = LayerStrategy(layer=layer.name, sp=sp)
+    return model_parallel.payload_bytes(model_parallel.stage_boundary_form(sends=True)[0], layer, strategy, mesh,
+                                        tokens, state_bytes(train).param)
+
+
+def _boundary_buffers(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,
+                      schedule: Schedule, train: TrainSpec) -> list[float]:
+    """Per pipeline rank, the receive buffers of the step: ``m`` per boundary it sends across (gradients) and
+    ``m`` per boundary it receives across (activations), each ``boundary_buffer_bytes``."""
+    out = [0.0] * mesh.pp
+    for i in range(len(strategies) - 1):
+        if strategies[i].stage != strategies[i + 1].stage:
+            nbytes = schedule.num_micro_batches * boundary_buffer_bytes(graph.layers[i], strategies[i].sp, mesh,
+                                                                       schedule, train)
+            out[ranks[i]] += nbytes
+            out[ranks[i + 1]] += nbytes
+    return out
 
 
 def _boundary_p2p(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,

@@ -298,14 +298,15 @@ class _Builder:
         slots_v = inp.schedule.num_micro_batches * v + p - 1
         self.z = m.new_int_var(0, (slots_v * t_hi + v * tail_hi) // v + 1, "Z")
         cap_kib = inp.cap_bytes // KIB
+        receive = self.stage_receive_buffers()
         for k in range(p):
             m.add(self.t_max >= self._rank_sum(k, 0) + p2p[k][0]).with_name(f"stage_time/stage{k}")
             flight_v = int(round(in_flight(inp.schedule, p, k) * v))
             if p == 1:  # one stage: the backward's timeline (memory.step_peak_bytes)
                 self.add_timeline_rows(cap_kib, flight_v)
             else:
-                m.add(self._rank_sum(k, 2, scale_a=flight_v) + v * self.live_rank[k] <= cap_kib * v).with_name(
-                    f"mem/stage{k}")
+                m.add(self._rank_sum(k, 2, scale_a=flight_v) + v * self.live_rank[k] + v * receive[k]
+                      <= cap_kib * v).with_name(f"mem/stage{k}")
             # The build peak (Σ R + max X) is not implied by mem/stage<k>: that row adds gradients,
             # buffers and activations to the same R, but X = 8 B × the largest region can exceed them
             # (DDP in bf16: 2 B of gradient per element against 8 B of transient for a layer that
@@ -363,6 +364,33 @@ class _Builder:
                     if with_grads:
                         row += sum(grads[b + 1:]) + sum(self.class_expr(later, self.gr) for later in members[j + 1:])
                     self.model.add(row <= cap_kib).with_name(f"mem/{name}/block{b}/layer{j}")
+
+    def stage_receive_buffers(self) -> list:
+        """Per rank, its pipeline receive buffers in KiB (evaluate.py: m per boundary its stages cross, each
+        way, of the boundary layer's ``boundary_bytes``). Interleaved: the fixed boundaries. Otherwise rank k
+        receives activations if k > 0 and gradients if k < p − 1, of the blocks' last class (the largest of
+        them when they differ, as ``stage_p2p``)."""
+        p, blocks, mb = self.pp, self.inp.block_classes, self.inp.schedule.num_micro_batches
+        if p == 1 or not blocks:
+            return [0] * p
+        last = [members[-1] for members in blocks]
+        q = lambda o: mb * _kib(o.boundary_bytes)  # noqa: E731
+        if self.block_stage_fixed is not None:
+            fixed, out = self.block_stage_fixed, [0] * p
+            for b in range(len(blocks) - 1):
+                if fixed[b] != fixed[b + 1]:
+                    expr = self.class_expr(last[b], q)
+                    out[fixed[b] % p] += expr
+                    out[fixed[b + 1] % p] += expr
+            return out
+        senders = sorted(set(last[:-1]))
+        if len(senders) == 1:
+            expr = self.class_expr(senders[0], q)
+        else:
+            expr = self.model.new_int_var(0, max(q(o) for c in senders for o in self.inp.options[c]), "Q")
+            for c in senders:
+                self.model.add(expr >= self.class_expr(c, q)).with_name("stage_receive/max")
+        return [expr * ((k > 0) + (k < p - 1)) for k in range(p)]
 
     def stage_p2p(self) -> list[tuple]:
         """Per rank, (send/recv expression per micro-batch, its upper bound): P of the last layer of

@@ -28,7 +28,8 @@ micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
     T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
     M_r   = forward/backward peak (``memory.step_peak_bytes``): pp = 1, the timeline of the layers in
             order; pp > 1, the order-free bound Σ S_l + max(max G_l, (1 + prefetch)·max H_l) + f_r·Σ A_l,
-            ≥ ``predict``'s schedule timeline (the search is conservative for pipelines)
+            ≥ ``predict``'s schedule timeline (the search is conservative for pipelines), + m·Σ Q_l
+            over the boundaries r's stages cross, each way (Q_l = ``boundary_bytes``: receive buffers)
     B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
     O_r   = Σ O_l + max_{l on r} Y_l                        (optimizer step; ``memory.optimizer_step_peak_bytes``)
     peak_r = max(M_r, O_r, B_r)
@@ -80,6 +81,7 @@ class Option:
     cost: LayerCost
     chain_activation_bytes: float | None = None  # A' (module docstring); None: same as activation_bytes
     p2p_s: float = 0.0  # per micro-batch: send/recv of the output when a stage boundary follows
+    boundary_bytes: float = 0.0  # one micro-batch's receive buffer on each side of a boundary that follows
 
     @property
     def time_s(self) -> float:
@@ -145,7 +147,7 @@ class Option:
         """The numbers the objective and the memory rows read (``build``: the build rows' too)."""
         step = (self.time_s, self.tail_s, self.static_bytes, self.buffer_bytes, self.activation_bytes,
                 self.chain_bytes, self.p2p_s, self.optimizer_step_bytes, self.step_transient_bytes,
-                self.gathered_bytes)
+                self.gathered_bytes, self.boundary_bytes)
         build_numbers = (self.build_resident_bytes, self.build_transient_bytes) if build else ()
         return step + build_numbers + (float(self.full_recompute),)
 
@@ -249,10 +251,13 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     t, tail, static, resident, transient, opt, opt_transient = ([0.0] * pp for _ in range(7))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
+    receive = [0.0] * pp  # receive buffers: m per boundary a rank's stages cross, each way (cost_model)
     for i, (option, r) in enumerate(zip(layer_options, ranks)):
         t[r] += option.time_s
         if i + 1 < len(stages) and stages[i + 1] != stages[i]:
             t[r] += option.p2p_s
+            receive[r] += schedule.num_micro_batches * option.boundary_bytes
+            receive[ranks[i + 1]] += schedule.num_micro_batches * option.boundary_bytes
         tail[r] += option.tail_s
         static[r] += option.static_bytes
         resident[r] += option.build_resident_bytes
@@ -264,7 +269,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     for option, a, r in zip(layer_options, acts, ranks):
         live[r].append(LayerLive(a, option.cost.memory.grads, option.buffer_bytes, option.gathered_bytes))
     memory = tuple(max(step_peak_bytes(static[r], live[r], schedule.prefetch, in_flight(schedule, pp, r),
-                                       schedule.num_micro_batches, order_free=pp > 1),
+                                       schedule.num_micro_batches, order_free=pp > 1) + receive[r],
                        opt[r] + opt_transient[r], build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
@@ -369,6 +374,9 @@ class CostTable:
         costs = cost_model.layer_cost_table(layer, strategies, mesh, self.cluster, self.train, schedule)
         p2p = {sp: cost_model.boundary_send_s(layer, sp, mesh, self.cluster, schedule, self.train)
                for sp in {s.sp for s in strategies}}
+        receive = {sp: cost_model.boundary_buffer_bytes(layer, sp, mesh, schedule, self.train)
+                   for sp in {s.sp for s in strategies}}
         for s, cost in zip(strategies, costs):
             chain = 0.0 if s.recompute == "full" else None
-            self._cache[(layer.class_id, strategy_key(s), mesh, sched_key)] = Option(s, cost, chain, p2p[s.sp])
+            self._cache[(layer.class_id, strategy_key(s), mesh, sched_key)] = Option(s, cost, chain, p2p[s.sp],
+                                                                                     receive[s.sp])

@@ -153,16 +153,8 @@ def _check(case: Case, results: list[dict]) -> None:
     assert all(abs(e) <= TOLERANCE for _, _, e in errors(case, results).values()), report
 
 
-# Interleaved 1F1B is priced with the order-free bound (search/memory.step_peak_bytes) and still misses low on
-# the first rank (measured +5.6%): torch.distributed.pipelining keeps one receive buffer per micro-batch for each
-# boundary a rank's stages cross each way (12 of the micro-batch's residual stream here, 0.75 MiB), and a later
-# micro-batch's backward allocates each weight gradient before adding it to the accumulated one; neither is priced.
-_INTERLEAVED = pytest.mark.xfail(reason="interleaved 1F1B peak under-predicted ~6% (comment above)", strict=False)
-
-
 @pytest.mark.slow
-@pytest.mark.parametrize("name", [pytest.param(n, marks=_INTERLEAVED) if CASES_2[n].virtual > 1 else n
-                                  for n in sorted(CASES_2)])
+@pytest.mark.parametrize("name", sorted(CASES_2))
 def test_live_memory_world2(measured2, name):
     _check(CASES_2[name], measured2[name])
 
