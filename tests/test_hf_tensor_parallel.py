@@ -1,8 +1,10 @@
 """Megatron tensor parallelism on Hugging Face trunks as ``autoshard.models.hf`` builds them equals plain
 PyTorch training: grouped-query attention (Llama, Qwen2, Mixtral's attention; SDPA's ``enable_gqa`` and HF's
 ``repeat_kv`` paths), GPT-2's transposed ``Conv1D`` and fused ``c_attn``, Gemma's padding row and Phi's LM-head
-bias; with SP and with ZeRO-3 over dp. What the runtime cannot run (MQA under tp, a fused projection with
-unequal parts, a split weight used outside a projection, SP on MoE layers) the search does not propose and a forced plan is refused while building.
+bias; with SP, at tp 2 (2 ranks) and tp 2 × dp 2 with ZeRO-1/2/3 (4 ranks: Llama, Qwen2, Mixtral, GPT-2). What the
+runtime cannot run (MQA under tp, a fused projection with unequal parts, a split weight used outside a
+projection, SP on MoE layers) the search does not propose, and a forced plan is refused by
+``Plan.check_compatible`` before any rank starts (``tests/test_tp_refusal.py``) or while building.
 Tiny random configs, CPU, fp32, gloo (``tests/_hf_tp_cases.py``)."""
 
 from __future__ import annotations
@@ -39,6 +41,8 @@ CASES_4 = {
     "llama_zero3": ("llama", "zero3", False),
     "llama_repeat_kv_zero2_sp": ("llama+repeat_kv", "zero2", True),
     "gpt2_zero3_sp": ("gpt2", "zero3", True),
+    "qwen2_zero1_sp": ("qwen2", "zero1", True),
+    "mixtral_attention_zero3": ("mixtral", "zero3", False),  # MoE: no sp (its experts stay unsplit over tp)
 }
 TRAIN = TrainSpec(global_batch=8, seq_len=8, precision="fp32")
 
