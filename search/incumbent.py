@@ -82,9 +82,11 @@ def _rank_tables(class_of_layer: Sequence[int], stages: Sequence[int], continues
 
 def _rank_memory(options: Sequence[Sequence[Option]], picks: np.ndarray, counts: np.ndarray, chained: np.ndarray,
                  flight: np.ndarray, prefetch: int) -> np.ndarray:
-    """(A, P) per-rank memory of ``evaluate`` for each assignment row of ``picks`` (A, C): the largest of
-    the step peak (gradients summed with activations, as the CP-SAT rows), the optimizer step's and the
-    build peak."""
+    """(A, P) per-rank memory screen for each assignment row of ``picks`` (A, C): the largest of the
+    order-free step bound (gradients summed with activations; ``memory.step_peak_bytes``' bound, without
+    pipeline receive buffers), the optimizer step's and the build peak. A screen, not ``evaluate``: an
+    assignment it passes is priced by ``evaluate``, which decides; one it rejects may have fit (one stage's
+    timeline is below the bound), which costs the heuristic incumbent only a better candidate."""
     def per_class(attr):  # (A, C)
         return np.array([[getattr(options[c][i], attr) for c, i in enumerate(row)] for row in picks])
 
@@ -108,9 +110,8 @@ def upper_bound(options: Sequence[Sequence[Option]], class_of_layer: Sequence[in
                 cap_bytes: float) -> float:
     """U of the module docstring (``math.inf`` when no tried assignment fits).
 
-    Memory is screened for all assignments at once from per-rank class counts (``_rank_memory``,
-    the formula of ``evaluate``); only assignments that pass are priced by ``evaluate``, which
-    decides (screening tolerance 1e-9 relative, so float reordering never skips a fitting one).
+    Memory is screened for all assignments at once from per-rank class counts (``_rank_memory``); only
+    assignments that pass are priced by ``evaluate``, which decides (screening tolerance 1e-9 relative).
     """
     pp = mesh.pp
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
