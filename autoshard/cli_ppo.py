@@ -16,7 +16,9 @@
    captured policy here too (``ppo_checkpoint.check_resumable``): a
    checkpoint of another model (both named, or the first parameter whose
    shape changed), a missing checkpoint or one already at ``--steps`` is
-   refused in one line, exit 2, before any search or launch.
+   refused in one line, exit 2, before any search or launch; so is a
+   ``--checkpoint`` that is a file. After the plan, a ``--batch`` its dp
+   ranks and PPO mini-batches cannot split is refused the same way.
 1. the plan: ``--plan`` loads one (checked against the model by the runtime);
    otherwise capture the policy (``ppo_program.load_policy`` on meta) and search it for the
    cluster with what the runtime implements fixed: ``pp = ep = cp = 1`` and
@@ -32,7 +34,11 @@
    - otherwise, on one node, it writes the plan next to the metrics file (or
      the checkpoint, or a temporary directory) and starts the plan's world
      size of ranks through torchrun (``runtime/launch.py``) running
-     ``python -m autoshard.runtime.ppo_program``; its exit code is returned;
+     ``python -m autoshard.runtime.ppo_program``; an error raised on the
+     ranks is printed once (``autoshard: error: rank R: ...``, ranks with
+     the same message folded) and the exit code is 2 for a user error, 1
+     otherwise; a stalled rank stops the job after ``AUTOSHARD_TIMEOUT_S``
+     (launch.py's docstring);
    - several nodes: refused, with the ``autoshard run`` line to use instead.
 3. rank 0 prints the live line per step, writes ``--metrics`` JSON lines and,
    at the end, the ``--plot`` PNG and its path.
@@ -112,6 +118,7 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     if args.resume:
         _check_resume(args, graph)
     plan = _resolve_plan(args, graph, cluster, console)
+    _check_batch(args, plan, task)
     if _under_torchrun():
         return _train_here(args, spec, plan)
     if cluster.nodes > 1:
@@ -131,6 +138,22 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise AutoshardError(f"--plot {str(args.plot)!r} plots the metrics file; also pass --metrics OUT.jsonl")
     if args.save_every is not None and args.checkpoint is None:
         raise AutoshardError("--save-every needs --checkpoint DIR to save to")
+    if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
+        raise AutoshardError(f"--checkpoint {str(args.checkpoint)!r} is a file, not a directory; give a new "
+                             "directory, or the one a previous run saved to")
+
+
+def _check_batch(args: argparse.Namespace, plan: Any, task: Any) -> None:
+    """Refuse a ``--batch`` the plan's dp ranks cannot split (ranks would raise it, one per rank, after starting)."""
+    from autoshard.runtime.ppo_program import PPORun, ppo_config
+
+    run = PPORun(global_batch=args.batch, seed=args.seed)
+    try:
+        ppo_config(run, plan.mesh.dp, task.max_response_len)
+    except AutoshardError as err:
+        multiple = plan.mesh.dp * run.mini_batches
+        raise AutoshardError(f"--batch {args.batch} cannot be split over the plan's dp={plan.mesh.dp} ranks and "
+                             f"{run.mini_batches} mini-batches ({err}); use a multiple of {multiple}") from None
 
 
 def _check_resume(args: argparse.Namespace, graph: Any) -> None:
@@ -220,7 +243,7 @@ def _launch(args: argparse.Namespace, spec: str, plan_path: Path, console: Any) 
     launch_spec = dataclasses.replace(launch_spec, env={**launch_spec.env, "PYTHONUNBUFFERED": "1"})
     console.print(f"starting {launch_spec.nproc_per_node} ranks: {subprocess.list2cmdline(launch_spec.argv)}",
                   markup=False, highlight=False, soft_wrap=True)
-    return launch(launch_spec)
+    return launch(launch_spec, debug=getattr(args, "debug", False))
 
 
 def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
@@ -228,13 +251,14 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
     import torch.distributed as dist
 
     from autoshard.runtime import ppo_program as P
+    from autoshard.runtime.launch_child import timeout_s
 
     run = P.PPORun(
         model=spec, weights=_text(args.weights), task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
         resume=args.resume, plot=_text(args.plot), live=not args.quiet, rollout_cache=not args.no_rollout_cache,
     )
-    created = P.init_distributed(plan)
+    created = P.init_distributed(plan, timeout_s=timeout_s())
     try:
         P.run_ppo(run, plan, device=P.worker_device())
     finally:

@@ -34,6 +34,7 @@ import os
 import re
 import shutil
 from dataclasses import dataclass
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +46,7 @@ from torch import nn
 import autoshard
 from autoshard.runtime import checkpoint as ckpt
 from autoshard.runtime.launch import PLAN_ENV
+from autoshard.runtime.launch_child import timeout_s
 from autoshard.runtime.materialize import Initialize
 from autoshard.search import Constraints
 from autoshard.train import LR_DECAYS, PRECISIONS
@@ -328,7 +330,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any] | None:
         cuda = torch.cuda.is_available()
         if cuda:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group("nccl" if cuda else "gloo")
+        # a peer that stops answering fails the collective after AUTOSHARD_TIMEOUT_S (runtime/launch.py)
+        dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(seconds=timeout_s()))
     try:
         return train(args)
     finally:

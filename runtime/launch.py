@@ -19,8 +19,60 @@ What it does, in order, before any process starts:
 4. runs it in a child process with ``AUTOSHARD_PLAN=<absolute plan path>`` in
    the environment and ``OMP_NUM_THREADS=1`` when no CUDA device is visible
    and the variable is unset (gloo ranks share the CPU cores; torchrun would
-   otherwise pick the same value with a warning). Returns torchrun's exit code.
+   otherwise pick the same value with a warning). The child is torchrun's
+   agent and each rank a bootstrap around the script, both in
+   ``runtime/launch_child.py`` (``--dry-run`` prints the exact command).
 
+Errors (``launch``). Each rank's bootstrap records an exception that escapes
+the script (or that it reports with ``launch_child.record_rank_error``) in a
+per-rank file of a temporary directory the launcher passes as
+``AUTOSHARD_RUN_DIR``; nothing is printed by the ranks. When the job ends the
+launcher prints, on stderr:
+
+- user errors (``AutoshardError``): ``autoshard: error: rank R: MESSAGE``,
+  one line per distinct message (``ranks 0,1: ...`` when several ranks
+  raised it); other ranks' errors, consequences of a peer leaving, are
+  dropped. Exit code 2.
+- internal errors (anything else): the earliest one's traceback, starting in
+  the script, and its line (``... (N other ranks failed after it)``). Exit 1.
+- a rank that died without an error (a signal, ``os._exit``, ``sys.exit(3)``):
+  ``rank R: killed by SIGKILL`` / ``exited with code 3``, from torchrun's
+  first failure. Exit 1.
+
+torchrun's own log and its ``ChildFailedError`` traceback are hidden;
+``--debug`` (``AUTOSHARD_DEBUG=1`` in the ranks) shows them, and each rank
+also prints its own line and traceback. Errors the parent can see coming are
+raised before anything starts (plan, world size, script, nodes here;
+``autoshard ppo`` also checks ``--batch``, ``--checkpoint`` and ``--resume``).
+
+No hang, no orphan. ``AUTOSHARD_TIMEOUT_S`` (default 300 s, read by the
+launcher, passed to the ranks):
+
+- the watchdog: each rank's bootstrap touches ``rank-R.alive`` every
+  ``min(1 s, timeout / 4)`` from a background thread; when one is older than
+  the timeout and its process is still a live child of the agent (stopped by
+  SIGSTOP, or stuck in C code that holds the GIL) the launcher SIGKILLs every
+  rank and the agent and prints ``autoshard: error: rank R: no heartbeat for
+  N s, its process P is stopped (SIGSTOP); stopped the job`` (exit 1). The
+  launcher polls every ``min(0.5 s, timeout / 10)``.
+- collectives: ``autoshard ppo``'s ranks and ``examples/train.py`` pass the
+  same value as ``init_process_group(timeout=...)``, so a rank waiting on a
+  peer that is alive but never joins the collective fails after it (an
+  internal error; gloo honours the timeout). Your script: pass
+  ``timeout=timedelta(seconds=launch_child.timeout_s())``.
+- a rank that dies: torchrun sees it within 0.1 s and SIGTERMs the others.
+- orphans: the agent and every rank set ``PR_SET_PDEATHSIG`` = SIGKILL
+  (Linux, ``prctl`` through ctypes), so SIGKILL of the launcher takes the
+  agent down at once and the agent's death takes its ranks (the signal
+  follows the launcher thread that called ``launch``: call it from a thread
+  that outlives the job). Ctrl-C or an error in the launcher SIGKILLs the
+  job before it leaves.
+- clean exit: the bootstrap destroys a process group the script left
+  initialised, joins the heartbeat thread, runs ``atexit`` handlers and
+  leaves through ``os._exit`` (no interpreter teardown, where a C++ thread
+  destroyed at exit could SIGABRT a finished rank).
+
+On several nodes each node's launcher watches and reports its own ranks.
 Inside the script, ``plan_from_env()`` reads ``AUTOSHARD_PLAN`` and checks the
 plan against the launched ``WORLD_SIZE`` before ``init_process_group``.
 
@@ -33,17 +85,32 @@ autoshard.runtime.launch`` runs it stand-alone.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
+import tempfile
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from autoshard.errors import AutoshardError, PlanError
+from autoshard.runtime.launch_child import (
+    AGENT_FILE,
+    DEBUG_ENV,
+    DEFAULT_TIMEOUT_S,
+    RUN_DIR_ENV,
+    TIMEOUT_ENV,
+    die_with_parent,
+    timeout_s,
+)
 
 PLAN_ENV = "AUTOSHARD_PLAN"
+CHILD_MODULE = "autoshard.runtime.launch_child"
 _USAGE = "autoshard run [OPTIONS] PLAN.json -- SCRIPT [ARGS...]"
 
 
@@ -117,6 +184,7 @@ class LaunchSpec:
     env: dict[str, str]  # variables added to (or overriding) the parent's environment
     nproc_per_node: int
     nnodes: int
+    timeout_s: float = DEFAULT_TIMEOUT_S  # a rank silent this long is stalled (module docstring)
 
 
 def build_launch(
@@ -140,23 +208,21 @@ def build_launch(
     _check_command(command)
     _check_nodes(nnodes, node_rank, rdzv_endpoint)
     nproc = _nproc_per_node(plan, nnodes, nproc_per_node)
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
+    timeout = timeout_s()
+    torchrun = [sys.executable, "-m", CHILD_MODULE, "agent", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
     if rdzv_endpoint is None:
         torchrun.append("--standalone")
     else:
         torchrun += ["--node-rank", str(node_rank), "--rdzv-endpoint", rdzv_endpoint]
         torchrun += ["--rdzv-backend", rdzv_backend, "--rdzv-id", rdzv_id]
     torchrun += ["--max-restarts", str(max_restarts)]
-    if command[0] == "-m":
-        torchrun += ["--module", *command[1:]]
-    else:
-        torchrun += list(command)
-    env = {PLAN_ENV: str(plan_path)}
+    torchrun += ["--module", CHILD_MODULE, "rank", *command]
+    env = {PLAN_ENV: str(plan_path), TIMEOUT_ENV: f"{timeout:g}"}
     if cuda_available is None:
         cuda_available = _cuda_available()
     if not cuda_available and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
-    return LaunchSpec(argv=tuple(torchrun), env=env, nproc_per_node=nproc, nnodes=nnodes)
+    return LaunchSpec(argv=tuple(torchrun), env=env, nproc_per_node=nproc, nnodes=nnodes, timeout_s=timeout)
 
 
 def _check_command(command: Sequence[str]) -> None:
@@ -205,10 +271,157 @@ def _cuda_available() -> bool:
     return torch.cuda.is_available()
 
 
-def launch(spec: LaunchSpec) -> int:
-    """Run the torchrun command of ``spec`` and return its exit code (Ctrl-C reaches it too)."""
-    env = {**os.environ, **spec.env}
-    return subprocess.run(list(spec.argv), env=env, check=False).returncode
+EXIT_INTERNAL = 1
+EXIT_USER_ERROR = 2
+
+
+def launch(spec: LaunchSpec, *, debug: bool = False) -> int:
+    """Run the ranks of ``spec``, watch them, report their errors once; returns 0, 1 or 2 (module docstring).
+
+    ``debug`` also shows torchrun's log and ``ChildFailedError`` and every
+    rank's own traceback.
+    """
+    run_dir = Path(tempfile.mkdtemp(prefix="autoshard-run-"))
+    env = {**os.environ, **spec.env, RUN_DIR_ENV: str(run_dir)}
+    if debug:
+        env[DEBUG_ENV] = "1"
+    try:
+        agent = subprocess.Popen(list(spec.argv), env=env, preexec_fn=die_with_parent)
+        try:
+            stalled = _supervise(agent, run_dir, spec.timeout_s)
+        except BaseException:  # Ctrl-C or an error here: take the ranks down with us
+            _stop_job(agent, run_dir)
+            raise
+        lines, code = _outcome(run_dir, agent.returncode, stalled, spec.timeout_s)
+        for line in lines:
+            print(line, file=sys.stderr, flush=True)
+        return code
+    finally:
+        shutil.rmtree(run_dir, ignore_errors=True)
+
+
+@dataclass(frozen=True)
+class _Stall:
+    """A rank whose heartbeat is older than the timeout."""
+
+    rank: str
+    pid: int
+    silent_s: float
+    state: str  # /proc state letter: T = stopped, D = uninterruptible sleep, ...
+
+
+def _supervise(agent: subprocess.Popen, run_dir: Path, timeout: float) -> _Stall | None:
+    """Wait for ``agent``; when a rank's heartbeat is older than ``timeout``, kill the job and return that rank."""
+    poll_s = min(0.5, timeout / 10)
+    while True:
+        try:
+            agent.wait(timeout=poll_s)
+            return None
+        except subprocess.TimeoutExpired:
+            pass
+        stall = _stalled_rank(run_dir, timeout, agent.pid)
+        if stall is not None:
+            _stop_job(agent, run_dir)
+            return stall
+
+
+def _rank_files(run_dir: Path) -> list[tuple[str, int, float]]:
+    """(rank, pid, seconds since the last heartbeat) of every rank that has not finished."""
+    ranks, now = [], time.time()
+    for path in run_dir.glob("rank-*.alive"):
+        try:
+            pid, age = int(path.read_text()), now - path.stat().st_mtime
+        except (OSError, ValueError):  # removed or being written: a rank that just finished or started
+            continue
+        ranks.append((path.name[len("rank-") : -len(".alive")], pid, age))
+    return ranks
+
+
+def _child_state(pid: int, parent: int) -> str | None:
+    """The /proc state letter of ``pid`` when it is a live child of ``parent``; None otherwise (gone, zombie, reused)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat[stat.rindex(")") + 2 :].split()  # the command name may hold spaces
+    state, ppid = fields[0], int(fields[1])
+    return None if ppid != parent or state in "ZX" else state
+
+
+def _stalled_rank(run_dir: Path, timeout: float, agent_pid: int) -> _Stall | None:
+    for rank, pid, age in sorted(_rank_files(run_dir), key=lambda r: -r[2]):
+        if age <= timeout:
+            break
+        state = _child_state(pid, agent_pid)
+        if state is not None:
+            return _Stall(rank, pid, age, state)
+    return None
+
+
+def _stop_job(agent: subprocess.Popen, run_dir: Path) -> None:
+    """SIGKILL every live rank of ``agent`` and ``agent`` itself (a stopped rank ignores anything milder)."""
+    for _, pid, _ in _rank_files(run_dir):
+        if _child_state(pid, agent.pid) is not None:
+            os.kill(pid, signal.SIGKILL)
+    agent.kill()
+    agent.wait()
+
+
+def _outcome(run_dir: Path, agent_code: int, stall: _Stall | None, timeout: float) -> tuple[list[str], int]:
+    """The lines to print and the exit code of a finished job (module docstring, "errors")."""
+    if stall is not None:
+        how = "stopped (SIGSTOP)" if stall.state in "Tt" else "alive but not running Python"
+        return [f"autoshard: error: rank {stall.rank}: no heartbeat for {stall.silent_s:.0f} s, its process "
+                f"{stall.pid} is {how}; stopped the job ({TIMEOUT_ENV}={timeout:g})"], EXIT_INTERNAL
+    errors = _read_errors(run_dir)
+    user = [e for e in errors if e["user"]]
+    if user:  # the other ranks' errors are consequences (a peer that left mid-collective)
+        return _fold(user), EXIT_USER_ERROR
+    if errors:  # the earliest is the cause; later ones are usually peers losing it mid-collective
+        first = errors[0]
+        lines = _fold([e for e in errors if e["message"] == first["message"]])
+        others = len(errors) - sum(e["message"] == first["message"] for e in errors)
+        if others:
+            lines[0] += f" ({others} other rank{'s' if others > 1 else ''} failed after it; --debug shows each)"
+        return [first["traceback"].rstrip(), *lines], EXIT_INTERNAL
+    if agent_code == 0:
+        return [], 0
+    return [_failure_line(run_dir, agent_code)], EXIT_INTERNAL
+
+
+def _read_errors(run_dir: Path) -> list[dict[str, Any]]:
+    """The error records of the ranks, earliest first."""
+    records = []
+    for path in run_dir.glob("rank-*.error.json"):
+        try:
+            records.append(json.loads(path.read_text()))
+        except (OSError, ValueError):
+            continue
+    return sorted(records, key=lambda r: r["time"])
+
+
+def _fold(errors: list[dict[str, Any]]) -> list[str]:
+    """One line per distinct message, naming its ranks, in order of first occurrence."""
+    ranks: dict[str, list[str]] = {}
+    for record in errors:
+        ranks.setdefault(record["message"], []).append(str(record["rank"]))
+    lines = []
+    for message, names in ranks.items():
+        names = sorted(names, key=lambda r: int(r) if r.isdigit() else -1)
+        label = f"rank {names[0]}" if len(names) == 1 else f"ranks {','.join(names)}"
+        lines.append(f"autoshard: error: {label}: {message}")
+    return lines
+
+
+def _failure_line(run_dir: Path, agent_code: int) -> str:
+    """A rank died without an error record (killed, or exited non-zero by itself): the first such, from torchrun."""
+    try:
+        failures = json.loads((run_dir / AGENT_FILE).read_text())["failures"]
+    except (OSError, ValueError, KeyError):
+        return f"autoshard: error: torchrun exited with code {agent_code} (rerun with --debug for its log)"
+    first = min(failures, key=lambda f: (f["signal"] == "SIGTERM", f["time"]))  # torchrun SIGTERMs the rest
+    how = f"killed by {first['signal']}" if first["signal"] else f"exited with code {first['exitcode']}"
+    return f"autoshard: error: rank {first['rank']}: {how} (its own output, if any, is above)"
 
 
 # --------------------------------------------------------------------------- CLI
@@ -283,7 +496,7 @@ def run_main(args: argparse.Namespace) -> int:
         env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
         print(f"{env} {subprocess.list2cmdline(spec.argv)}")
         return 0
-    return launch(spec)
+    return launch(spec, debug=getattr(args, "debug", False))
 
 
 def run_command(args: argparse.Namespace, console: Any = None) -> int:
@@ -307,7 +520,12 @@ if __name__ == "__main__":
 
 
 __all__ = [
+    "CHILD_MODULE",
+    "DEFAULT_TIMEOUT_S",
+    "EXIT_INTERNAL",
+    "EXIT_USER_ERROR",
     "PLAN_ENV",
+    "TIMEOUT_ENV",
     "LaunchError",
     "LaunchSpec",
     "add_run_arguments",

@@ -568,16 +568,17 @@ def run_from_args(args: argparse.Namespace) -> PPORun:
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """``python -m autoshard.runtime.ppo_program --plan PLAN.json ...`` on every torchrun rank."""
     from autoshard.plan import Plan
+    from autoshard.runtime.launch_child import record_rank_error, timeout_s
 
     parser = argparse.ArgumentParser(prog="python -m autoshard.runtime.ppo_program", description=__doc__.split("\n\n")[0])
     worker_arguments(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     plan = Plan.load(args.plan)
-    created = init_distributed(plan)
+    created = init_distributed(plan, timeout_s=timeout_s())  # AUTOSHARD_TIMEOUT_S, as the launcher's watchdog
     try:
         run_ppo(run_from_args(args), plan, device=worker_device())
     except AutoshardError as err:
-        print(f"autoshard: error (rank {os.environ.get('RANK', '?')}): {err}", file=sys.stderr)
+        record_rank_error(err)  # to the launcher, which prints it once for all ranks (runtime/launch.py)
         return 2
     finally:
         if created:

@@ -14,7 +14,7 @@ import textwrap
 
 import pytest
 
-from autoshard.errors import PlanError
+from autoshard.errors import AutoshardError, PlanError
 from autoshard.plan import LayerStrategy, Mesh, Plan
 from autoshard.runtime import launch
 
@@ -109,25 +109,64 @@ def test_corrupt_plan_is_one_line_error(tmp_path, script, capsys):
         launch.build_launch(tmp_path / "missing.json", [script])
 
 
-def test_multi_node_command(tmp_path, script):
+def test_multi_node_command(tmp_path, script, monkeypatch):
+    monkeypatch.delenv(launch.TIMEOUT_ENV, raising=False)
     plan = _plan_file(tmp_path, dp_shard=4, tp=2)
     spec = launch.build_launch(
         plan, [script, "x"], nnodes=2, node_rank=1, rdzv_endpoint="node0:29400", cuda_available=True
     )
     argv = list(spec.argv)
-    assert argv[1:3] == ["-m", "torch.distributed.run"] and spec.nproc_per_node == 4
-    flags = dict(zip(argv[3:-2:2], argv[4:-2:2]))
+    assert argv[1:4] == ["-m", launch.CHILD_MODULE, "agent"] and spec.nproc_per_node == 4
+    flags = dict(zip(argv[4:-5:2], argv[5:-5:2]))
     assert flags["--nnodes"] == "2" and flags["--nproc-per-node"] == "4" and flags["--node-rank"] == "1"
     assert flags["--rdzv-endpoint"] == "node0:29400" and flags["--rdzv-backend"] == "c10d"
-    assert argv[-2:] == [script, "x"] and "--standalone" not in argv
-    assert spec.env == {launch.PLAN_ENV: plan}  # no OMP default on a GPU machine
+    assert argv[-5:] == ["--module", launch.CHILD_MODULE, "rank", script, "x"] and "--standalone" not in argv
+    # no OMP default on a GPU machine; the ranks get the launcher's timeout
+    assert spec.env == {launch.PLAN_ENV: plan, launch.TIMEOUT_ENV: "300"} and spec.timeout_s == 300
 
 
-def test_single_node_is_standalone_and_module_form(tmp_path):
+def test_single_node_is_standalone_and_module_form(tmp_path, monkeypatch):
+    monkeypatch.setenv(launch.TIMEOUT_ENV, "7.5")
     plan = _plan_file(tmp_path, dp_shard=2)
     spec = launch.build_launch(plan, ["-m", "pkg.train", "--steps", "3"], cuda_available=False)
     assert "--standalone" in spec.argv and "--rdzv-endpoint" not in spec.argv
-    assert list(spec.argv[-4:]) == ["--module", "pkg.train", "--steps", "3"]
+    assert list(spec.argv[-7:]) == ["--module", launch.CHILD_MODULE, "rank", "-m", "pkg.train", "--steps", "3"]
+    assert spec.timeout_s == 7.5 and spec.env[launch.TIMEOUT_ENV] == "7.5"
+    monkeypatch.setenv(launch.TIMEOUT_ENV, "0")
+    with pytest.raises(AutoshardError, match="AUTOSHARD_TIMEOUT_S='0' must be a positive number of seconds"):
+        launch.build_launch(plan, ["-m", "pkg.train"], cuda_available=False)
+
+
+def _records(tmp_path, *records, agent=None):
+    """A run directory as the ranks and the agent leave it."""
+    for i, (rank, user, message) in enumerate(records):
+        record = {"rank": rank, "user": user, "message": message, "traceback": f"Traceback: {message}", "time": i}
+        (tmp_path / f"rank-{rank}.error.json").write_text(json.dumps(record))
+    if agent is not None:
+        (tmp_path / "agent.json").write_text(json.dumps({"failures": agent}))
+    return tmp_path
+
+
+def test_outcome_folds_user_errors_and_drops_their_consequences(tmp_path):
+    run_dir = _records(tmp_path, ("1", True, "bad batch"), ("0", True, "bad batch"), ("2", False, "peer closed"))
+    assert launch._outcome(run_dir, 1, None, 300) == (["autoshard: error: ranks 0,1: bad batch"], 2)
+
+
+def test_outcome_internal_error_shows_the_first_traceback(tmp_path):
+    run_dir = _records(tmp_path, ("0", False, "RuntimeError: boom"), ("1", False, "RuntimeError: peer closed"))
+    lines, code = launch._outcome(run_dir, 1, None, 300)
+    assert code == 1 and lines == [
+        "Traceback: RuntimeError: boom",
+        "autoshard: error: rank 0: RuntimeError: boom (1 other rank failed after it; --debug shows each)",
+    ]
+
+
+def test_outcome_rank_killed_without_a_record(tmp_path):
+    agent = [{"rank": 0, "exitcode": -15, "signal": "SIGTERM", "time": 5},
+             {"rank": 1, "exitcode": -9, "signal": "SIGKILL", "time": 5}]
+    lines, code = launch._outcome(_records(tmp_path, agent=agent), 1, None, 300)
+    assert code == 1 and lines == ["autoshard: error: rank 1: killed by SIGKILL (its own output, if any, is above)"]
+    assert launch._outcome(tmp_path / "none", 0, None, 300) == ([], 0)
 
 
 @pytest.mark.parametrize(
@@ -165,3 +204,17 @@ def test_cli_parser_forms(tmp_path, script, capsys):
     args = root.parse_args(["run", plan, "--nnodes", "2", script])
     with pytest.raises(launch.LaunchError, match="put '--' between the options and the script"):
         launch.run_main(args)
+
+
+def test_ppo_refuses_what_its_ranks_would_in_the_parent(tmp_path, capsys):
+    """`autoshard ppo`: a --checkpoint that is a file, and a --batch the plan's ranks cannot split, are one line,
+    exit 2, before any rank starts (they used to be raised on every rank)."""
+    from autoshard.cli import main
+
+    afile = tmp_path / "ckpt"
+    afile.write_text("")
+    assert main(["ppo", "llama:tiny", "--cluster", "cpu:1x2", "--checkpoint", str(afile)]) == 2
+    assert "is a file, not a directory" in capsys.readouterr().err
+    assert main(["ppo", "llama:tiny", "--cluster", "cpu:1x2", "--batch", "3", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("autoshard: error: --batch 3 cannot be split") and "\n" not in err
