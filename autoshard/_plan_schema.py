@@ -12,8 +12,11 @@ The same checks run in two places:
   cross-field rules.
 * ``decode(cls, data, path)``: a JSON object is decoded field by field; every
   error names the JSON path of the bad value (``layers[3].state``). Unknown
-  keys are refused (they are typos); fields with a default may be omitted, so
-  a plan can be written by hand.
+  keys are refused (they are typos), and so are missing ones: a file holds
+  every field (``Plan.save`` writes them all), so a missing ``global_batch``
+  is a damaged file, not a request for the default. The exception is a
+  record's ``OPTIONAL_ON_LOAD``: fields added after plan files were first
+  written, which older files lack and which then take their defaults.
 
 JSON types are strict: ``true`` is not an int, ``"3"`` is not an int, ``3.5``
 is not an int; an int is accepted where a float is expected. Non-finite
@@ -72,6 +75,9 @@ def at_least(default: Any, minimum: int) -> Any:
 class Record:
     """Base of the plan dataclasses: checks and normalises fields on construction."""
 
+    OPTIONAL_ON_LOAD: typing.ClassVar[frozenset[str]] = frozenset()
+    """Fields ``decode`` lets a file omit (added after files were first written); others are required."""
+
     def __post_init__(self) -> None:
         for name, annotation, metadata in _field_specs(type(self)):
             value = getattr(self, name)
@@ -121,7 +127,7 @@ def decode(cls: type, data: Any, path: str = "") -> Any:
     for name, f in fields.items():
         sub = join_path(path, name)
         if name not in data:
-            if f.default is dataclasses.MISSING and f.default_factory is dataclasses.MISSING:
+            if name not in cls.OPTIONAL_ON_LOAD:
                 raise PlanFieldError(sub, "missing (required field)")
             continue
         kwargs[name] = _check_type(data[name], hints[name], sub, decoding=True)

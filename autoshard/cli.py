@@ -161,7 +161,7 @@ def _args_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pin", action="append", default=[], type=_flag(cli_search.parse_pin), metavar="LAYER_OR_CLASS:field=value,...", help="fix strategy fields of the layers whose name or class id matches the glob, e.g. 'blocks.*.attn:state=zero3,recompute=full' (repeatable)")
     parser.add_argument("--mesh", type=_flag(cli_search.parse_mesh), default={}, metavar="axis=degree,...", help="fix mesh degrees, e.g. 'tp=2,pp=1'; axes: dp_replicate dp_shard tp pp ep cp")
     parser.add_argument("--max-memory", type=_flag(cli_search.parse_memory), metavar="BYTES", help="per-rank memory limit with a unit, e.g. 60GiB (default: the device memory)")
-    parser.add_argument("-o", "--output", type=Path, metavar="PLAN.json", help="write the plan to this file")
+    parser.add_argument("-o", "--output", type=_output_path, metavar="PLAN.json", help="write the plan to this file (checked before the search: a regular file or a new one in a writable directory)")
     reuse = parser.add_mutually_exclusive_group()
     reuse.add_argument("--plan", type=Path, metavar="EXISTING.json", help="reuse this plan: check its fingerprints against the model and cluster, skip the search")
     reuse.add_argument("--retarget", type=Path, metavar="OLD.json", help="re-solve for --cluster starting from this plan as a hint, then print what changed")
@@ -301,6 +301,13 @@ def _positive_int(text: str) -> int:
     if value <= 0:
         raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
     return value
+
+
+def _output_path(text: str) -> Path:
+    """An output file path; an empty one is refused here (``Path("")`` would be the directory ``.``)."""
+    if not text:
+        raise argparse.ArgumentTypeError("the path is empty; give a file path such as plan.json")
+    return Path(text)
 
 
 def _positive_float(text: str) -> float:

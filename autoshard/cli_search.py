@@ -22,6 +22,11 @@ text and the allowed set; the CLI prints it on one line and exits 2):
     Per-rank bytes with a unit (``60GiB``, ``80GB``; ``cluster_io.parse_quantity``);
     a plain number is bytes.
 
+``plan -o FILE`` checks FILE first (``file_io.check_output_path``: a regular
+file or nothing, in an existing writable directory), so a bad path is refused
+before the search, and writes it atomically (``Plan.save``). Plan and cluster
+files are read by ``autoshard/file_io.py``'s strict rules.
+
 ``plan`` runs capture → search under a progress display on stderr (a spinner
 and elapsed time per stage on a terminal; nothing when stderr is a file or a
 pipe, so an error stays one line) and prints the plan, a timing line and,
@@ -332,8 +337,11 @@ class PlanRequest:
 def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
     """``autoshard plan``: capture, then search (or reuse / retarget), print and save the plan."""
     from autoshard.cluster import Cluster
+    from autoshard.file_io import check_output_path
     from autoshard.plan import Plan
 
+    if request.output is not None:  # refused now, not after minutes of search
+        check_output_path(request.output, noun="plan file", error=PlanError)
     if request.reuse and request.search_flags():
         raise AutoshardError(f"--plan reuses a plan and skips the search, so {', '.join(request.search_flags())} "
                              "cannot apply; drop them or drop --plan")

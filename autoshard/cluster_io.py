@@ -3,7 +3,11 @@
 Everything here turns user text into the plain nested dict that
 ``Cluster.from_dict`` builds from (the ``Cluster.to_dict`` schema), and every
 mistake becomes a ``ClusterError`` naming the bad value, what is allowed and
-the next step. Nothing read from a file is executed (``yaml.safe_load``).
+the next step. Files are read by ``autoshard/file_io.py``'s strict rules
+(regular files of at most 16 MiB, UTF-8, nesting ≤ 64, no duplicate keys, no
+YAML aliases); nothing read is executed (a ``yaml.SafeLoader`` subclass).
+Counts (``nodes``, ``devices_per_node``) are integers in
+``[1, file_io.MAX_WORLD_SIZE]``, and a preset string's ``NODES*DEVICES`` too.
 
 Preset strings: ``PRESET[:NODESxDEVICES]``, e.g. ``h100-sxm:4x8``, ``cpu:1x2``;
 a bare ``PRESET`` is one node with the preset's default devices per node.
@@ -24,14 +28,12 @@ A plain number may also be written as a string (``"25e9"``): YAML 1.1 reads
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import yaml
-
+from autoshard import file_io
 from autoshard.errors import ClusterError
 
 if TYPE_CHECKING:
@@ -96,6 +98,8 @@ def parse_count(value: Any, where: str) -> int:
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
         raise ClusterError(f"{where}={value!r}: expected an integer ≥ 1")
+    if value > file_io.MAX_WORLD_SIZE:
+        raise ClusterError(f"{where}={value!r}: more than {file_io.MAX_WORLD_SIZE} (2**20) ranks; fix the count")
     return value
 
 
@@ -116,13 +120,17 @@ def parse_preset_spec(text: str, presets: list[str]) -> tuple[str, int | None, i
         return match["name"].lower(), None, None
     nodes = _spec_count(match["nodes"], "nodes", text)
     devices = _spec_count(match["devices"], "devices per node", text)
+    if nodes * devices > file_io.MAX_WORLD_SIZE:
+        raise ClusterError(f"cluster spec {text!r}: {nodes}x{devices} is more than {file_io.MAX_WORLD_SIZE} (2**20) "
+                           f"ranks; fix the counts ({PRESET_SPEC_FORM})")
     return match["name"].lower(), nodes, devices
 
 
 def _spec_count(digits: str, what: str, text: str) -> int:
-    if not digits.isdigit() or int(digits) < 1:
+    # ascii digits only ("²" is a digit to str.isdigit, not to int); 8+ digits exceed MAX_WORLD_SIZE anyway
+    if not (digits.isascii() and digits.isdigit()) or len(digits) > 7 or int(digits) < 1:
         raise ClusterError(
-            f"cluster spec {text!r}: {what} {digits!r} must be an integer ≥ 1 ({PRESET_SPEC_FORM})"
+            f"cluster spec {text!r}: {what} {digits!r} must be an integer ≥ 1 and ≤ 2**20 ({PRESET_SPEC_FORM})"
         )
     return int(digits)
 
@@ -133,32 +141,24 @@ def looks_like_file(spec: str) -> bool:
 
 
 def read_mapping_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML file holding one mapping.
+    """Read a JSON or YAML file holding one mapping (``file_io``'s strict rules, ``CLUSTER_FILE`` limits).
 
     The format comes from the extension (``.json``, ``.yaml``/``.yml``); any
     other extension is read as JSON when the text starts with ``{`` and as YAML
-    otherwise. Errors name the file and the parse problem.
+    otherwise. Errors name the file and the problem: missing, not a regular
+    file, too large, not UTF-8, unparsable, too deeply nested, a duplicate key.
     """
     path = Path(path)
-    if not path.is_file():
-        raise ClusterError(
-            f"cluster file {str(path)!r} does not exist; pass an existing .json/.yaml file or a preset string "
-            f"({PRESET_SPEC_FORM})"
-        )
-    text = path.read_text(encoding="utf-8")
+    text = file_io.read_bounded_text(path, file_io.CLUSTER_FILE)
+    source = f"cluster file {str(path)!r}"
     as_json = path.suffix.lower() == ".json" or (
         path.suffix.lower() not in (".yaml", ".yml") and text.lstrip().startswith("{")
     )
-    try:
-        data = json.loads(text) if as_json else yaml.safe_load(text)
-    except json.JSONDecodeError as err:
-        raise ClusterError(f"cluster file {str(path)!r}: invalid JSON: {err}") from err
-    except yaml.YAMLError as err:
-        problem = " ".join(str(err).split())
-        raise ClusterError(f"cluster file {str(path)!r}: invalid YAML: {problem}") from err
+    parse = file_io.parse_json_strict if as_json else file_io.parse_yaml_strict
+    data = parse(text, source=source, kind=file_io.CLUSTER_FILE)
     if not isinstance(data, dict):
         raise ClusterError(
-            f"cluster file {str(path)!r}: expected a mapping at the top level, got {type(data).__name__}; "
+            f"{source}: expected a mapping at the top level, got {type(data).__name__}; "
             "see Cluster.from_file for the schema"
         )
     return data

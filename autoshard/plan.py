@@ -33,10 +33,15 @@ JSON form (``to_dict``/``save``): every dataclass field under its own name,
 plus ``"format": "autoshard.plan"`` and ``"version": 1`` at the top;
 ``sort_keys`` and 2-space indent, so one plan always gives the same bytes.
 ``save`` writes a temporary file in the target directory and
-``os.replace``-s it, so a reader never sees half a plan. ``load`` checks every
-field's type, enum and range (``autoshard/_plan_schema.py``) and names the
-JSON path of the first bad one. Fields with a default may be omitted in a
-hand-written file; unknown fields are refused.
+``os.replace``-s it, so a reader never sees half a plan; the target must be a
+regular file or nothing (``file_io.atomic_write``). ``load`` reads by
+``autoshard/file_io.py``'s rules (a regular file of at most 16 MiB, UTF-8,
+nesting ≤ 64, no duplicate keys), checks every field's type, enum and range
+(``autoshard/_plan_schema.py``) and names the JSON path of the first bad one.
+Every field must be present (a plan without ``global_batch`` is damaged, not
+defaulted) but ``Predictions.OPTIONAL_ON_LOAD``, added after the first plans
+were written; unknown fields are refused; the mesh's world size is at most
+``file_io.MAX_WORLD_SIZE`` (2**20).
 
 Invariants checked on construction and load: mesh degrees >= 1 and ``ep``
 divides ``dp_replicate * dp_shard``; layer names unique; stages
@@ -62,11 +67,11 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import secrets
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
+from autoshard import file_io
 from autoshard._plan_schema import PlanFieldError, Record, at_least, choice, decode, encode, join_path
 from autoshard.errors import PlanError
 from autoshard.train import OPTIMIZERS, PRECISIONS
@@ -203,6 +208,9 @@ class Schedule(Record):
 @dataclass(frozen=True)
 class Predictions(Record):
     """What the cost model expects of this plan, per rank, in seconds and bytes."""
+
+    # added after the first plan files were written (benchmarks/results keeps one without them)
+    OPTIONAL_ON_LOAD: ClassVar[frozenset[str]] = frozenset({"build_peak_bytes", "caveats"})
 
     step_time_s: float = at_least(0.0, 0)
     compute_s: float = at_least(0.0, 0)
@@ -386,7 +394,12 @@ class Plan(Record):
                 f"plan version {version!r} is not supported; this autoshard reads versions {SUPPORTED_VERSIONS}"
                 " (upgrade autoshard or regenerate the plan)",
             )
-        return decode(cls, {k: v for k, v in data.items() if k != "format"})
+        plan = decode(cls, {k: v for k, v in data.items() if k != "format"})
+        mesh = plan.mesh
+        if mesh.world_size > file_io.MAX_WORLD_SIZE:  # ep reuses dp ranks: not a factor
+            terms = "*".join(f"{axis}={getattr(mesh, axis)}" for axis in MESH_AXES if axis != "ep")
+            raise PlanFieldError("mesh", f"world size {terms} is over {file_io.MAX_WORLD_SIZE} (2**20) ranks")
+        return plan
 
     def to_json(self) -> str:
         """Canonical JSON text: sorted keys, 2-space indent, trailing newline."""
@@ -394,48 +407,25 @@ class Plan(Record):
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str = "<string>") -> Plan:
-        """Parse JSON text; every error is a ``PlanError`` that names ``source``."""
-        try:
-            data = json.loads(text)
-        except (ValueError, RecursionError) as err:  # JSONDecodeError, UnicodeDecodeError
-            raise PlanError(
-                f"{source}: not a valid JSON plan ({err}); the file may be truncated: {_NEXT_STEP}"
-            ) from None
+        """Parse JSON text strictly (``file_io.parse_json_strict``); every error is a ``PlanError``
+        that names ``source``."""
+        data = file_io.parse_json_strict(text, source=source, kind=file_io.PLAN_FILE)
         try:
             return cls.from_dict(data)
         except PlanError as err:
             raise PlanError(f"{source}: {err}; {_NEXT_STEP}") from None
 
     def save(self, path: str | os.PathLike) -> Path:
-        """Write the plan atomically (temporary file + ``os.replace``); returns the path."""
-        path = Path(path)
-        text = self.to_json()
-        # A unique sibling created with mode 0o666 (minus umask), as open() would;
-        # tempfile.mkstemp would leave the plan readable by its owner only.
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o666)
-        try:
-            with os.fdopen(fd, "w", encoding="utf-8", newline="\n") as f:
-                f.write(text)
-                f.flush()
-                os.fsync(f.fileno())
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-        return path
+        """Write the plan atomically (``file_io.atomic_write``: temporary file + ``os.replace``);
+        returns the path. A path that is not a regular file or nothing, or whose directory is
+        missing or unwritable, is a ``PlanError``."""
+        return file_io.atomic_write(path, self.to_json(), noun="plan file", error=PlanError)
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, graph: Any = None, cluster: Any = None) -> Plan:
         """Read and validate a plan file; with ``graph``/``cluster``, also ``check_compatible``."""
         path = Path(path)
-        try:
-            raw = path.read_bytes()
-        except OSError as err:
-            raise PlanError(
-                f"cannot read plan file {str(path)!r}: {err.strerror or err}; pass a plan JSON written by Plan.save"
-            ) from None
-        plan = cls.from_json(raw, source=str(path))
+        plan = cls.from_json(file_io.read_bounded_text(path, file_io.PLAN_FILE), source=str(path))
         if graph is not None or cluster is not None:
             try:
                 plan.check_compatible(graph=graph, cluster=cluster)

@@ -5,14 +5,22 @@ KL (k1), entropy, value loss, response length, tokens/s — against ``step``
 with matplotlib's Agg backend (no display needed). Keys missing from the file
 leave their panel empty with a note, so partial logs still plot.
 ``plot_main(args)`` is the body of ``autoshard plot METRICS.jsonl [-o OUT.png]``.
+
+Files: the output path is checked (``file_io.check_output_path``: a regular
+file or nothing, in a writable directory; missing parents are created) before
+the metrics are read, the metrics file is read strictly
+(``runtime.metrics.read_metrics``: ``file_io``'s rules, 256 MiB), and the PNG
+is written atomically (``file_io.atomic_write``).
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 from pathlib import Path
 from typing import Sequence
 
+from autoshard import file_io
 from autoshard.errors import AutoshardError
 
 PANELS: tuple[tuple[str, str], ...] = (
@@ -35,8 +43,7 @@ def plot_metrics(jsonl_path: str | Path, out_png: str | Path) -> Path:
     from autoshard.runtime.metrics import read_metrics
 
     path = Path(jsonl_path)
-    if not path.is_file():
-        raise AutoshardError(f"metrics file {str(path)!r} does not exist; pass the JSON-lines file a PPO run wrote")
+    file_io.check_output_path(out_png, noun="plot", parents=True)
     rows = read_metrics(path)
     if not rows:
         raise AutoshardError(f"metrics file {str(path)!r} has no rows; run at least one PPO step first")
@@ -51,11 +58,10 @@ def plot_metrics(jsonl_path: str | Path, out_png: str | Path) -> Path:
         else:
             ax.text(0.5, 0.5, f"no {key!r} in log", ha="center", va="center", transform=ax.transAxes)
     fig.suptitle(path.name)
-    out = Path(out_png)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(out, dpi=100)
+    png = io.BytesIO()
+    fig.savefig(png, format="png", dpi=100)
     plt.close(fig)
-    return out
+    return file_io.atomic_write(out_png, png.getvalue(), noun="plot", parents=True)
 
 
 def add_plot_arguments(parser: argparse.ArgumentParser) -> None:
@@ -70,6 +76,9 @@ def plot_main(args: argparse.Namespace | Sequence[str] | None = None) -> int:
         parser = argparse.ArgumentParser(prog="autoshard plot", description="plot PPO training curves")
         add_plot_arguments(parser)
         args = parser.parse_args(args)
+    if not Path(args.metrics).name:  # "", "/", ".": with_suffix below would raise
+        raise AutoshardError(f"cannot read metrics file {args.metrics!r}: not a file path; "
+                             f"{file_io.METRICS_FILE.hint}")
     out = args.out or str(Path(args.metrics).with_suffix(".png"))
     print(f"wrote {plot_metrics(args.metrics, out)}")
     return 0

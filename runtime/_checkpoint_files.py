@@ -75,6 +75,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
     _StridedShard = None
 
 from autoshard.errors import AutoshardError
+from autoshard.file_io import MAX_WORLD_SIZE, MiB, FileKind, parse_json_strict, read_bounded_text
 
 SIDECAR = "autoshard.json"
 CHECKPOINT_FORMAT = "autoshard.checkpoint"
@@ -86,6 +87,14 @@ OLD_MARK = ".old-"
 
 class CheckpointError(AutoshardError):
     """A checkpoint is missing, incomplete, foreign, or does not fit the state it is loaded into."""
+
+
+# The sidecar is read by autoshard/file_io.py's strict rules: a regular file of at most 64 MiB (one
+# record of ~100 B per saved tensor, plus the plan), UTF-8, nesting <= 64, no duplicate keys.
+SIDECAR_FILE = FileKind(
+    "checkpoint sidecar", 64 * MiB, CheckpointError,
+    "the checkpoint is damaged or was not written by autoshard.runtime.checkpoint.save",
+)
 
 
 # --------------------------------------------------------------------------- sidecar
@@ -140,21 +149,29 @@ class CheckpointInfo:
 
     @classmethod
     def from_json(cls, text: str | bytes, *, source: str) -> CheckpointInfo:
-        """Parse a sidecar; a malformed one raises ``CheckpointError`` naming ``source``."""
+        """Parse a sidecar; a malformed one raises ``CheckpointError`` naming ``source``.
+
+        Counts are checked, not coerced: ``step`` an integer >= 0, ``world_size`` and mesh sizes
+        integers in ``[1, MAX_WORLD_SIZE]``, shapes integers >= 0."""
+        data = parse_json_strict(text, source=source, kind=SIDECAR_FILE)
         try:
-            data = json.loads(text)
+            if not isinstance(data, dict):
+                raise TypeError(f"expected a JSON object, got {type(data).__name__}")
             if data.get("format") != CHECKPOINT_FORMAT:
                 raise ValueError(f"format {data.get('format')!r} is not {CHECKPOINT_FORMAT!r}")
             if data.get("version") not in SUPPORTED_VERSIONS:
                 raise ValueError(f"version {data.get('version')!r} not in {SUPPORTED_VERSIONS}")
-            tensors = {k: TensorRecord(tuple(v["shape"]), str(v["dtype"])) for k, v in data["tensors"].items()}
+            tensors = {k: TensorRecord(tuple(_count(d, f"tensors[{k!r}].shape", 0) for d in v["shape"]),
+                                       str(v["dtype"]))
+                       for k, v in data["tensors"].items()}
             return cls(
                 model_fingerprint=str(data["model_fingerprint"]),
-                step=int(data["step"]),
-                world_size=int(data["world_size"]),
+                step=_count(data["step"], "step", 0),
+                world_size=_count(data["world_size"], "world_size", 1, MAX_WORLD_SIZE),
                 tensors=tensors,
                 extras=dict(data.get("extras") or {}),
-                mesh={str(k): int(v) for k, v in (data.get("mesh") or {}).items()},
+                mesh={str(k): _count(v, f"mesh[{k!r}]", 1, MAX_WORLD_SIZE)
+                      for k, v in (data.get("mesh") or {}).items()},
                 plan=data.get("plan"),
                 torch_version=str(data.get("torch_version", "")),
                 created_unix=float(data.get("created_unix", 0.0)),
@@ -165,6 +182,16 @@ class CheckpointInfo:
                 f"{source}: not a valid autoshard checkpoint sidecar ({type(err).__name__}: {err}); "
                 "the checkpoint is damaged or was not written by autoshard.runtime.checkpoint.save"
             ) from None
+
+
+_INT64_MAX = 2**63 - 1
+
+
+def _count(value: Any, where: str, minimum: int, maximum: int = _INT64_MAX) -> int:
+    """A JSON integer in ``[minimum, maximum]`` (a bool or float is not one); else ``ValueError``."""
+    if type(value) is not int or not minimum <= value <= maximum:
+        raise ValueError(f"{where}={value!r}: expected an integer in [{minimum}, {maximum}]")
+    return value
 
 
 def write_sidecar(directory: Path, info: CheckpointInfo) -> None:
@@ -180,7 +207,7 @@ def read_info(path: str | os.PathLike) -> CheckpointInfo:
     """The sidecar of the committed checkpoint at ``path`` (see ``resolve_checkpoint``)."""
     directory = resolve_checkpoint(path)
     sidecar = directory / SIDECAR
-    return CheckpointInfo.from_json(sidecar.read_bytes(), source=str(sidecar))
+    return CheckpointInfo.from_json(read_bounded_text(sidecar, SIDECAR_FILE), source=str(sidecar))
 
 
 def dtype_name(dtype: torch.dtype) -> str:

@@ -31,6 +31,9 @@ from typing import IO, Iterator
 
 import torch
 
+from autoshard.errors import AutoshardError
+from autoshard.file_io import METRICS_FILE, parse_json_strict, read_bounded_text
+
 PHASES = ("weight_sync", "generate", "logprobs", "reference", "values", "advantages", "train")
 
 
@@ -99,11 +102,22 @@ class MetricsWriter:
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:
-    """Rows of a JSON-lines metrics file (null → nan)."""
+    """Rows of a JSON-lines metrics file (null → nan).
+
+    Read by ``autoshard/file_io.py``'s strict rules (a regular UTF-8 file of at most 256 MiB; each
+    line standard JSON without duplicate keys); a line that is not an object of numbers, strings
+    and nulls is refused (``AutoshardError`` naming the file and line)."""
+    name = str(path)
     rows = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            rows.append({k: float("nan") if v is None else v for k, v in json.loads(line).items()})
+    for number, line in enumerate(read_bounded_text(path, METRICS_FILE).splitlines(), start=1):
+        if not line.strip():
+            continue
+        source = f"metrics file {name!r} line {number}"
+        row = parse_json_strict(line, source=source, kind=METRICS_FILE)
+        if not isinstance(row, dict) or any(isinstance(v, (dict, list)) for v in row.values()):
+            raise AutoshardError(f"{source}: expected one JSON object of numbers per line, got "
+                                 f"{line.strip()[:40]!r}; {METRICS_FILE.hint}")
+        rows.append({k: float("nan") if v is None else v for k, v in row.items()})
     return rows
 
 

@@ -115,7 +115,7 @@ def test_save_is_atomic(tmp_path, monkeypatch):
 
     monkeypatch.setattr(os, "replace", failing_replace)
     changed = dataclasses.replace(plan, global_batch=32)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(PlanError, match="disk full; the file is unchanged"):  # one line, exit 2 in the CLI
         changed.save(path)
     assert path.read_bytes() == before
     assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]  # temporary file removed
@@ -195,11 +195,18 @@ def test_missing_required_field(path, expected):
         Plan.from_dict(_corrupt(_plan().to_dict(), path, delete=True))
 
 
-def test_fields_with_defaults_may_be_omitted():
+def test_fields_with_defaults_are_still_required_in_a_file():
+    # A file holds every field (save writes them all): a missing one is damage, not a request for the default.
     minimal = {"format": "autoshard.plan", "version": 1, "model_name": "m", "mesh": {"dp_shard": 2},
                "layers": [{"layer": "a"}, {"layer": "b", "state": "zero3"}]}
-    plan = Plan.from_dict(minimal)
-    assert plan.mesh.world_size == 2 and plan.layers[1].state == "zero3" and plan.schedule == Schedule()
+    with pytest.raises(PlanError, match=re.escape("mesh.dp_replicate: missing (required field)")):
+        Plan.from_dict(minimal)
+    with pytest.raises(PlanError, match=re.escape("global_batch: missing (required field)")):
+        Plan.from_dict(_corrupt(_plan().to_dict(), ("global_batch",), delete=True))
+    # except the fields added after the first plans were written (Predictions.OPTIONAL_ON_LOAD)
+    older = _corrupt(_corrupt(_plan().to_dict(), ("predictions", "caveats"), delete=True),
+                     ("predictions", "build_peak_bytes"), delete=True)
+    assert Plan.from_dict(older).predictions.caveats == ()
 
 
 def test_truncated_file_names_the_file(tmp_path):
