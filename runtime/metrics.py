@@ -32,7 +32,7 @@ from typing import IO, Iterator
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.file_io import METRICS_FILE, parse_json_strict, read_bounded_text
+from autoshard.file_io import METRICS_FILE, atomic_write, parse_json_strict, read_bounded_text
 
 PHASES = ("weight_sync", "generate", "logprobs", "reference", "values", "advantages", "train")
 
@@ -79,26 +79,50 @@ def mfu(flops_per_token: float | None, tokens: float, seconds: float, peak_flops
 
 
 class MetricsWriter:
-    """Appends one JSON object per step to ``path`` (created with its parents); non-finite floats become null."""
+    """Appends one JSON object per step to ``path`` (created with its parents, opened at the first row);
+    non-finite floats become null."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._file: IO[str] = self.path.open("a", encoding="utf-8")
+        self._file: IO[str] | None = None
 
     def write(self, metrics: dict[str, float]) -> None:
         row = {k: (v if isinstance(v, (int, str)) or math.isfinite(v) else None) for k, v in metrics.items()}
+        if self._file is None:
+            self._file = self.path.open("a", encoding="utf-8")
         self._file.write(json.dumps(row, sort_keys=True) + "\n")
         self._file.flush()
 
     def close(self) -> None:
-        self._file.close()
+        if self._file is not None:
+            self._file.close()
 
     def __enter__(self) -> "MetricsWriter":
         return self
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def truncate_metrics(path: str | Path, step: int) -> int:
+    """Keep the rows of ``path`` up to ``step`` (a resumed run's checkpoint) and drop the later ones, which the
+    resumed run writes again: no duplicate rows. The file is rewritten atomically; returns the rows dropped
+    (0 when it does not exist). Each line is read strictly, as ``read_metrics`` does."""
+    if not Path(path).exists():
+        return 0
+    kept, dropped = [], 0
+    for number, line in enumerate(read_bounded_text(path, METRICS_FILE).splitlines(), start=1):
+        if not line.strip():
+            continue
+        row = parse_json_strict(line, source=f"metrics file {str(path)!r} line {number}", kind=METRICS_FILE)
+        if isinstance(row, dict) and isinstance(row.get("step"), (int, float)) and row["step"] > step:
+            dropped += 1
+            continue
+        kept.append(line)
+    if dropped:
+        atomic_write(path, "".join(f"{line}\n" for line in kept), noun="metrics file")
+    return dropped
 
 
 def read_metrics(path: str | Path) -> list[dict[str, float]]:

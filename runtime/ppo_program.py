@@ -273,7 +273,7 @@ class PPORun:
     kl_coef: float = 0.05
     """β of the k1 KL penalty in the reward."""
     metrics: str | None = None
-    """JSON-lines metrics file written by rank 0 (appended on resume)."""
+    """JSON-lines metrics file written by rank 0 (on resume: cut to the checkpoint's step, then appended)."""
     checkpoint: str | None = None
     """Directory of the PPO checkpoint, saved at the end of the run (and every ``save_every`` steps)."""
     save_every: int = 0
@@ -488,6 +488,10 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
         loaded = load_ppo(run.checkpoint, trainer, graph)
         if rank == 0:
             print(f"resumed from {run.checkpoint} at step {loaded.step} (saved with dp={loaded.extras.get('dp')})")
+            if run.metrics:  # the rows after the checkpoint are written again: none twice
+                from autoshard.runtime.metrics import truncate_metrics
+
+                truncate_metrics(run.metrics, loaded.step)
 
     def checkpoint(step: int) -> None:
         if run.checkpoint and run.save_every and step % run.save_every == 0 and step < run.steps:

@@ -282,3 +282,20 @@ def test_ppo_learns_arithmetic_sequences():
     rewards = [trainer.step()["reward/mean"] for _ in range(LEARN_STEPS)]
     assert rewards[0] < 0.15
     assert sum(rewards[-10:]) / 10 >= LEARN_THRESHOLD, [round(r, 3) for r in rewards[::10]]
+
+
+def test_resumed_metrics_keep_rows_up_to_the_checkpoint(tmp_path):
+    """``truncate_metrics``: a resume drops the rows written after its checkpoint (the resumed run writes those
+    steps again), keeps the others byte for byte, and leaves a missing file alone."""
+    from autoshard.runtime.metrics import truncate_metrics
+
+    path = tmp_path / "m.jsonl"
+    with MetricsWriter(path) as writer:
+        for step in range(1, 6):
+            writer.write({"step": step, "reward/mean": 0.1 * step, "kl/k1": float("nan")})
+    before = path.read_text().splitlines()
+    assert truncate_metrics(path, 3) == 2
+    assert path.read_text().splitlines() == before[:3]
+    assert [row["step"] for row in read_metrics(path)] == [1, 2, 3]
+    assert truncate_metrics(path, 3) == 0
+    assert truncate_metrics(tmp_path / "absent.jsonl", 1) == 0
