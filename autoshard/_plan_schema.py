@@ -20,7 +20,8 @@ The same checks run in two places:
 
 JSON types are strict: ``true`` is not an int, ``"3"`` is not an int, ``3.5``
 is not an int; an int is accepted where a float is expected. Non-finite
-floats are refused because standard JSON cannot hold them.
+floats (and ints too large for a float, ``10**400``) are refused because
+standard JSON cannot hold them; ints must fit in 64 bits (``file_io.MAX_INT``).
 
 Errors are ``PlanFieldError`` (a ``PlanError``) carrying ``path`` and
 ``reason``, so an error raised inside a nested record can be re-rooted under
@@ -38,6 +39,7 @@ import typing
 from typing import Any
 
 from autoshard.errors import PlanError
+from autoshard.file_io import MAX_INT
 
 
 class PlanFieldError(PlanError):
@@ -170,12 +172,18 @@ def _check_scalar(value: Any, annotation: Any, path: str) -> Any:
             return value
     elif annotation is int:
         if isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            if not -MAX_INT - 1 <= value <= MAX_INT:
+                raise PlanFieldError(path, f"{_describe(value)} is outside the 64-bit integer range")
             return int(value)
     elif annotation is float:
         if isinstance(value, numbers.Real) and not isinstance(value, bool):
-            if not math.isfinite(value):
-                raise PlanFieldError(path, f"{value!r} is not finite (JSON cannot hold it)")
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int such as 10**400
+                number = math.inf
+            if not math.isfinite(number):
+                raise PlanFieldError(path, f"{_describe(value)} is not finite (JSON cannot hold it)")
+            return number
     elif annotation is str:
         if isinstance(value, str):
             return value

@@ -74,6 +74,9 @@ the model should expect more than peak. The file holds only the keys
 ``--raw FILE`` when asked.
 
 Under torchrun every rank measures (collectives need them all); rank 0 writes.
+``--out`` and ``--raw`` are checked before anything is measured
+(``file_io.check_output_path``: a regular file or a new one, missing parent
+directories created) and written atomically (``file_io.atomic_write``).
 """
 
 from __future__ import annotations
@@ -93,6 +96,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from autoshard import file_io
 from autoshard.calibrate_probe import (ProbeSpec, compile_scaled, compiled_saved_scale, parse_int_list, probe_adamw,
                                       probe_layers)
 from autoshard.cluster import Cluster
@@ -466,6 +470,10 @@ def _join_world() -> bool:
 
 def calibrate_main(args: argparse.Namespace, console: Any = None) -> int:
     """Run ``autoshard cluster calibrate`` (a CLI handler: ``(args, console) -> exit code``)."""
+    if int(os.environ.get("RANK", "0")) == 0:  # the writer; refused now, not after minutes of measuring
+        for path in (args.out, args.raw):
+            if path is not None:
+                file_io.check_output_path(path, noun="calibration file", parents=True)
     owns_group = _join_world()
     try:
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
@@ -494,10 +502,11 @@ def _probe_spec(args: argparse.Namespace) -> ProbeSpec | None:
 
 
 def _write(args: argparse.Namespace, result: Calibration, console: Any) -> None:
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result.to_file_dict(), indent=2) + "\n")
+    file_io.atomic_write(args.out, json.dumps(result.to_file_dict(), indent=2) + "\n", noun="calibration file",
+                         parents=True)
     if args.raw:
-        args.raw.write_text(json.dumps(result.to_raw_dict(), indent=2) + "\n")
+        file_io.atomic_write(args.raw, json.dumps(result.to_raw_dict(), indent=2) + "\n", noun="calibration file",
+                             parents=True)
     link = (f", {result.link_level}: α={result.latency_s * 1e6:.1f} µs β={result.bandwidth / 1e9:.1f} GB/s, "
             f"overlap κ={result.overlap_contention:.2f} f={result.overlap_efficiency:.2f}" if result.link_level else "")
     probed = (f", {len(result.layer_times['samples'])} layer samples of {result.layer_times['model']}"

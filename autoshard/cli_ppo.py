@@ -17,7 +17,8 @@
    checkpoint of another model (both named, or the first parameter whose
    shape changed), a missing checkpoint or one already at ``--steps`` is
    refused in one line, exit 2, before any search or launch; so is a
-   ``--checkpoint`` that is a file. After the plan, a ``--batch`` its dp
+   ``--checkpoint`` that is a file, and a ``--metrics`` or ``--plot`` path
+   that could not be written (``file_io.check_output_path``). After the plan, a ``--batch`` its dp
    ranks and PPO mini-batches cannot split is refused the same way.
 1. the plan: ``--plan`` loads one (checked against the model by the runtime);
    otherwise capture the policy (``ppo_program.load_policy`` on meta) and search it for the
@@ -57,6 +58,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from autoshard import file_io
 from autoshard.cli import _positive_int  # one parser for positive-int flags across the CLI
 from autoshard.errors import AutoshardError
 
@@ -141,6 +143,11 @@ def _check_flags(args: argparse.Namespace) -> None:
     if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
         raise AutoshardError(f"--checkpoint {str(args.checkpoint)!r} is a file, not a directory; give a new "
                              "directory, or the one a previous run saved to")
+    # rank 0 writes them at the end: refused now, not after training (parents are created, as the writers do)
+    if args.metrics is not None:
+        file_io.check_output_path(args.metrics, noun="--metrics file", parents=True)
+    if args.plot is not None:
+        file_io.check_output_path(args.plot, noun="--plot file", parents=True)
 
 
 def _check_batch(args: argparse.Namespace, plan: Any, task: Any) -> None:

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from autoshard import cluster_io, cluster_presets
+from autoshard import cluster_io, cluster_presets, file_io
 from autoshard.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -76,12 +76,22 @@ COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibratio
 # runtime's block-activation scale (calibrate_probe.compiled_saved_scale)
 _LAYER_TIMES_OPTIONAL = ("compiled", "compiled_scales", "compiled_saved_scale")
 _LAYER_SAMPLE_KEYS = ("signature", "layer", "tp", "tokens", "fwd_s", "bwd_s")
+# Range of each cost-model constant of a calibration file, (low, high, low is allowed): what calibrate.py can
+# measure; a value outside (a negative overhead, an efficiency of 3) is a damaged file, not a measurement.
+_COST_MODEL_RANGES = {
+    "attention_efficiency": (0.0, 1.0, False), "overlap_efficiency": (0.0, 1.0, False),
+    "overlap_contention": (0.0, 1.0, True), "kernel_overhead_s": (0.0, math.inf, True),
+    "gemm_knee_flops": (0.0, math.inf, True), "adamw_s_per_param": (0.0, math.inf, True),
+    "adamw_s_per_tensor": (0.0, math.inf, True),
+}
+
+
+_FIX_CLUSTER = "fix the value (in the cluster file, or override the preset's)"
+_FIX_CALIBRATION = "fix the value in the calibration file, or calibrate again"
 
 
 def _fail(where: str, value: Any, allowed: str) -> ClusterError:
-    return ClusterError(
-        f"{where}={value!r}: {allowed}; fix the value (in the cluster file, or override the preset's)"
-    )
+    return ClusterError(f"{where}={value!r}: {allowed}; {_FIX_CLUSTER}")
 
 
 def _positive(where: str, value: Any, *, integer: bool = False) -> None:
@@ -217,6 +227,9 @@ class Cluster:
         _name("Cluster.name", self.name)
         _positive("Cluster.nodes", self.nodes, integer=True)
         _positive("Cluster.devices_per_node", self.devices_per_node, integer=True)
+        if self.nodes * self.devices_per_node > file_io.MAX_WORLD_SIZE:
+            raise _fail("Cluster.nodes", self.nodes, f"nodes × devices_per_node = {self.nodes} × "
+                        f"{self.devices_per_node} is more than {file_io.MAX_WORLD_SIZE} (2**20) ranks")
         for name, cls in (("device", DeviceSpec), ("intra_node", LinkSpec), ("inter_node", LinkSpec)):
             if not isinstance(getattr(self, name), cls):
                 raise _fail(f"Cluster.{name}", getattr(self, name), f"must be a {cls.__name__}")
@@ -461,9 +474,19 @@ class Cluster:
         A ``device`` naming hardware of another preset than this cluster's
         device is refused. ``calibration`` records what was applied.
         """
-        if isinstance(measured, (str, Path)):
-            measured = cluster_io.read_mapping_file(measured)
+        source = f"calibration file {str(measured)!r}: " if isinstance(measured, (str, Path)) else ""
+        if source:
+            measured = cluster_io.read_mapping_file(measured, file_io.CALIBRATION_FILE)
+        try:
+            return self._apply_calibration(measured)
+        except ClusterError as err:  # the checks shared with cluster files name the calibration file's fix
+            raise ClusterError(source + str(err).replace(_FIX_CLUSTER, _FIX_CALIBRATION)) from err
+
+    def _apply_calibration(self, measured: Mapping[str, Any]) -> Cluster:
         measured = cluster_io.check_keys(dict(measured), _CALIBRATION_KEYS, "calibration")
+        for key in ("device", "date"):
+            if key in measured:
+                _name(f"calibration.{key}", measured[key])
         cluster_presets.check_same_hardware(str(measured.get("device", "")), self.device.name)
         overrides = {
             key: dict(measured[key]) if isinstance(measured[key], Mapping) else measured[key]
@@ -474,7 +497,7 @@ class Cluster:
             if link in overrides:
                 cluster_io.check_keys(overrides[link], ("bandwidth", "latency"), f"calibration.{link}")
         device_overrides = {k: overrides.pop(k) for k in ("matmul_efficiency", "hbm_efficiency") if k in overrides}
-        constants = {k: overrides.pop(k) for k in _COST_MODEL_KEYS if k in overrides}
+        constants = {k: _constant(k, overrides.pop(k)) for k in _COST_MODEL_KEYS if k in overrides}
         constants.update(_layer_time_keys(overrides.pop("layer_times", None)))
         if overrides.pop("plan_residuals", None) is not None:  # files written before residuals were dropped
             log.warning("calibration: 'plan_residuals' (per-plan fitted times) are no longer read; the cost "
@@ -517,7 +540,10 @@ def _read_field(kind: str, value: Any, where: str) -> Any:
     if kind == "count":
         return cluster_io.parse_count(value, where)
     if kind == "bytes":
-        return round(cluster_io.parse_quantity(value, "bytes", where))
+        num_bytes = round(cluster_io.parse_quantity(value, "bytes", where))
+        if num_bytes > file_io.MAX_INT:  # int64 everywhere downstream; far above any real memory
+            raise _fail(where, value, "must be at most 2**63 - 1 bytes")
+        return num_bytes
     if kind in ("bytes/s", "seconds", "number"):
         return cluster_io.parse_quantity(value, kind, where)
     if kind == "flops_map":
@@ -536,6 +562,24 @@ def _read_field(kind: str, value: Any, where: str) -> Any:
             for k, v in value.items()}
 
 
+def _constant(key: str, value: Any) -> float:
+    """A cost-model constant of a calibration file, checked against ``_COST_MODEL_RANGES``."""
+    where = f"calibration.{key}"
+    number = cluster_io.parse_quantity(value, "seconds" if key.endswith("_s") else "number", where)
+    low, high, low_ok = _COST_MODEL_RANGES[key]
+    if not (low <= number <= high if low_ok else low < number <= high):
+        bounds = f"{'[' if low_ok else '('}{low:g}, {high:g}]"
+        raise ClusterError(f"{where}={value!r}: must be in {bounds}; {_FIX_CALIBRATION}")
+    return number
+
+
+def _probe_count(value: Any, where: str) -> int:
+    """An integer ≥ 1 of the model probe (``tp``, ``tokens``, ``seq_len``), at most 2**63 - 1."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= file_io.MAX_INT:
+        raise ClusterError(f"{where}={value!r}: expected an integer in [1, 2**63 - 1]; {_FIX_CALIBRATION}")
+    return value
+
+
 def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
     """The model probe of a calibration file as flat ``cluster.calibration`` keys (``search/measured.py``)."""
     from autoshard.search.measured import sample_key  # search imports this module
@@ -544,7 +588,12 @@ def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
         return {}
     cluster_io.check_keys(probe, _LAYER_TIMES_KEYS + _LAYER_TIMES_OPTIONAL, "calibration.layer_times")
     cluster_io.require_keys(probe, _LAYER_TIMES_KEYS, "calibration.layer_times")
-    out: dict[str, float | str] = {"layer_times.model": str(probe["model"])}
+    for key in ("model", "dtype"):
+        _name(f"calibration.layer_times.{key}", probe[key])
+    seq_len = _probe_count(probe["seq_len"], "calibration.layer_times.seq_len")
+    if not isinstance(probe["samples"], (list, tuple)):
+        raise _fail("calibration.layer_times.samples", probe["samples"], "must be a list of samples")
+    out: dict[str, float | str] = {"layer_times.model": probe["model"]}
     if "compiled_saved_scale" in probe:
         scale = cluster_io.parse_quantity(probe["compiled_saved_scale"], "number", "calibration.layer_times.compiled_saved_scale")
         if not 0.0 < scale <= 1.0:
@@ -554,10 +603,14 @@ def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
         where = f"calibration.layer_times.samples[{i}]"
         cluster_io.check_keys(sample, _LAYER_SAMPLE_KEYS, where)
         cluster_io.require_keys(sample, _LAYER_SAMPLE_KEYS, where)
+        for key in ("signature", "layer"):
+            _name(f"{where}.{key}", sample[key])
+        tp, tokens = (_probe_count(sample[key], f"{where}.{key}") for key in ("tp", "tokens"))
         for field in ("fwd_s", "bwd_s"):
-            key = sample_key(str(sample["signature"]), str(probe["dtype"]), int(sample["tp"]), int(probe["seq_len"]),
-                             int(sample["tokens"]), field)
-            out[key] = cluster_io.parse_quantity(sample[field], "seconds", f"{where}.{field}")
+            seconds = cluster_io.parse_quantity(sample[field], "seconds", f"{where}.{field}")
+            if seconds < 0:
+                raise ClusterError(f"{where}.{field}={sample[field]!r}: must be ≥ 0 seconds; {_FIX_CALIBRATION}")
+            out[sample_key(sample["signature"], probe["dtype"], tp, seq_len, tokens, field)] = seconds
     return out
 
 

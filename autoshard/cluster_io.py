@@ -82,6 +82,8 @@ def parse_quantity(value: Any, kind: str, where: str) -> float:
         if match is None or (match["unit"] and match["unit"] not in units):
             raise ClusterError(f"{where}={value!r}: cannot read it as a number{_unit_hint(kind)}")
         value = float(match["number"].replace("_", "")) * units.get(match["unit"], 1.0)
+    elif isinstance(value, int) and abs(value) > file_io.MAX_INT:  # 10**400 would overflow float()
+        raise ClusterError(f"{where}={value!r}: more than 2**63 - 1; fix the value")
     if not math.isfinite(value):
         raise ClusterError(f"{where}={value!r}: must be a finite number")
     return value
@@ -140,8 +142,9 @@ def looks_like_file(spec: str) -> bool:
     return Path(spec).suffix.lower() in (".json", ".yaml", ".yml") or "/" in spec or Path(spec).is_file()
 
 
-def read_mapping_file(path: str | Path) -> dict[str, Any]:
-    """Read a JSON or YAML file holding one mapping (``file_io``'s strict rules, ``CLUSTER_FILE`` limits).
+def read_mapping_file(path: str | Path, kind: file_io.FileKind = file_io.CLUSTER_FILE) -> dict[str, Any]:
+    """Read a JSON or YAML file holding one mapping (``file_io``'s strict rules and ``kind``'s limit and
+    noun: ``CLUSTER_FILE`` or ``CALIBRATION_FILE``).
 
     The format comes from the extension (``.json``, ``.yaml``/``.yml``); any
     other extension is read as JSON when the text starts with ``{`` and as YAML
@@ -149,18 +152,15 @@ def read_mapping_file(path: str | Path) -> dict[str, Any]:
     file, too large, not UTF-8, unparsable, too deeply nested, a duplicate key.
     """
     path = Path(path)
-    text = file_io.read_bounded_text(path, file_io.CLUSTER_FILE)
-    source = f"cluster file {str(path)!r}"
+    text = file_io.read_bounded_text(path, kind)
+    source = f"{kind.noun} {str(path)!r}"
     as_json = path.suffix.lower() == ".json" or (
         path.suffix.lower() not in (".yaml", ".yml") and text.lstrip().startswith("{")
     )
     parse = file_io.parse_json_strict if as_json else file_io.parse_yaml_strict
-    data = parse(text, source=source, kind=file_io.CLUSTER_FILE)
+    data = parse(text, source=source, kind=kind)
     if not isinstance(data, dict):
-        raise ClusterError(
-            f"{source}: expected a mapping at the top level, got {type(data).__name__}; "
-            "see Cluster.from_file for the schema"
-        )
+        raise ClusterError(f"{source}: expected a mapping at the top level, got {type(data).__name__}; {kind.hint}")
     return data
 
 

@@ -2,7 +2,7 @@
 
 Every file autoshard reads (plans, cluster and calibration files, metrics
 JSON lines, checkpoint sidecars) goes through ``read_bounded_text`` and one of
-the strict parsers; every small file it writes (plans, plots) goes through
+the strict parsers; every small file it writes (plans, plots, calibration files) goes through
 ``atomic_write``. A refusal is one line, raised as the ``AutoshardError``
 subclass of the file's kind (``FileKind.error``), so the CLI prints it and
 exits 2; nothing here lets an ``OSError``, ``UnicodeDecodeError`` or
@@ -35,13 +35,17 @@ Reading rules (``read_bounded_text``, ``parse_json_strict``, ``parse_yaml_strict
 Required fields and value ranges are the readers' own checks (the plan
 schema, ``Cluster.from_dict``); the one range shared by plans and clusters is
 ``MAX_WORLD_SIZE`` (2**20 ranks), far above any real job, so a mesh degree of
-10**30 is refused as a typo instead of being multiplied out.
+10**30 is refused as a typo instead of being multiplied out; a cluster's
+``nodes × devices_per_node`` is bounded by it too. Integers (a plan's batch,
+a cluster's bytes) are at most ``MAX_INT`` (2**63 - 1): what torch and numpy
+index with.
 
 Writing rules (``check_output_path``, ``atomic_write``): the target must be a
 regular file or not exist, in an existing writable directory; a directory, a
 FIFO, a device (``/dev/full``), an empty path or a missing/unwritable parent
 is refused before anything is written, and a command checks its output path
-this way before it starts its work (``autoshard plan -o``). The data goes to
+this way before it starts its work (``autoshard plan -o``, ``cluster calibrate
+--out``, ``ppo --metrics/--plot``). The data goes to
 a unique temporary sibling (mode ``0o666`` minus the umask, as ``open`` would
 create it), is fsync-ed and ``os.replace``-d over the target, so a reader
 never sees half a file; a symlink to a regular file is written through (the
@@ -65,6 +69,7 @@ from autoshard.errors import AutoshardError, ClusterError, PlanError
 MiB = 2**20
 MAX_DEPTH = 64  # arrays/objects nested in any file autoshard reads
 MAX_WORLD_SIZE = 2**20  # ranks a plan's mesh or a cluster may describe
+MAX_INT = 2**63 - 1  # largest integer any file autoshard reads may hold (torch and numpy index with int64)
 
 
 @dataclass(frozen=True)
@@ -91,6 +96,10 @@ CLUSTER_FILE = FileKind(
     "cluster file", 16 * MiB, ClusterError,
     "pass a .json/.yaml cluster file (schema: Cluster.from_dict), a calibration file written by "
     "`autoshard cluster calibrate`, or a preset string such as 'h100-sxm:2x8'",
+)
+CALIBRATION_FILE = FileKind(
+    "calibration file", 16 * MiB, ClusterError,
+    "pass the JSON file `autoshard cluster calibrate --out FILE` wrote (format: Cluster.with_calibration)",
 )
 METRICS_FILE = FileKind(
     "metrics file", 256 * MiB, AutoshardError, "pass the JSON-lines file a PPO run wrote (--metrics)",
@@ -268,7 +277,7 @@ def parse_yaml_strict(text: str, *, source: str, kind: FileKind) -> Any:
         raise kind.error(f"{source}: {err}; {kind.hint}") from None
     except RecursionError:  # pragma: no cover - the depth check comes first
         raise kind.error(f"{source}: {_too_deep()}; {kind.hint}") from None
-    except yaml.YAMLError as err:
+    except (yaml.YAMLError, ValueError) as err:  # ValueError: an int over Python's digit limit, a bad date
         detail = " ".join(str(err).split())
         raise kind.error(f"{source}: {kind.syntax.format(format='YAML', detail=detail)}; {kind.hint}") from None
 
@@ -360,7 +369,7 @@ def _fsync_directory(directory: Path) -> None:
 
 
 __all__ = [
-    "CLUSTER_FILE", "MAX_DEPTH", "MAX_WORLD_SIZE", "METRICS_FILE", "PLAN_FILE", "FileKind", "atomic_write",
-    "check_output_path", "load_json_strict", "load_yaml_strict", "parse_json_strict", "parse_yaml_strict",
-    "read_bounded_text",
+    "CALIBRATION_FILE", "CLUSTER_FILE", "MAX_DEPTH", "MAX_INT", "MAX_WORLD_SIZE", "METRICS_FILE", "PLAN_FILE",
+    "FileKind", "atomic_write", "check_output_path", "load_json_strict", "load_yaml_strict", "parse_json_strict",
+    "parse_yaml_strict", "read_bounded_text",
 ]
