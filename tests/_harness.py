@@ -59,6 +59,7 @@ import contextlib
 import os
 import pickle
 import queue
+import signal
 import sys
 import tempfile
 import time
@@ -431,3 +432,19 @@ __all__ = [
     "run_nccl",
     "run_nccl_cases",
 ]
+
+
+@contextlib.contextmanager
+def no_hang(seconds: int = 10):
+    """Fail (instead of hanging the suite) when the body blocks, e.g. opening a FIFO: SIGALRM after ``seconds``."""
+
+    def expire(signum, frame):
+        raise TimeoutError(f"blocked for {seconds} s")
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.alarm(seconds)
+    try:
+        yield
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)

@@ -4,17 +4,16 @@ Python API and through the CLI (exit 2, one stderr line, no traceback), and neve
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from _harness import no_hang
 from autoshard import file_io
 from autoshard.cli import main
 from autoshard.cluster import Cluster
@@ -29,20 +28,6 @@ DEEP = 10_000
 SMALL = FileKind("test file", 64, AutoshardError, "next step")
 
 
-@contextlib.contextmanager
-def no_hang(seconds: int = 10):
-    """Fail (instead of hanging the suite) when the body blocks, e.g. opening a FIFO."""
-
-    def expire(signum, frame):
-        raise TimeoutError(f"blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _plan() -> Plan:

@@ -21,7 +21,6 @@ import contextlib
 import hashlib
 import json
 import os
-import signal
 import time
 from pathlib import Path
 from typing import Any, Callable
@@ -31,6 +30,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from _harness import no_hang
 from autoshard.cli import main
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
@@ -274,18 +274,6 @@ def _random_bytes(kind: str) -> st.SearchStrategy:
 
 
 # ------------------------------------------------------------------ the runner
-@contextlib.contextmanager
-def _deadline(seconds: int):
-    def expire(signum, frame):
-        raise TimeoutError(f"case blocked for {seconds} s")
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.alarm(seconds)
-    try:
-        yield
-    finally:
-        signal.alarm(0)
-        signal.signal(signal.SIGALRM, previous)
 
 
 def _record(kind: str, data: str | bytes, op: str = "") -> None:
@@ -299,7 +287,7 @@ def refused(capsys, argv: list[str], *needles: str) -> str:
     """Run the CLI; assert exit 2, one stderr line with ``PREFIX`` and ``needles``, no traceback, in time."""
     capsys.readouterr()
     start = time.monotonic()
-    with _deadline(int(CASE_SECONDS) * 4):
+    with no_hang(int(CASE_SECONDS) * 4):
         code = main(argv)
     seconds = time.monotonic() - start
     out, err = capsys.readouterr()
@@ -459,7 +447,7 @@ def test_fuzz_calibration_files(tmp_path, op, data):
     _record("calibration", data, op)
     bad = _write(tmp_path / "bad.json", data)
     start = time.monotonic()
-    with _deadline(int(CASE_SECONDS) * 4), pytest.raises(AutoshardError) as info:
+    with no_hang(int(CASE_SECONDS) * 4), pytest.raises(AutoshardError) as info:
         Cluster.parse("cpu:1x2").with_calibration(bad)
     message = str(info.value)
     assert "\n" not in message and "calibration file" in message and "bad.json" in message, message
