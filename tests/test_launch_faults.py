@@ -139,7 +139,9 @@ def test_stopped_rank_stops_the_job_within_the_timeout(tmp_path, plan):
         if proc.poll() is None:
             proc.kill()
     assert proc.returncode == 1, err
-    assert 4 <= waited < 4 + 8, (waited, err)  # the timeout, plus polling and a loaded machine's slack
+    # the heartbeat is older than the timeout: its last touch came up to min(1 s, T/4) = 1 s before the stop,
+    # and the launcher then needs a poll and a loaded machine's slack
+    assert 4 - 1 <= waited < 4 + 8, (waited, err)
     assert "autoshard: error: rank 1: no heartbeat for" in err and "stopped (SIGSTOP)" in err, err
     assert "Traceback" not in err, err
     deadline = time.time() + 5
