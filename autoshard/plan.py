@@ -225,6 +225,14 @@ class Predictions(Record):
     build_peak_bytes: int = at_least(0, 0)  # max over ranks of the build (materialization) peak; 0: not recorded
     caveats: tuple[str, ...] = ()  # what the cost model could not price with confidence (cost_model.pricing_caveats)
 
+    def _validate(self) -> None:
+        for name, values in (("memory_by_stage", enumerate(self.memory_by_stage)),
+                             ("memory_breakdown", self.memory_breakdown.items())):
+            for key, value in values:
+                if value < 0:
+                    where = f"[{key}]" if isinstance(key, int) else f".{key}"
+                    raise PlanFieldError(f"{name}{where}", f"{value} bytes: must be >= 0")
+
 
 @dataclass(frozen=True)
 class SolverStats(Record):

@@ -150,6 +150,8 @@ BAD_PLANS = {
     "no_mesh_axis": (lambda d: d["mesh"].pop("tp"), None, "mesh.tp: missing (required field)"),
     "huge_mesh": (lambda d: d["mesh"].update(dp_shard=2**30), None, "mesh: world size"),
     "zero_mesh": (lambda d: d["mesh"].update(tp=0), None, "mesh.tp: 0 must be >= 1"),
+    "negative_memory": (lambda d: d["predictions"].update(memory_by_stage=[5, -1]), None,
+                        "predictions.memory_by_stage[1]: -1 bytes: must be >= 0"),
 }
 
 
