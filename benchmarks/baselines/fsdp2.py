@@ -15,7 +15,9 @@ What it builds (the torchtitan recipe, data parallel over the whole world):
 - ``offload=True``: ``CPUOffloadPolicy(pin_memory=...)`` (pinned only with CUDA);
 - ``compile=True`` (configs ``fsdp2-compiled``, ``fsdp2-noreshard-compiled``): each block replaced by
   ``torch.compile(block)`` before ``fully_shard``, as torchtitan does, so FSDP2's hooks stay
-  outside the compiled forward; the counterpart of autoshard's ``compile_graph``;
+  outside the compiled forward, and the loss (``policy_loss``: the head's cross-entropy and the value
+  term) compiled on its own, as torchtitan compiles its loss function; the root's norm and head
+  projection stay eager; together the counterpart of autoshard's ``compile_graph``;
 - the optimizer of ``common.torch_optimizer`` over the sharded (DTensor)
   parameters, ``clip_grad_norm_`` on them (a DTensor norm: the global norm).
 
@@ -65,7 +67,7 @@ except ImportError:  # pragma: no cover - older torch keeps it under _composable
 @dataclass(frozen=True, kw_only=True)
 class FSDP2Options:
     """reshard_after_forward: ZeRO-3 (True) or keep gathered weights to backward (False); offload: CPU states;
-    compile: ``torch.compile`` each block (module docstring)."""
+    compile: ``torch.compile`` each block and the loss (module docstring)."""
 
     reshard_after_forward: bool = True
     offload: bool = False
@@ -93,6 +95,7 @@ class FSDP2Trainer:
         self.params = list(self.model.parameters())
         fused = device.type == "cuda" and not options.offload
         self.optimizer = torch_optimizer(self.params, spec.optimizer, fused=fused)
+        self.loss_fn = torch.compile(policy_loss) if options.compile else policy_loss
 
     def step(self, global_tokens: torch.Tensor) -> float:
         """One optimizer step (``common`` module docstring, "Step")."""
@@ -100,7 +103,7 @@ class FSDP2Trainer:
         chunks = micro_batches(rows, self.spec.num_micro_batches)
         total = torch.zeros((), device=self.device)
         for micro in chunks:
-            loss = policy_loss(self.model(micro), micro) / len(chunks)
+            loss = self.loss_fn(self.model(micro), micro) / len(chunks)
             loss.backward()
             total += loss.detach().float()
         self.last_grad_norm = self._clip()
