@@ -10,7 +10,7 @@
 SITE="${SITE:-/tmp/site}"
 SHIM="${SHIM:-/tmp/autoshard_src}"
 if [[ -d "$ROOT/.whl" ]]; then
-  mapfile -t WHEELS < <(find "$ROOT/.whl" -maxdepth 1 -type f -name '*.whl' ! -name 'autoshard-*.whl' | sort)
+  mapfile -t WHEELS < <(find -L "$ROOT/.whl" -maxdepth 1 -type f -name '*.whl' ! -name 'autoshard-*.whl' | sort)
   # A stamp of the wheel names skips the reinstall when a later script of the same session
   # sources this file again (gpu_session.sh, then gpu_run.sh): ~30 s each time otherwise.
   STAMP="$(printf '%s\n' "${WHEELS[@]##*/}")"
