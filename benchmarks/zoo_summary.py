@@ -57,7 +57,11 @@ def _archive_results(tar: tarfile.TarFile, where: str) -> Iterator[tuple[str, di
         if member.name.endswith("results.json"):
             yield name, json.load(io.TextIOWrapper(data))
         elif member.name.endswith(".tgz"):
-            with tarfile.open(fileobj=io.BytesIO(data.read())) as inner:
+            payload = data.read()
+            if not payload:  # a session's archive packed while a neighbour session was still writing its own
+                print(f"zoo_summary: skipped empty archive {name}", file=sys.stderr)
+                continue
+            with tarfile.open(fileobj=io.BytesIO(payload)) as inner:
                 yield from _archive_results(inner, name)
 
 
