@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test venv clean wheelhouse bench-search bench-capture bench-kernels
+.PHONY: demo test browser venv clean wheelhouse bench-search bench-capture bench-kernels
 
 venv: $(STAMP)
 
@@ -20,7 +20,13 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(PY) -m autoshard.demo
 
-test: $(STAMP)
+# Headless chromium for tests/test_report_browser.py (renders `autoshard report` pages). Installed with apt
+# when missing; where apt is unavailable (not root, not Debian) this only warns and that test skips.
+browser:
+	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) \
+		|| echo "warning: chromium not installed; tests/test_report_browser.py will skip"
+
+test: $(STAMP) browser
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15
 
 bench-capture: $(STAMP)

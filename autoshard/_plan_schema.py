@@ -17,6 +17,10 @@ The same checks run in two places:
   is a damaged file, not a request for the default. The exception is a
   record's ``OPTIONAL_ON_LOAD``: fields added after plan files were first
   written, which older files lack and which then take their defaults.
+* ``transient`` fields (``SolverStats.wall_s``): facts of one run, not of the
+  plan. ``encode`` leaves them out, so equal plans give equal bytes; ``decode``
+  reads (and checks) them where older files hold them, else takes the default;
+  they take no part in ``==`` (``compare=False``).
 
 JSON types are strict: ``true`` is not an int, ``"3"`` is not an int, ``3.5``
 is not an int; an int is accepted where a float is expected. Non-finite
@@ -74,6 +78,11 @@ def at_least(default: Any, minimum: int) -> Any:
     return dataclasses.field(default=default, metadata={"minimum": minimum})
 
 
+def transient(default: Any, minimum: int) -> Any:
+    """A field ``>= minimum`` kept in memory only: not encoded, not compared, optional on load (module docstring)."""
+    return dataclasses.field(default=default, compare=False, metadata={"minimum": minimum, "transient": True})
+
+
 class Record:
     """Base of the plan dataclasses: checks and normalises fields on construction."""
 
@@ -129,7 +138,7 @@ def decode(cls: type, data: Any, path: str = "") -> Any:
     for name, f in fields.items():
         sub = join_path(path, name)
         if name not in data:
-            if name not in cls.OPTIONAL_ON_LOAD:
+            if name not in cls.OPTIONAL_ON_LOAD and not f.metadata.get("transient"):
                 raise PlanFieldError(sub, "missing (required field)")
             continue
         kwargs[name] = _check_type(data[name], hints[name], sub, decoding=True)
@@ -225,7 +234,8 @@ def _check_json_value(value: Any, path: str) -> Any:
 def encode(value: Any) -> Any:
     """Record (or nested value) → plain JSON data: dicts, lists, scalars."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
-        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+        return {f.name: encode(getattr(value, f.name)) for f in dataclasses.fields(value)
+                if not f.metadata.get("transient")}
     if isinstance(value, (list, tuple)):
         return [encode(v) for v in value]
     if isinstance(value, dict):

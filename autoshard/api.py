@@ -39,6 +39,7 @@ every rank computes the same plan without communication.
 from __future__ import annotations
 
 import logging
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -77,13 +78,18 @@ class Compiled:
 
 
 def _resolve_cluster(cluster: Cluster | str) -> Cluster:
-    if isinstance(cluster, Cluster):
-        return cluster
+    """``cluster`` as a ``Cluster``, with the calibration file of ``autoshard run --calibration``
+    (``AUTOSHARD_CALIBRATION``) applied when the launcher set one (applying a file twice changes nothing)."""
+    from autoshard.runtime.launch import CALIBRATION_ENV
+
     if isinstance(cluster, str):
-        return Cluster.load(cluster)
-    raise AutoshardError(
-        f"cluster={cluster!r}: expected an autoshard.Cluster or a string like 'h100-sxm:2x8' or a file path"
-    )
+        cluster = Cluster.load(cluster)
+    if not isinstance(cluster, Cluster):
+        raise AutoshardError(
+            f"cluster={cluster!r}: expected an autoshard.Cluster or a string like 'h100-sxm:2x8' or a file path"
+        )
+    calibration = os.environ.get(CALIBRATION_ENV)
+    return cluster.with_calibration(calibration) if calibration else cluster
 
 
 def _default_train(example_inputs: tuple) -> TrainSpec:
@@ -109,7 +115,8 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     Args:
         model: the policy (``forward(tokens, ...) -> (logits, values)``); may live
             on the meta device for planning.
-        cluster: an ``autoshard.Cluster`` or a spec string / file path.
+        cluster: an ``autoshard.Cluster`` or a spec string / file path; under
+            ``autoshard run --calibration FILE`` the file is applied to it.
         example_inputs: the forward's inputs, a tuple (``model(*example_inputs)``)
             or a dict of keywords (``model(**example_inputs)``): tokens ``[B, S]``
             first (forward's first parameter), then any other tensors the
@@ -218,8 +225,13 @@ def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluste
                     "returning the plan only (program=None)")
         return None
     extra = {"inputs": inputs} if inputs is not None and len(inputs.tensors) > 1 else {}  # tokens alone: the default
-    return build_program(model, graph, plan, cluster, train, device=program_device(), weights=weights,
-                         release_model=weights is None, **extra)
+    device = program_device()
+    program = build_program(model, graph, plan, cluster, train, device=device, weights=weights,
+                            release_model=weights is None, **extra)
+    from autoshard.runtime.step_profile import PROFILE_ENV, profile_program
+
+    directory = os.environ.get(PROFILE_ENV)  # ``autoshard run --profile DIR``: the second step to a Chrome trace
+    return profile_program(program, directory, torch.distributed.get_rank(), device) if directory else program
 
 
 def program_device() -> str:

@@ -77,6 +77,8 @@ Under torchrun every rank measures (collectives need them all); rank 0 writes.
 ``--out`` and ``--raw`` are checked before anything is measured
 (``file_io.check_output_path``: a regular file or a new one, missing parent
 directories created) and written atomically (``file_io.atomic_write``).
+Rank 0 shows which probe runs and the ETA on stdout (``autoshard/progress.py``:
+a live row on a terminal, a plain line every 2 s in a log; none with ``--quiet``).
 """
 
 from __future__ import annotations
@@ -101,6 +103,7 @@ from autoshard.calibrate_probe import (ProbeSpec, compile_scaled, compiled_saved
                                       probe_layers)
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
+from autoshard.progress import ProgressFn, Update, reporter
 
 _DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp16": torch.float16}
 _RING_FACTOR = {"all_reduce": 2, "all_gather": 1}
@@ -380,40 +383,57 @@ def _clip(value: float) -> float:
 
 
 def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = CalibrationSizes(),
-              dtype: str | None = None, probe: ProbeSpec | None = None) -> Calibration:
+              dtype: str | None = None, probe: ProbeSpec | None = None,
+              progress: ProgressFn | None = None) -> Calibration:
     """Measure ``device`` (and the world's collectives, if any) against ``cluster``'s figures;
-    with ``probe``, also time the layers of ``probe.model`` (module docstring)."""
+    with ``probe``, also time the layers of ``probe.model`` (module docstring).
+
+    ``progress`` receives ``Update("calibrate", k, N, unit="probes", note=PROBE)`` as each
+    measurement starts and a last one at ``N`` (``autoshard/progress.py``); ``None``: silent.
+    """
     dtype = dtype or ("bf16" if device.type == "cuda" else "fp32")
     if dtype not in _DTYPES or dtype not in cluster.device.peak_flops:
         raise AutoshardError(f"calibrate dtype={dtype!r}: allowed {sorted(set(_DTYPES) & set(cluster.device.peak_flops))}")
+    world = dist.is_initialized() and dist.get_world_size() > 1
+    step = _probe_reporter(progress, 5 + 2 * world + (probe is not None) + bool(probe and probe.compile))
+    step("matmul")
     matmul = measure_matmul(sizes.matmul_sizes, _DTYPES[dtype], device, sizes.iters)
+    step("kernel overhead")
     overhead = measure_kernel_overhead(sizes.overhead_ops, device, sizes.iters)
+    step("HBM copy")
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
+    step("attention")
     attention = measure_attention(sizes.attention_shapes, _DTYPES[dtype], device, sizes.iters,
                                   cluster.device.peak_flops[dtype])
     level = latency = bandwidth = None
     comm: tuple[CommSample, ...] = ()
     overlap: dict[str, float] = {}
     contention = overlap_eff = None
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if world:
+        step("collectives")
         comm = measure_collectives(sizes.message_bytes, device, sizes.iters)
         latency, bandwidth = fit_alpha_beta(comm)
         level = "inter_node" if dist.get_world_size() > cluster.devices_per_node else "intra_node"
+        step("overlap")
         overlap = measure_overlap(sizes.overlap_gemm, sizes.overlap_gemms, _DTYPES[dtype], device, sizes.iters,
                                   sizes.overlap_base_bytes)
         contention, overlap_eff = fit_overlap(overlap)
+    step("optimizer")
     per_param, per_tensor = probe_adamw(device, _DTYPES[dtype], big_params=sizes.optimizer_params,
                                         small_tensors=sizes.optimizer_tensors, iters=sizes.iters)
     layer_times = None
     if probe is not None:
+        step(f"layers of {probe.model}")
         samples = probe_layers(probe, device, _DTYPES[dtype])
         layer_times = {"model": probe.model, "dtype": dtype, "seq_len": probe.seq_len}
         if probe.compile:  # the eager samples scaled to the whole-model compiled step
+            step(f"compiled step of {probe.model}")
             samples, scales = compile_scaled(probe, device, _DTYPES[dtype], samples)
             layer_times.update(compiled=True, compiled_scales=scales)
         layer_times["samples"] = samples
         if device.type == "cuda":  # where build_program compiles by default: what inductor saves per block
             layer_times["compiled_saved_scale"] = compiled_saved_scale(probe.model, probe.seq_len, 1, probe.attn_impl)
+    step("done")
     return Calibration(
         device=cluster.device.name,
         date=datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -428,6 +448,20 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         adamw_s_per_param=per_param, adamw_s_per_tensor=per_tensor, layer_times=layer_times,
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
+
+
+def _probe_reporter(progress: ProgressFn | None, total: int) -> Callable[[str], None]:
+    """``step(name)``: the next of ``total`` probes starts (``"done"``: all ran), to ``progress``."""
+    started = [0]
+
+    def step(name: str) -> None:
+        if progress is None:
+            return
+        completed = total if name == "done" else started[0]
+        started[0] += 1
+        progress(Update("calibrate", completed, total, unit="probes", note=name))
+
+    return step
 
 
 # --------------------------------------------------------------------------- CLI
@@ -480,8 +514,10 @@ def calibrate_main(args: argparse.Namespace, console: Any = None) -> int:
         sizes = CalibrationSizes.quick() if args.quick else CalibrationSizes()
         if args.iters:
             sizes = CalibrationSizes(**{**asdict(sizes), "iters": args.iters})
-        result = calibrate(Cluster.detect(), device, sizes, args.dtype, _probe_spec(args))
-        if not dist.is_initialized() or dist.get_rank() == 0:
+        writer = not dist.is_initialized() or dist.get_rank() == 0
+        with reporter(quiet=getattr(args, "quiet", False) or not writer) as progress:  # plain lines in a log
+            result = calibrate(Cluster.detect(), device, sizes, args.dtype, _probe_spec(args), progress=progress)
+        if writer:
             _write(args, result, console)
     finally:
         if owns_group:

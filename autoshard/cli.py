@@ -10,8 +10,8 @@ stage works. The search commands (``plan``,
 ``explain``, ``diff``) keep their bodies in ``autoshard/cli_search.py``; their
 flag grammar (``--pin``, ``--mesh``, ``--max-memory``) is documented there;
 ``ppo`` and ``plot`` live in ``autoshard/cli_ppo.py``, ``run`` in
-``runtime/launch.py``, ``export`` in ``runtime/hf_export.py`` and ``cluster
-calibrate`` in ``autoshard/calibrate.py``.
+``runtime/launch.py``, ``export`` in ``runtime/hf_export.py``, ``cluster
+calibrate`` in ``autoshard/calibrate.py`` and ``report`` in ``autoshard/report.py``.
 
 Errors: an ``AutoshardError`` (or ``OSError``) raised by a handler, and every
 argument error, prints one line ``autoshard: error: <message>`` on stderr and
@@ -20,7 +20,31 @@ first. Any other exception is a bug and propagates with its traceback.
 
 The modules behind the commands (models, capture, cluster) are imported
 inside the handlers, so ``autoshard --help`` stays fast and one missing stage
-does not break the others.
+does not break the others. ``main`` parses with ``build_parser(lazy=True)``:
+a command's arguments (whose functions may import torch for a choices list)
+are added only when that command is parsed or its help is shown, so
+``autoshard --help`` and ``autoshard inspect`` never import torch
+(``tests/test_cli_output.py``; ``benchmarks/startup_bench.py`` times them).
+``python -m autoshard`` is the same entry (``autoshard/__main__.py``).
+
+Output flags:
+
+- ``-q/--quiet`` (before or after the command, as ``--debug``): no progress
+  display (``autoshard/progress.py``) and, for ``ppo``, no per-step line;
+  results and errors are still printed.
+- ``--json`` (after ``models``, ``cluster show``, ``cluster detect``, ``inspect``,
+  ``plan``): one JSON document on stdout instead of the tables: the model
+  list, the cluster's ``Cluster.to_dict``, the plan's file form
+  (``Plan.to_json``). Progress, if any, stays on stderr.
+
+Progress: long work reports through ``autoshard/progress.py``: a live
+display on a terminal; in a pipe, plain lines for the jobs (``ppo``,
+``cluster calibrate``) and nothing for the commands whose output is a result
+(``plan``, ``explain``, ``capture``), which keep a pipe to that result or one
+error line. Other libraries' deprecation warnings and torch's internal
+``UserWarning`` are hidden while a command runs
+(``autoshard/quiet_warnings.py``, also in the ranks ``run`` and ``ppo``
+start); ``--debug`` shows them.
 """
 
 from __future__ import annotations
@@ -29,11 +53,13 @@ import argparse
 import importlib.metadata
 import sys
 import traceback
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
 from autoshard.errors import AutoshardError
+from autoshard.quiet_warnings import filter_third_party_warnings
 
 PROG = "autoshard"
 EXIT_OK = 0
@@ -47,7 +73,34 @@ class _UsageError(Exception):
 
 
 class _Parser(argparse.ArgumentParser):
-    """``ArgumentParser`` whose errors raise instead of printing usage and exiting."""
+    """``ArgumentParser`` whose errors raise instead of printing usage and exiting.
+
+    ``arguments``: a function adding this parser's arguments, called on the first
+    parse or help of this parser (``build_parser(lazy=True)``), so building the
+    tree imports nothing a command's arguments need."""
+
+    def __init__(self, *args: Any, arguments: Callable[[argparse.ArgumentParser], None] | None = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._pending_arguments = arguments
+
+    def add_pending_arguments(self) -> None:
+        """Add the deferred arguments now (once)."""
+        pending, self._pending_arguments = self._pending_arguments, None
+        if pending is not None:
+            pending(self)
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:  # type: ignore[override]
+        self.add_pending_arguments()
+        return super().parse_known_args(args, namespace)
+
+    def format_help(self) -> str:
+        self.add_pending_arguments()
+        return super().format_help()
+
+    def format_usage(self) -> str:
+        self.add_pending_arguments()
+        return super().format_usage()
 
     def error(self, message: str) -> Any:  # type: ignore[override]
         raise _UsageError(f"{message} (see '{self.prog} --help')")
@@ -76,12 +129,29 @@ def _format_count(n: int) -> str:
     return str(n)
 
 
+def _args_json(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the table")
+
+
+def print_json(data: Any) -> None:
+    """Write ``data`` (or JSON text, written as is) to stdout: the whole output of a ``--json`` command."""
+    import json
+
+    text = data if isinstance(data, str) else json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
 def _cmd_models(args: argparse.Namespace, console: Any) -> int:
     from rich.table import Table
     from rich.text import Text
 
     from autoshard.models import list_models
 
+    if args.json:
+        print_json([{"model": e.spec, "family": e.family, "size": e.size, "params": e.params,
+                     "description": e.description} for e in list_models()])
+        return EXIT_OK
     table = Table(title="reference policy models", show_edge=False, header_style="bold")
     for name in ("model", "params", "description"):
         table.add_column(name, no_wrap=name != "description", justify="right" if name == "params" else "left")
@@ -106,39 +176,64 @@ def _cmd_capture(args: argparse.Namespace, console: Any) -> int:
         options["seq_lens"] = (args.seq // 2, args.seq)
     if args.batch is not None:
         options["batch"] = args.batch
-    graph = capture_spec(args.model, **options)
+    with _progress(args) as progress:
+        graph = capture_spec(args.model, progress=progress, **options)
     _print_text(console, format_layer_table(graph, seq_len=args.seq))
     _print_text(console, format_coverage(graph))
     return EXIT_OK
 
 
 def _args_cluster_show(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("spec", metavar="PRESET|FILE", help="a preset such as 'h100-sxm:2x8', or a YAML/JSON cluster file")
+    parser.add_argument("spec", metavar="PRESET|FILE", help="a preset such as 'h100-sxm:2x8', a YAML/JSON cluster file, "
+                        "or a calibration file written by 'autoshard cluster calibrate'")
+    _args_json(parser)
 
 
 def _cmd_cluster_show(args: argparse.Namespace, console: Any) -> int:
-    from autoshard.cluster import Cluster
+    from autoshard.cli_search import describe_cluster_spec
 
-    _print_text(console, Cluster.load(args.spec).describe())
+    if args.json:  # the cluster's from_dict schema (a calibration file is refused: it is not a cluster)
+        from autoshard.cluster import Cluster
+
+        print_json(Cluster.load(args.spec).to_dict())
+        return EXIT_OK
+    _print_text(console, describe_cluster_spec(args.spec))
     return EXIT_OK
 
 
 def _cmd_cluster_detect(args: argparse.Namespace, console: Any) -> int:
     from autoshard.cluster import Cluster
 
-    _print_text(console, Cluster.detect().describe())
+    cluster = Cluster.detect()
+    if args.json:
+        print_json(cluster.to_dict())
+        return EXIT_OK
+    _print_text(console, cluster.describe())
     return EXIT_OK
 
 
+def _notation_epilog(parser: argparse.ArgumentParser) -> None:
+    """The strategy notation's legend (``Z2·qG4``, ``R(sel)``) below the flags of ``--help``."""
+    from autoshard.plan_format import NOTATION_LEGEND
+
+    parser.epilog = NOTATION_LEGEND
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
+
+
 def _args_inspect(parser: argparse.ArgumentParser) -> None:
+    _notation_epilog(parser)
     parser.add_argument("plan", metavar="PLAN.json", help="a plan file written by 'autoshard plan' or Plan.save")
     parser.add_argument("--no-fold", action="store_true", help="one row per layer (do not fold identical blocks)")
+    _args_json(parser)
 
 
 def _cmd_inspect(args: argparse.Namespace, console: Any) -> int:
     from autoshard.plan import Plan
 
     plan = Plan.load(args.plan)
+    if args.json:  # the plan validated and in the current file form
+        print_json(plan.to_json())
+        return EXIT_OK
     console.print(plan.to_rich(fold=not args.no_fold))
     return EXIT_OK
 
@@ -147,6 +242,7 @@ def _args_plan(parser: argparse.ArgumentParser) -> None:
     from autoshard import cli_search
     from autoshard.train import COMM_PRECISIONS, OPTIMIZERS, PRECISIONS
 
+    _notation_epilog(parser)
     parser.add_argument("model", nargs="?", metavar="MODEL", help="reference model (e.g. 'llama:7b') or 'package.module:factory' / 'file.py:factory' (default with --plan/--retarget: the plan's model)")
     parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES|FILE", help="the cluster to plan for, e.g. 'h100-sxm:2x8', or a YAML/JSON cluster file")
     parser.add_argument("--batch", type=_positive_int, metavar="B", help="global batch: sequences per optimizer step over all ranks (default with --plan/--retarget: the plan's)")
@@ -161,7 +257,9 @@ def _args_plan(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--pin", action="append", default=[], type=_flag(cli_search.parse_pin), metavar="LAYER_OR_CLASS:field=value,...", help="fix strategy fields of the layers whose name or class id matches the glob, e.g. 'blocks.*.attn:state=zero3,recompute=full' (repeatable)")
     parser.add_argument("--mesh", type=_flag(cli_search.parse_mesh), default={}, metavar="axis=degree,...", help="fix mesh degrees, e.g. 'tp=2,pp=1'; axes: dp_replicate dp_shard tp pp ep cp")
     parser.add_argument("--max-memory", type=_flag(cli_search.parse_memory), metavar="BYTES", help="per-rank memory limit with a unit, e.g. 60GiB (default: the device memory)")
+    parser.add_argument("--calibration", type=Path, metavar="CAL.json", help="apply this file of 'autoshard cluster calibrate' to --cluster before the search")
     parser.add_argument("-o", "--output", type=_output_path, metavar="PLAN.json", help="write the plan to this file (checked before the search: a regular file or a new one in a writable directory)")
+    parser.add_argument("--json", action="store_true", help="print the plan's JSON (the file form) on stdout instead of the table")
     reuse = parser.add_mutually_exclusive_group()
     reuse.add_argument("--plan", type=Path, metavar="EXISTING.json", help="reuse this plan: check its fingerprints against the model and cluster, skip the search")
     reuse.add_argument("--retarget", type=Path, metavar="OLD.json", help="re-solve for --cluster starting from this plan as a hint, then print what changed")
@@ -175,26 +273,30 @@ def _cmd_plan(args: argparse.Namespace, console: Any) -> int:
         optimizer=args.optimizer, precision=args.precision, comm_precision=args.comm_precision,
         time_limit_s=args.time_limit, pins=tuple(args.pin),
         mesh=args.mesh, max_memory_bytes=args.max_memory, output=args.output, reuse=args.plan,
-        retarget=args.retarget,
+        retarget=args.retarget, calibration=args.calibration, json=args.json,
     )
-    run_plan(request, console, _make_console(stderr=True))
+    run_plan(request, console, None if args.quiet else _make_console(stderr=True))
     return EXIT_OK
 
 
 def _args_explain(parser: argparse.ArgumentParser) -> None:
     from autoshard import cli_search
 
+    _notation_epilog(parser)
     parser.add_argument("plan", type=Path, metavar="PLAN.json", help="a plan file written by 'autoshard plan'")
     parser.add_argument("--layer", required=True, metavar="NAME", help="the layer to explain, e.g. 'blocks.0.attn' (see 'autoshard inspect --no-fold')")
     parser.add_argument("--top", type=_positive_int, default=5, metavar="K", help="how many of the best alternatives to show (default 5)")
     parser.add_argument("--cluster", metavar="PRESET:NODESxDEVICES|FILE", help="cluster to cost on (default: the one recorded in the plan)")
     parser.add_argument("--max-memory", type=_flag(cli_search.parse_memory), metavar="BYTES", help="per-rank memory limit the plan was searched under, e.g. 60GiB (default: the device memory)")
+    parser.add_argument("--calibration", type=Path, metavar="CAL.json", help="price on the cluster with this file of 'autoshard cluster calibrate' applied (the one the plan was searched with)")
 
 
 def _cmd_explain(args: argparse.Namespace, console: Any) -> int:
     from autoshard.cli_search import run_explain
 
-    run_explain(args.plan, args.layer, args.top, args.cluster, args.max_memory, console, _make_console(stderr=True))
+    progress_console = None if args.quiet else _make_console(stderr=True)
+    run_explain(args.plan, args.layer, args.top, args.cluster, args.max_memory, console, progress_console,
+                calibration=args.calibration)
     return EXIT_OK
 
 
@@ -208,6 +310,18 @@ def _cmd_diff(args: argparse.Namespace, console: Any) -> int:
 
     run_diff(args.a, args.b, console)
     return EXIT_OK
+
+
+def _args_report(parser: argparse.ArgumentParser) -> None:
+    from autoshard.report import add_report_arguments
+
+    add_report_arguments(parser)
+
+
+def _cmd_report(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.report import report_main
+
+    return report_main(args, console, _make_console(stderr=True))
 
 
 def _args_ppo(parser: argparse.ArgumentParser) -> None:
@@ -285,6 +399,14 @@ def _cmd_export(args: argparse.Namespace, console: Any) -> int:
     return EXIT_OK
 
 
+def _progress(args: argparse.Namespace) -> Any:
+    """The progress reporter of a result command: a live display on a terminal stderr, else nothing
+    (``autoshard/progress.py``; ``--quiet``: nothing)."""
+    from autoshard.progress import reporter
+
+    return reporter(quiet=args.quiet, console=_make_console(stderr=True), lines=False)
+
+
 def _print_text(console: Any, value: Any) -> None:
     """Print a string verbatim (no markup, no highlighting) or any rich renderable."""
     if isinstance(value, str):
@@ -347,7 +469,8 @@ GROUPS: dict[tuple[str, ...], str] = {
 }
 
 COMMANDS: tuple[Command, ...] = (
-    Command(("models",), "list the reference policy models, their sizes and parameter counts", _cmd_models),
+    Command(("models",), "list the reference policy models, their sizes and parameter counts", _cmd_models,
+            _args_json),
     Command(
         ("capture",),
         "capture a reference model with torch.export; print its layers and op coverage",
@@ -355,7 +478,8 @@ COMMANDS: tuple[Command, ...] = (
         _args_capture,
     ),
     Command(("cluster", "show"), "describe a cluster preset or cluster file", _cmd_cluster_show, _args_cluster_show),
-    Command(("cluster", "detect"), "detect this machine's devices and describe them as a cluster", _cmd_cluster_detect),
+    Command(("cluster", "detect"), "detect this machine's devices and describe them as a cluster", _cmd_cluster_detect,
+            _args_json),
     Command(
         ("cluster", "calibrate"),
         "measure matmul/HBM efficiency and collective alpha/beta on this machine; write a calibration file",
@@ -382,6 +506,12 @@ COMMANDS: tuple[Command, ...] = (
     ),
     Command(("diff",), "what changed between two plans: mesh, schedule, layers, predictions", _cmd_diff, _args_diff),
     Command(
+        ("report",),
+        "draw a plan as one HTML page: strategy per layer, memory and step timeline per rank (and a Chrome trace)",
+        _cmd_report,
+        _args_report,
+    ),
+    Command(
         ("ppo",),
         "train a policy with PPO under a searched (or given) plan; starts the ranks itself on one node",
         _cmd_ppo,
@@ -405,21 +535,31 @@ COMMANDS: tuple[Command, ...] = (
 
 # ------------------------------------------------------------------- parser
 def _debug_flag(parser: argparse.ArgumentParser, default: Any) -> None:
-    parser.add_argument("--debug", action="store_true", default=default, help="show the traceback of an error")
+    """``--debug`` and ``--quiet``, accepted before or after the command (``default``: the root's value)."""
+    parser.add_argument("--debug", action="store_true", default=default,
+                        help="show the traceback of an error, and other libraries' warnings")
+    parser.add_argument("-q", "--quiet", action="store_true", default=default,
+                        help="no progress display or per-step lines; results and errors only")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """The root parser with every row of ``COMMANDS`` registered."""
+def build_parser(*, lazy: bool = False) -> argparse.ArgumentParser:
+    """The root parser with every row of ``COMMANDS`` registered.
+
+    ``lazy``: add each command's arguments only when it is parsed or its help shown
+    (``_Parser``; what ``main`` does); otherwise now, so every parser is complete.
+    """
     root = _Parser(prog=PROG, description="autoshard: capture, search and inspect sharding plans for policy models.")
     _debug_flag(root, False)
     root.add_argument("--version", action="version", version=f"{PROG} {_version()}")
     subparsers: dict[tuple[str, ...], Any] = {(): _subparsers(root, ())}
     for command in COMMANDS:
         parent = _group_for(subparsers, command.path[:-1])
-        leaf = parent.add_parser(command.path[-1], help=command.help, description=command.help)
+        leaf = parent.add_parser(command.path[-1], help=command.help, description=command.help,
+                                 arguments=command.arguments)
         _debug_flag(leaf, argparse.SUPPRESS)  # keeps the root's value unless given here
-        command.arguments(leaf)
         leaf.set_defaults(handler=command.handler)
+        if not lazy:
+            leaf.add_pending_arguments()
     return root
 
 
@@ -465,9 +605,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv
     try:
-        args = build_parser().parse_args(argv)
+        args = build_parser(lazy=True).parse_args(argv)
         debug = args.debug
-        return args.handler(args, _make_console()) or EXIT_OK
+        with warnings.catch_warnings():  # the filters last as long as the command (main runs in tests too)
+            filter_third_party_warnings(debug)
+            return args.handler(args, _make_console()) or EXIT_OK
     except SystemExit as done:  # --help / --version
         return done.code if isinstance(done.code, int) else EXIT_OK
     except KeyboardInterrupt:

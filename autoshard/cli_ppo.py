@@ -1,6 +1,6 @@
 """The training commands of the CLI: ``autoshard ppo`` and ``autoshard plot``.
 
-``autoshard ppo MODEL --cluster PRESET:NODESxDEVICES --task NAME --steps N
+``autoshard ppo MODEL --cluster PRESET:NODESxDEVICES [--calibration CAL.json] --task NAME --steps N
 [--weights DIR] [--plan plan.json] [--metrics out.jsonl] [--checkpoint DIR] [--resume]
 [--seed S] [--plot curves.png]`` does, in order:
 
@@ -41,8 +41,12 @@
      otherwise; a stalled rank stops the job after ``AUTOSHARD_TIMEOUT_S``
      (launch.py's docstring);
    - several nodes: refused, with the ``autoshard run`` line to use instead.
-3. rank 0 prints the live line per step, writes ``--metrics`` JSON lines and,
-   at the end, the ``--plot`` PNG and its path.
+3. rank 0 reports each step (``runtime/metrics.py``'s ``LiveSummary``:
+   ``step i/N  elapsed  ETA  tok/s`` and the headline metrics; a line per
+   step in a log, a live row under them on a terminal; none with
+   ``--quiet``), writes ``--metrics`` JSON lines and, at the end, the
+   ``--plot`` PNG and its path. The search of step 1 shows a live row on a
+   terminal's stderr.
 
 ``autoshard plot METRICS.jsonl -o curves.png`` draws the curves of a metrics
 file (``autoshard/plot.py``).
@@ -54,6 +58,7 @@ import argparse
 import dataclasses
 import os
 import subprocess
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -74,6 +79,7 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", type=Path, metavar="DIR", help="start a Hugging Face config MODEL from this "
                         "directory's safetensors (the value head, which they lack, is initialised)")
     parser.add_argument("--cluster", required=True, metavar="PRESET:NODESxDEVICES", help="where to train, e.g. 'cpu:1x2' (two gloo ranks on this machine)")
+    parser.add_argument("--calibration", type=Path, metavar="CAL.json", help="apply this file of 'autoshard cluster calibrate' to --cluster before the search")
     parser.add_argument("--task", default="arithmetic", metavar="NAME", help="reward task: arithmetic, addition or sorting (default arithmetic, the reference run's)")
     parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, metavar="N", help=f"PPO steps in total; a resumed run continues up to N (default {DEFAULT_STEPS})")
     parser.add_argument("--plan", type=Path, metavar="PLAN.json", help="train under this plan instead of searching one")
@@ -85,7 +91,9 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch", type=_positive_int, default=64, metavar="B", help="prompts per step over all data-parallel ranks (default 64)")
     parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32", help="compute dtype of a searched plan (default fp32; masters are fp32 either way)")
     parser.add_argument("--plot", type=Path, metavar="CURVES.png", help="write the training curves here at the end (needs --metrics)")
-    parser.add_argument("--quiet", action="store_true", help="no per-step line")
+    parser.add_argument("--profile", action="store_true", help="record one step (the second) with torch.profiler: "
+                        "a Chrome trace per rank next to --metrics (METRICS.rankR.trace.json) for `autoshard report "
+                        "PLAN --measured`")
     parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of a KV-cached full replica per rank (less memory, slower)")
 
 
@@ -105,8 +113,7 @@ def cmd_plot(args: argparse.Namespace, console: Any) -> int:
 
 def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     """``autoshard ppo``: plan (search or load), then train here or through torchrun (module docstring)."""
-    from autoshard.cli_search import reference_spec
-    from autoshard.cluster import Cluster
+    from autoshard.cli_search import load_cluster, reference_spec
     from autoshard.runtime.ppo_program import TASK_PRESETS, capture_policy, check_policy_vocab, load_policy
     from autoshard.runtime.tasks import get_task
 
@@ -115,7 +122,7 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights))
     check_policy_vocab(policy.module, policy.name, task)
     spec = policy.name  # file paths made absolute: the workers and plans name the model alike
-    cluster = Cluster.load(args.cluster)
+    cluster = load_cluster(args.cluster, args.calibration)
     graph = capture_policy(policy.module, policy.name) if args.plan is None or args.resume else None
     if args.resume:
         _check_resume(args, graph)
@@ -138,6 +145,8 @@ def _check_flags(args: argparse.Namespace) -> None:
         raise AutoshardError("--resume needs --checkpoint DIR (the directory a previous run saved to)")
     if args.plot is not None and args.metrics is None:
         raise AutoshardError(f"--plot {str(args.plot)!r} plots the metrics file; also pass --metrics OUT.jsonl")
+    if getattr(args, "profile", False) and args.metrics is None:
+        raise AutoshardError("--profile writes its traces next to the metrics file; also pass --metrics OUT.jsonl")
     if args.save_every is not None and args.checkpoint is None:
         raise AutoshardError("--save-every needs --checkpoint DIR to save to")
     if args.checkpoint is not None and args.checkpoint.exists() and not args.checkpoint.is_dir():
@@ -186,6 +195,7 @@ def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: A
 
     if args.plan is not None:
         return Plan.load(args.plan)
+    from autoshard.progress import reporter
     from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN
     from autoshard.search import solve
     from autoshard.search.space import Constraints
@@ -194,8 +204,11 @@ def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: A
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
     constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
     train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision=args.precision)
-    plan = solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S)
-    if os.environ.get("RANK", "0") == "0":
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank searches; one shows it
+    with reporter(sys.stderr, quiet=_quiet(args) or not first, lines=False) as progress:  # live on a terminal
+        plan = solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S,
+                     progress=progress)
+    if first:
         console.print(plan.to_rich())
     return plan
 
@@ -233,10 +246,12 @@ def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[
         flags += ["--save-every", str(args.save_every)]
     if args.resume:
         flags.append("--resume")
-    if args.quiet:
+    if _quiet(args):
         flags.append("--no-live")
     if args.no_rollout_cache:
         flags.append("--no-rollout-cache")
+    if getattr(args, "profile", False):
+        flags.append("--profile")
     return flags
 
 
@@ -263,7 +278,8 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
     run = P.PPORun(
         model=spec, weights=_text(args.weights), task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
-        resume=args.resume, plot=_text(args.plot), live=not args.quiet, rollout_cache=not args.no_rollout_cache,
+        resume=args.resume, plot=_text(args.plot), live=not _quiet(args), rollout_cache=not args.no_rollout_cache,
+        profile=getattr(args, "profile", False),
     )
     created = P.init_distributed(plan, timeout_s=timeout_s())
     try:
@@ -272,6 +288,11 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
         if created:
             dist.destroy_process_group()
     return 0
+
+
+def _quiet(args: argparse.Namespace) -> bool:
+    """``--quiet``: the CLI's common flag (``autoshard/cli.py``), absent under ``add_ppo_arguments`` alone."""
+    return getattr(args, "quiet", False)
 
 
 def _text(path: Path | None) -> str | None:

@@ -38,6 +38,14 @@ training step against the flags, and the search is skipped.
 such as ``llama:7b``), rebuilds the cluster from the plan's recorded
 ``cluster_spec`` (``plan_reuse.cluster_of``) unless ``--cluster`` is given,
 and the ``TrainSpec`` from the plan's fields.
+
+``--calibration FILE`` (``plan``, ``explain``, ``ppo``; ``run`` passes it to
+the ranks) applies a file of ``autoshard cluster calibrate`` to the cluster
+before it is searched or priced (``load_cluster``). A cluster file may name
+one instead (``calibration: cal.json``, relative to the cluster file). The
+plan records the calibrated figures in its cluster fingerprint but not the
+cost-model constants (kernel overhead, layer times), so ``explain`` of a
+calibrated plan takes the same ``--calibration`` to price it as the search did.
 """
 
 from __future__ import annotations
@@ -180,45 +188,78 @@ def _examples(graph: Any) -> str:
     return ", ".join(names + classes)
 
 
+# -------------------------------------------------------------------- cluster
+def load_cluster(spec: str, calibration: Path | None = None) -> Any:
+    """``Cluster.load(spec)`` with the calibration file ``calibration`` applied (``--calibration``)."""
+    from autoshard.cluster import Cluster
+
+    cluster = Cluster.load(spec)
+    return cluster if calibration is None else cluster.with_calibration(calibration)
+
+
+def describe_cluster_spec(spec: str) -> Any:
+    """What ``autoshard cluster show`` prints for ``spec``: a calibration file's measurements, or the cluster
+    (a preset string or a cluster file, with its calibration if it has one)."""
+    from autoshard import cluster_io
+    from autoshard.cluster import Cluster
+
+    if cluster_io.looks_like_file(spec) and Path(spec).is_file():
+        data = cluster_io.read_mapping_file(spec)
+        if cluster_io.file_kind(data) == "calibration":
+            return cluster_io.describe_calibration_file(spec, data)
+    return Cluster.load(spec).describe()
+
+
+def calibration_line(cluster: Any, calibration: Path | None) -> str | None:
+    """``calibration cal.json: measured on DEVICE at DATE`` for the console, or ``None`` when uncalibrated."""
+    record = cluster.calibration
+    if not record:
+        return None
+    where = " ".join(str(record[k]) for k in ("device", "date") if k in record) or "an unrecorded machine"
+    source = f" {calibration}" if calibration is not None else " (from the cluster file)"
+    return f"calibration{source}: measured on {where}"
+
+
 # ------------------------------------------------------------------- progress
 class Stages:
-    """Progress of a command on stderr: one spinner row per stage with its elapsed time.
+    """Progress of a command on stderr: one row per stage with its elapsed time, plus the rows the
+    stages' own work reports through ``reporter`` (capture's steps, the search's meshes).
 
-    Drawn only when ``console`` is a terminal (``rich.progress`` on a file
-    prints its final frame, which would add lines to a one-line error).
-    ``seconds`` records every stage's wall time either way.
+    Drawn only when ``console`` is a terminal (``autoshard/progress.py`` with ``lines=False``: a
+    pipe gets the result or one error line, no progress); nothing when ``console`` is ``None``
+    (``--quiet``). ``seconds`` records every stage's wall time either way.
     """
 
     def __init__(self, console: Any) -> None:
-        from rich.progress import Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
+        from autoshard.progress import Silent, reporter
 
         self.seconds: dict[str, float] = {}
-        self._progress = Progress(
-            SpinnerColumn(finished_text="[green]✓[/]"), TextColumn("{task.description}"), TimeElapsedColumn(),
-            console=console, disable=not console.is_terminal, redirect_stdout=False, redirect_stderr=False,
-        )
+        self.reporter = Silent() if console is None else reporter(console=console, lines=False)
 
     def __enter__(self) -> Stages:
-        self._progress.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self._progress.stop()
+        self.reporter.close()
 
     @contextmanager
     def stage(self, key: str, description: str) -> Iterator[None]:
         """Show ``description`` while the block runs; record its time under ``key``."""
-        task = self._progress.add_task(description, total=1)
+        from autoshard.progress import Update
+
+        self.reporter(Update(description, 0, 1))
         start = time.perf_counter()
         try:
             yield
         finally:
             self.seconds[key] = time.perf_counter() - start
-            self._progress.update(task, completed=1)
+            self.reporter(Update(description, 1, 1))
 
     def done(self) -> None:
         """A last row, ``done``, with the total time."""
-        self._progress.add_task(f"done in {sum(self.seconds.values()):.1f} s", total=1, completed=1)
+        from autoshard.progress import Update
+
+        self.reporter(Update(f"done in {sum(self.seconds.values()):.1f} s", 1, 1))
 
 
 # --------------------------------------------------------------------- models
@@ -293,7 +334,7 @@ def _blocks(graph: Any) -> int:
 def capture_model(spec: str, stages: Stages) -> Any:
     """Capture reference model ``spec`` on meta under a progress row."""
     with stages.stage("capture", f"capture {spec} (torch.export on meta)"):
-        return capture_spec(spec)
+        return capture_spec(spec, progress=stages.reporter)
 
 
 def capture_spec(spec: str, **options: Any) -> Any:
@@ -326,6 +367,9 @@ class PlanRequest:
     output: Path | None = None
     reuse: Path | None = None
     retarget: Path | None = None
+    calibration: Path | None = None
+    json: bool = False
+    """Print the plan's JSON (``Plan.to_json``) on stdout instead of the table and the timing line."""
 
     def search_flags(self) -> list[str]:
         """The search-only flags that were given (refused with ``--plan``)."""
@@ -336,7 +380,6 @@ class PlanRequest:
 
 def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
     """``autoshard plan``: capture, then search (or reuse / retarget), print and save the plan."""
-    from autoshard.cluster import Cluster
     from autoshard.file_io import check_output_path
     from autoshard.plan import Plan
 
@@ -345,7 +388,7 @@ def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
     if request.reuse and request.search_flags():
         raise AutoshardError(f"--plan reuses a plan and skips the search, so {', '.join(request.search_flags())} "
                              "cannot apply; drop them or drop --plan")
-    cluster = Cluster.load(request.cluster)
+    cluster = load_cluster(request.cluster, request.calibration)
     check_mesh(request.mesh, cluster.world_size)
     old_path = request.reuse or request.retarget
     old = Plan.load(old_path) if old_path else None
@@ -359,7 +402,7 @@ def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
         else:
             plan = _search(request, graph, cluster, train, old, stages)
         stages.done()
-    _report(console, request, plan, old, stages.seconds)
+    _report(console, request, plan, old, stages.seconds, cluster)
 
 
 def _plan_model(request: PlanRequest, old: Any, old_path: Path | None) -> str:
@@ -416,11 +459,23 @@ def _search(request: PlanRequest, graph: Any, cluster: Any, train: Any, old: Any
                               max_memory_bytes=request.max_memory_bytes)
     limit = request.time_limit_s or DEFAULT_TIME_LIMIT_S
     with stages.stage("search", f"search {cluster.name} (CP-SAT, time limit {limit:g} s)"):
-        return solve(graph, cluster, train, constraints=constraints, time_limit_s=limit, hint=old)
+        return solve(graph, cluster, train, constraints=constraints, time_limit_s=limit, hint=old,
+                     progress=stages.reporter)
 
 
-def _report(console: Any, request: PlanRequest, plan: Any, old: Any, seconds: Mapping[str, float]) -> None:
+def _report(console: Any, request: PlanRequest, plan: Any, old: Any, seconds: Mapping[str, float],
+            cluster: Any) -> None:
+    if request.json:  # one JSON document on stdout: the plan as its file holds it
+        from autoshard.cli import print_json
+
+        if request.output is not None:
+            plan.save(request.output)
+        print_json(plan.to_json())
+        return
     console.print(plan.to_rich())
+    calibrated = calibration_line(cluster, request.calibration)
+    if calibrated:
+        console.print(calibrated, markup=False)
     if request.retarget:
         from autoshard.search import diff_plans, format_diff
 
@@ -440,9 +495,9 @@ def _report(console: Any, request: PlanRequest, plan: Any, old: Any, seconds: Ma
 
 # -------------------------------------------------------------------- explain
 def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_memory_bytes: int | None,
-                console: Any, progress_console: Any) -> None:
-    """``autoshard explain``: why ``layer`` got its strategy in the plan at ``path``."""
-    from autoshard.cluster import Cluster
+                console: Any, progress_console: Any, calibration: Path | None = None) -> None:
+    """``autoshard explain``: why ``layer`` got its strategy in the plan at ``path`` (priced on ``cluster_spec``
+    or the plan's recorded cluster, with the ``calibration`` file applied when given)."""
     from autoshard.plan import Plan
     from autoshard.plan_reuse import cluster_of, train_of
     from autoshard.search import Constraints, explain_layer, format_explanation
@@ -453,7 +508,9 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
         close = [n for n in names if layer in n or n in layer][:_MAX_LISTED] or names[:_MAX_LISTED]
         raise AutoshardError(f"layer {layer!r} is not in {path}; layers include {', '.join(close)}; "
                              f"see `autoshard inspect --no-fold {path}`")
-    cluster = Cluster.load(cluster_spec) if cluster_spec else cluster_of(plan)
+    cluster = load_cluster(cluster_spec, calibration) if cluster_spec else cluster_of(plan)
+    if calibration is not None and not cluster_spec:
+        cluster = cluster.with_calibration(calibration)
     spec = reference_spec(plan.model_name, source=str(path))
     with Stages(progress_console) as stages:
         graph = capture_model(spec, stages)
@@ -463,6 +520,9 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
     explanation = explain_layer(plan, graph, cluster, train, layer, k=top,
                                 constraints=Constraints(max_memory_bytes=max_memory_bytes))
     console.print(format_explanation(explanation))
+    calibrated = calibration_line(cluster, calibration)
+    if calibrated:
+        console.print(calibrated, markup=False)
 
 
 # ----------------------------------------------------------------------- diff
@@ -477,6 +537,7 @@ def run_diff(a: Path, b: Path, console: Any) -> None:
 
 
 __all__ = [
-    "PinSpec", "PlanRequest", "Stages", "check_mesh", "check_seq_len", "expand_pins", "parse_memory", "parse_mesh",
-    "parse_pin", "reference_spec", "run_diff", "run_explain", "run_plan",
+    "PinSpec", "PlanRequest", "Stages", "calibration_line", "check_mesh", "check_seq_len", "describe_cluster_spec",
+    "expand_pins", "load_cluster", "parse_memory", "parse_mesh", "parse_pin", "reference_spec", "run_diff",
+    "run_explain", "run_plan",
 ]

@@ -67,6 +67,7 @@ _CLUSTER_KINDS = {
 _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
                      "attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
                      "layer_times", "plan_residuals")
+CALIBRATION_KEYS = _CALIBRATION_KEYS  # the top-level keys of a calibration file (cluster_io.file_kind)
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
 _COST_MODEL_KEYS = ("attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
@@ -363,13 +364,26 @@ class Cluster:
 
         JSON or YAML is chosen by the extension, else by the content. Without a
         ``name`` key, a file that names a ``preset`` gets ``PRESET:NxD``.
-        Errors name the file (missing, unparsable) or the bad key/value.
+        ``calibration: PATH`` (a string) names a calibration file, relative to
+        this file's directory, applied with ``with_calibration``.
+        Errors name the file (missing, unparsable) or the bad key/value; a
+        calibration or plan file given as a cluster file is refused as such.
         """
         data = cluster_io.read_mapping_file(path)
+        kind = cluster_io.file_kind(data)
+        if kind != "cluster":
+            raise ClusterError(f"{str(path)!r} is a {kind} file, not a cluster file; "
+                               + (f"apply it with --calibration {path} next to --cluster PRESET or a cluster file, "
+                                  f"or name it in a cluster file ('calibration: {path}')" if kind == "calibration"
+                                  else "give a preset such as 'h100-sxm:2x8' or a .yaml/.json cluster file"))
+        calibration = data.pop("calibration", None) if isinstance(data.get("calibration"), str) else None
         try:
-            return cls.from_dict(data)
+            cluster = cls.from_dict(data)
+            if calibration is not None:
+                cluster = cluster.with_calibration(Path(path).parent / calibration)
         except ClusterError as err:
             raise ClusterError(f"cluster file {str(path)!r}: {err}") from err
+        return cluster
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> Cluster:
@@ -389,7 +403,7 @@ class Cluster:
             host_bandwidth: 50GB/s
             host_memory_bytes: 2TiB
             cpu_adam_params_per_s: 1e9
-            calibration: {...}        # a record, as written by to_dict
+            calibration: {...}        # a record, as written by to_dict (from_file: or a calibration file's path)
 
         With ``preset``, any key overrides the preset's (nested mappings key by
         key). Without it every key is required but the efficiencies, the link
@@ -476,7 +490,12 @@ class Cluster:
         """
         source = f"calibration file {str(measured)!r}: " if isinstance(measured, (str, Path)) else ""
         if source:
-            measured = cluster_io.read_mapping_file(measured, file_io.CALIBRATION_FILE)
+            path, measured = measured, cluster_io.read_mapping_file(measured, file_io.CALIBRATION_FILE)
+            kind = cluster_io.file_kind(measured)
+            if kind != "calibration":
+                raise ClusterError(f"{str(path)!r} is a {kind} file, not a calibration file; "
+                                   f"{file_io.CALIBRATION_FILE.hint}"
+                                   + (f" (give this one as --cluster {path})" if kind == "cluster" else ""))
         try:
             return self._apply_calibration(measured)
         except ClusterError as err:  # the checks shared with cluster files name the calibration file's fix
@@ -510,6 +529,14 @@ class Cluster:
     def describe(self) -> Any:
         """A ``rich.table.Table`` for ``autoshard cluster show``: device, memory, FLOP/s, links, world size."""
         return cluster_io.describe_table(self)
+
+
+def check_calibration(path: str | Path) -> None:
+    """Raise the ``ClusterError`` ``with_calibration`` would for the calibration file at ``path`` on any
+    cluster (the hardware check aside: ``autoshard cluster show FILE`` has no cluster to compare with)."""
+    cpu = Cluster.preset("cpu")
+    unmatched = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, name="calibration check"))
+    unmatched.with_calibration(path)
 
 
 def _maybe(key: str, value: Any) -> dict[str, Any]:

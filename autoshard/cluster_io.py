@@ -216,10 +216,120 @@ def describe_table(cluster: Cluster) -> Table:
         ("CPU Adam / device", f"{cluster.cpu_adam_params_per_s:.3g} params/s"),
         ("fingerprint", cluster.fingerprint()),
     ]
-    if cluster.calibration:
-        rows.append(("calibration", ", ".join(f"{k}={v}" for k, v in cluster.calibration.items())))
     for row in rows:
         table.add_row(*row)
+    table.rows[-1].end_section = bool(cluster.calibration)  # the calibration below a rule
+    for row in calibration_rows(cluster.calibration):
+        table.add_row(*row)
+    return table
+
+
+# ------------------------------------------------------------------ calibration files
+# Human rows of a calibration: (key, label, how to print its value). Keys are those of a calibration file
+# and of the flat record ``Cluster.calibration`` (``"intra_node.bandwidth"``); ``layer_times`` is summarised.
+_CALIBRATION_LABELS: tuple[tuple[str, str, str], ...] = (
+    ("matmul_efficiency", "matmul efficiency", "ratio"),
+    ("hbm_efficiency", "HBM efficiency", "ratio"),
+    ("attention_efficiency", "attention efficiency", "ratio"),
+    ("kernel_overhead_s", "kernel overhead", "seconds"),
+    ("gemm_knee_flops", "GEMM knee", "flop"),
+    ("intra_node.bandwidth", "intra-node bandwidth", "bytes/s"),
+    ("intra_node.latency", "intra-node latency α", "seconds"),
+    ("inter_node.bandwidth", "inter-node bandwidth", "bytes/s"),
+    ("inter_node.latency", "inter-node latency α", "seconds"),
+    ("overlap_contention", "overlap contention κ", "ratio"),
+    ("overlap_efficiency", "overlap efficiency f", "ratio"),
+    ("adamw_s_per_param", "AdamW per parameter", "seconds"),
+    ("adamw_s_per_tensor", "AdamW per tensor", "seconds"),
+)
+
+
+def file_kind(data: dict[str, Any]) -> str:
+    """What a mapping read from a file is: ``"plan"``; ``"calibration"`` (a key only ``autoshard cluster
+    calibrate`` writes, such as ``matmul_efficiency`` at the top, and no key only cluster files have); else
+    ``"cluster"``. A damaged file keeps its kind, so its own reader names what is wrong."""
+    from autoshard.cluster import _CLUSTER_KINDS, CALIBRATION_KEYS
+
+    if data.get("format") == "autoshard.plan":
+        return "plan"
+    shared = {"device", "intra_node", "inter_node"}
+    cluster_only = ({"preset", *_CLUSTER_KINDS} - shared) & set(data)
+    if not cluster_only and (set(CALIBRATION_KEYS) - shared) & set(data):
+        return "calibration"
+    return "cluster"
+
+
+def calibration_rows(record: dict[str, Any]) -> list[tuple[str, str]]:
+    """``(field, value)`` rows of a calibration in units (``Cluster.calibration``'s flat keys or a calibration
+    file's nested ones): where and when it was measured, each measured figure, the layer-time samples."""
+    if not record:
+        return []
+    flat = _flat_calibration(record)
+    rows = [("calibrated on", " ".join(str(flat[k]) for k in ("device", "date") if k in flat) or "(not recorded)")]
+    for key, label, kind in _CALIBRATION_LABELS:
+        if key in flat:
+            rows.append((label, _calibration_value(flat[key], kind)))
+    samples = sum(1 for k in flat if k.startswith("layer_time") and k.endswith("fwd_s"))
+    if "layer_times.model" in flat:
+        scale = flat.get("layer_times.compiled_saved_scale")
+        rows.append(("layer times", f"{samples} layer sample(s) of {flat['layer_times.model']} (forward and "
+                                    "backward seconds)"
+                                    + (f", compiled activation scale {scale:.3g}" if scale is not None else "")))
+    return rows
+
+
+def _flat_calibration(record: dict[str, Any]) -> dict[str, Any]:
+    """A calibration file's nested ``intra_node``/``inter_node``/``layer_times`` as the record's flat keys."""
+    flat: dict[str, Any] = {}
+    for key, value in record.items():
+        if key in ("intra_node", "inter_node") and isinstance(value, dict):
+            flat.update({f"{key}.{k}": v for k, v in value.items()})
+        elif key == "layer_times" and isinstance(value, dict):
+            flat["layer_times.model"] = value.get("model", "?")
+            samples = value.get("samples", ())
+            flat.update({f"layer_times.{i}.fwd_s": 0.0 for i in range(len(samples) if isinstance(samples, list) else 0)})
+            if "compiled_saved_scale" in value:
+                flat["layer_times.compiled_saved_scale"] = value["compiled_saved_scale"]
+        else:
+            flat[key] = value
+    return flat
+
+
+def _calibration_value(value: Any, kind: str) -> str:
+    if isinstance(value, str):  # a unit string of a hand-edited file, as written
+        return value
+    if kind == "ratio":
+        return f"{value:.3g}"
+    if kind == "seconds":
+        return format_seconds(value)
+    if kind == "flop":
+        return f"{value:.3g} FLOP"
+    return _human(value, "B/s") or "0 B/s"
+
+
+def format_seconds(seconds: float) -> str:
+    """``6e-06`` → ``"6 µs"``: s, ms, µs, ns or ps with 3 significant digits."""
+    for unit, scale in (("s", 1.0), ("ms", 1e-3), ("µs", 1e-6), ("ns", 1e-9)):
+        if abs(seconds) >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds / 1e-12:.3g} ps" if seconds else "0 s"
+
+
+def describe_calibration_file(path: str | Path, data: dict[str, Any]) -> Table:
+    """Two-column ``rich`` table of a calibration file for ``autoshard cluster show FILE``: the machine it was
+    measured on, when, and each figure it measured (checked as ``Cluster.with_calibration`` checks it)."""
+    from rich.table import Table
+
+    from autoshard.cluster import check_calibration
+
+    check_calibration(path)
+    table = Table(title=f"calibration file {Path(path)}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for row in calibration_rows(data):
+        table.add_row(*row)
+    table.add_row("use it", f"--calibration {path} (plan, explain, ppo, run), or 'calibration: {path}' in a "
+                            "cluster file")
     return table
 
 

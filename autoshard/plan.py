@@ -32,6 +32,17 @@ Forms (as DTensor prints ``Shard(dim=0)`` for machines and ``S(0)`` for people):
 JSON form (``to_dict``/``save``): every dataclass field under its own name,
 plus ``"format": "autoshard.plan"`` and ``"version": 1`` at the top;
 ``sort_keys`` and 2-space indent, so one plan always gives the same bytes.
+
+Reproducible files (a decision): identical inputs give identical bytes. A
+plan file holds decisions, predictions and fingerprints, nothing about the
+run that made it: no timestamp, no host, and no search wall time.
+``SolverStats.wall_s`` is kept in memory (``autoshard plan`` prints it in its
+timing line) but never written and not part of ``==``; files written before
+this decision hold it, are still read (the value is checked, then kept in
+memory only) and stay version 1, since no reader needs it. Floats are
+written by ``json`` (shortest round-trip ``repr``), keys sorted, and the
+search is deterministic for a given input (``search/solver.py``,
+"Determinism"; a search cut short by its time limit is not).
 ``save`` writes a temporary file in the target directory and
 ``os.replace``-s it, so a reader never sees half a plan; the target must be a
 regular file or nothing (``file_io.atomic_write``). ``load`` reads by
@@ -72,7 +83,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from autoshard import file_io
-from autoshard._plan_schema import PlanFieldError, Record, at_least, choice, decode, encode, join_path
+from autoshard._plan_schema import PlanFieldError, Record, at_least, choice, decode, encode, join_path, transient
 from autoshard.errors import PlanError
 from autoshard.train import OPTIMIZERS, PRECISIONS
 
@@ -236,13 +247,14 @@ class Predictions(Record):
 
 @dataclass(frozen=True)
 class SolverStats(Record):
-    """How the search ended: CP-SAT status, objective, bound, gap, wall time."""
+    """How the search ended: CP-SAT status, objective, bound, gap; and its wall time, ``wall_s``, which is
+    in memory only ("Reproducible files" in the module docstring): 0.0 on a plan read from a file."""
 
     status: str = "NONE"
     objective: float = 0.0
     bound: float = 0.0
     gap: float = 0.0
-    wall_s: float = at_least(0.0, 0)
+    wall_s: float = transient(0.0, 0)
     meshes_considered: int = at_least(0, 0)
     meshes_solved: int = at_least(0, 0)
 

@@ -3,10 +3,10 @@
 Layout::
 
     plan for gpt:tiny | global_batch=64 seq_len=2048 bf16 adamw
-    mesh dp_replicate=1 dp_shard=8 tp=1 pp=1 ep=1 cp=1 (world 8) | 1f1b m=4 mb=2
+    mesh dp_replicate=1 dp_shard=8 tp=1 pp=1 ep=1 cp=1 (world 8) | no pipeline: 4 micro-batches of 2 accumulated
     predicted step 1.23 s (compute 0.9 s, exposed comm 210 ms, bubble 0 s, optimizer 30 ms) | ...
     predicted memory/rank peak 61.20 GiB | by stage: ... | params ..., grads ...
-    solver OPTIMAL objective 1.23 bound 1.2 gap 2.5% in 3.2 s (meshes 12 solved / 40 considered)
+    solver OPTIMAL objective 1.23 bound 1.2 gap 2.5% (meshes 12 solved / 40 considered)
 
     layer              strategy   state  tp        sp   ep  recompute  weight  grad  stage
     embed              Z3         zero3  none      -    -   none       bf16    bf16  0
@@ -20,16 +20,36 @@ same decisions (every ``LayerStrategy`` field but the name, the stage
 included) prints once, as ``blocks.0-31.attn``. So a stage boundary or one
 block that differs breaks the run and stays visible. ``repr`` and the JSON
 form are never folded; ``fold=False`` prints every layer.
+
+The schedule is said in words (``describe_schedule``): with pp = 1 there is no
+pipeline, only gradient accumulation over m micro-batches, so ``1f1b m=4``
+would mislead. The rich form wraps the memory line only between its items
+(``_Items``), never inside ``params 22.1 KiB``. ``NOTATION_LEGEND`` explains
+the strategy notation (``Z2·qG4``); the CLI's ``--help`` of ``plan``,
+``explain`` and ``inspect`` shows it.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from typing import Any
 
 from autoshard.plan import LayerStrategy, Plan
 
 HEADERS = ("layer", "strategy", "state", "tp", "sp", "ep", "recompute", "weight", "grad", "stage")
+
+NOTATION_LEGEND = """\
+strategy notation (parts joined by '·', a part at its default is left out):
+  DDP      replicated parameters, gradients all-reduced (data parallel)
+  Z1 Z2 Z3 ZeRO-1/2/3: optimizer states / + gradients / + parameters sharded over dp_shard
+  Off      ZeRO-Offload: optimizer states and update on the host CPU
+  TP  SP   Megatron tensor parallelism; sequence parallelism of its activations
+  EP       expert parallelism (MoE experts spread over the dp ranks)
+  R(sel)   selective recompute (attention internals); R(full): the whole layer recomputed in backward
+  qW8 qWf8 parameter all-gathers sent in int8 / fp8
+  qG8 qG4  gradient reductions sent in int8 / int4;  G32: in fp32
+  e.g. Z2·qG4: ZeRO-2 with int4 gradient reduce-scatters"""
 
 
 @dataclass(frozen=True)
@@ -134,20 +154,32 @@ def format_seconds(t: float) -> str:
     return f"{t * 1e6:.3g} µs"
 
 
+def describe_schedule(plan: Plan) -> str:
+    """The schedule in words: ``no pipeline: 4 micro-batches of 2 accumulated`` (pp = 1), or
+    ``1f1b pipeline over 4 stages, 8 micro-batches of 2`` (``, 2 virtual stages per rank`` when interleaved)."""
+    s = plan.schedule
+    batches = (f"{s.num_micro_batches} micro-batch{'es' if s.num_micro_batches > 1 else ''} of {s.micro_batch} "
+               f"sequence{'s' if s.micro_batch > 1 else ''}")
+    if plan.mesh.pp == 1:
+        return "no pipeline: " + (f"{batches} accumulated per step" if s.num_micro_batches > 1
+                                  else f"one batch of {s.micro_batch} sequence{'s' if s.micro_batch > 1 else ''} per step")
+    virtual = f", {s.virtual_stages} virtual stages per rank" if s.virtual_stages > 1 else ""
+    return f"{s.name} pipeline over {plan.mesh.pp} stages, {batches}{virtual}"
+
+
 def header_lines(plan: Plan) -> list[str]:
     """The lines above the layer table: model, mesh + schedule, predictions, solver."""
     lines = [
         f"plan for {plan.model_name} | global_batch={plan.global_batch} seq_len={plan.seq_len} "
         f"{plan.precision} {plan.optimizer}",
-        f"mesh {plan.mesh} | {plan.schedule}",
+        f"mesh {plan.mesh} | {describe_schedule(plan)}",
     ]
     lines.extend(_prediction_lines(plan))
     stats = plan.solver
     if stats.status != "NONE":
         lines.append(
             f"solver {stats.status} objective {stats.objective:.4g} bound {stats.bound:.4g} gap {stats.gap:.1%} "
-            f"in {format_seconds(stats.wall_s)} (meshes {stats.meshes_solved} solved / "
-            f"{stats.meshes_considered} considered)"
+            f"(meshes {stats.meshes_solved} solved / {stats.meshes_considered} considered)"
         )
     return lines
 
@@ -187,8 +219,29 @@ def format_plan(plan: Plan, *, fold: bool = True) -> str:
     return "\n".join([*header_lines(plan), "", *table])
 
 
+class _Items:
+    """A rich renderable of one text line that wraps only between its items: after ``, `` or `` | ``
+    (a value and its unit, ``params 22.1 KiB``, stay on one line); wrapped lines are indented."""
+
+    SEPARATORS = re.compile(r"(?<=, )|(?<= \| )")
+
+    def __init__(self, line: str) -> None:
+        self.items = [item for item in self.SEPARATORS.split(line) if item]
+
+    def __rich_console__(self, console: Any, options: Any) -> Any:
+        from rich.text import Text
+
+        width, line = options.max_width, ""
+        for item in self.items:
+            if line.strip() and len(line) + len(item.rstrip()) > width:
+                yield Text(line.rstrip(), overflow="fold")
+                line = "    "
+            line += item
+        yield Text(line.rstrip(), overflow="fold")
+
+
 def plan_to_rich(plan: Plan, *, fold: bool = True) -> Any:
-    """The plan as a ``rich`` renderable: header text above a per-layer table."""
+    """The plan as a ``rich`` renderable: header lines (wrapped between items) above a per-layer table."""
     from rich.console import Group
     from rich.table import Table
     from rich.text import Text
@@ -198,5 +251,4 @@ def plan_to_rich(plan: Plan, *, fold: bool = True) -> Any:
         table.add_column(name, no_wrap=name in ("layer", "strategy"))
     for row in _rows(plan, fold):
         table.add_row(*(Text(cell) for cell in row))
-    header = Text("\n".join(header_lines(plan)))
-    return Group(header, Text(""), table)
+    return Group(*(_Items(line) for line in header_lines(plan)), Text(""), table)

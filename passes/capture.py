@@ -120,6 +120,7 @@ from autoshard.passes._capture_proxy import make_proxy
 from autoshard.passes._capture_report import format_coverage, format_layer_table
 from autoshard.passes._capture_saved import SavedBytes, measure_saved
 from autoshard.passes._capture_tp import tp_refusals
+from autoshard.progress import ProgressFn, Update
 
 log = logging.getLogger(__name__)
 
@@ -137,6 +138,7 @@ def capture(
     batch: int = 2,
     dynamic: bool = True,
     export_all_blocks: bool = False,
+    progress: ProgressFn | None = None,
 ) -> ModelGraph:
     """Capture ``model`` into a ``ModelGraph`` (steps and formulas in the module docstring).
 
@@ -159,21 +161,28 @@ def capture(
             ``False`` exports twice with static shapes.
         export_all_blocks: export every block even when the stack qualifies
             for the three-block proxy (``_capture_proxy``; same result, slower).
+        progress: receives ``Update("capture NAME", k, 3, unit="steps")`` as export,
+            the saved-activation measurement and the per-layer costs start and end
+            (``autoshard/progress.py``); ``None``: silent.
 
     Raises:
         CaptureError: the model cannot be exported (the message names the
             module and op), or the arguments are invalid.
     """
     model_name = name or type(model).__name__
+    step = _steps_reporter(progress, f"capture {model_name}")
     layers = find_layers(model)
     hidden, vocab = model_hidden_vocab(model, layers)
     example = _Example.make(model, example_inputs, seq_lens, batch)
+    step(0, f"torch.export of {len(layers)} layers")
     with _training_mode(model):
         view, program = _graph_view(model, example, layers, dynamic, model_name, export_all_blocks)
         recognised = recognise_layers(layers, program.exported, program.rename, hidden, example.batch)
         layers = recognised.layers
         roles = param_roles(model, layers, vocab, recognised.roles)
+        step(1, "saved activations")
         saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
+    step(2, "layer costs")
     ordered = _execution_order(layers, view.layer_order)
     params = layer_params(ordered, roles)
     refusals = _tp_refusals(program, ordered, params, roles)
@@ -185,6 +194,7 @@ def capture(
         points = [point.get(spec.name, Accum()) for point in view.costs]
         info = _layer_info(spec, index, params[spec.name], points, [s[spec.name] for s in saved], example, meta)
         infos.append(replace(info, class_id=_class_id(info)))
+    step(3, f"{len(infos)} layers captured")
     rank = {spec.name: i for i, spec in enumerate(ordered)}
     return ModelGraph(
         model_name=model_name,
@@ -200,10 +210,21 @@ def capture(
     )
 
 
+def _steps_reporter(progress: ProgressFn | None, task: str) -> Callable[[int, str], None]:
+    """``step(completed, note)``: one of capture's three steps to ``progress`` (nothing when ``None``)."""
+
+    def step(completed: int, note: str) -> None:
+        if progress is not None:
+            progress(Update(task, completed, 3, unit="steps", note=note, eta=False))  # export dominates: no ETA
+
+    return step
+
+
 def capture_reference(
-    spec: str, *, seq_lens: tuple[int, int] | None = None, batch: int = 2, **overrides: object
+    spec: str, *, seq_lens: tuple[int, int] | None = None, batch: int = 2, progress: ProgressFn | None = None,
+    **overrides: object
 ) -> ModelGraph:
-    """Build reference model ``spec`` (``"llama:70b"``) on meta in bf16 and capture it.
+    """Build reference model ``spec`` (``"llama:70b"``) on meta in bf16 and capture it (``progress``: as ``capture``).
 
     ``overrides`` go to ``autoshard.models.build`` (config fields such as
     ``dropout=0.1, attn_impl="math"``; ``device`` and ``dtype`` default to
@@ -215,7 +236,7 @@ def capture_reference(
     device = overrides.pop("device", "meta")
     dtype = overrides.pop("dtype", torch.bfloat16)
     model = build(spec, device=device, dtype=dtype, **overrides)
-    return capture(model, name=spec, seq_lens=seq_lens, batch=batch)
+    return capture(model, name=spec, seq_lens=seq_lens, batch=batch, progress=progress)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -9,15 +9,31 @@ What it does, in order, before any process starts:
    naming the file and the bad field);
 2. derives the processes per node: ``nproc_per_node = plan world size /
    --nnodes`` (``LaunchError`` when it does not divide); ``--nproc-per-node``
-   forces a value, checked with ``check_world`` against the plan (so a
-   mismatch fails here, not as a hung collective);
-3. builds the torchrun (``torch.distributed.run``) command: single node
-   without ``--rdzv-endpoint`` uses ``--standalone`` (a free local port);
-   multi-node needs ``--rdzv-endpoint HOST:PORT`` (same on every node) and
-   passes ``--nnodes``, ``--node-rank``, ``--rdzv-backend``, ``--rdzv-id``
-   through; ``--max-restarts`` is torchrun's elastic restart count;
+   forces a value, and a launch whose ``nnodes × nproc_per_node`` differs
+   from the plan's world is a one-line ``PlanError`` ("plan P needs world 4
+   (mesh dp_shard=4); this launch gives 2 nodes × 1 = 2"): it fails here, not
+   as a hung collective;
+3. builds the torchrun (``torch.distributed.run``) command. One node without
+   a rendezvous option uses ``--standalone`` (a free local port). Several
+   nodes (``--nnodes N``, one ``autoshard run`` per node, the same arguments
+   on each) rendezvous one of two ways:
+
+   - c10d: ``--rdzv-endpoint HOST:PORT`` (the same on every node; the agent
+     on HOST serves the store) with ``--rdzv-id`` naming the job;
+     ``--rdzv-backend`` passes through. Nodes are numbered in the order they
+     join, so a node's ranks are not fixed by its ``--node-rank``.
+   - static: ``--master-addr HOST`` (and ``--master-port``, default 29500)
+     with ``--node-rank R`` on each node; node R runs global ranks
+     ``R * nproc_per_node`` onwards.
+
+   ``--node-rank`` without ``--nnodes N > 1``, ``--node-rank`` outside
+   ``[0, N)``, both rendezvous forms at once, neither with N > 1, or static
+   without ``--node-rank`` are ``LaunchError`` one-liners. ``--max-restarts`` is torchrun's elastic
+   restart count;
 4. runs it in a child process with ``AUTOSHARD_PLAN=<absolute plan path>`` in
-   the environment and ``OMP_NUM_THREADS=1`` when no CUDA device is visible
+   the environment (and, with ``--calibration FILE``, checked here against the
+   plan's recorded cluster, ``AUTOSHARD_CALIBRATION=<absolute path>``, which
+   ``autoshard.compile`` on the ranks applies to the cluster it is given) and ``OMP_NUM_THREADS=1`` when no CUDA device is visible
    and the variable is unset (gloo ranks share the CPU cores; torchrun would
    otherwise pick the same value with a warning). The child is torchrun's
    agent and each rank a bootstrap around the script, both in
@@ -39,7 +55,9 @@ launcher prints, on stderr:
   ``rank R: killed by SIGKILL`` / ``exited with code 3``, from torchrun's
   first failure. Exit 1.
 
-torchrun's own log and its ``ChildFailedError`` traceback are hidden;
+torchrun's own log and its ``ChildFailedError`` traceback are hidden, and so
+are other libraries' deprecation and torch-internal warnings in the agent and
+every rank (``autoshard/quiet_warnings.py``: not printed once per rank);
 ``--debug`` (``AUTOSHARD_DEBUG=1`` in the ranks) shows them, and each rank
 also prints its own line and traceback. Errors the parent can see coming are
 raised before anything starts (plan, world size, script, nodes here;
@@ -110,6 +128,8 @@ from autoshard.runtime.launch_child import (
 )
 
 PLAN_ENV = "AUTOSHARD_PLAN"
+PROFILE_ENV = "AUTOSHARD_PROFILE"  # ``--profile DIR``: runtime/step_profile.py traces each rank's second step there
+CALIBRATION_ENV = "AUTOSHARD_CALIBRATION"  # a calibration file autoshard.compile applies (``--calibration``)
 CHILD_MODULE = "autoshard.runtime.launch_child"
 _USAGE = "autoshard run [OPTIONS] PLAN.json -- SCRIPT [ARGS...]"
 
@@ -192,37 +212,69 @@ def build_launch(
     command: Sequence[str],
     *,
     nnodes: int = 1,
-    node_rank: int = 0,
+    node_rank: int | None = None,
     nproc_per_node: int | None = None,
     rdzv_endpoint: str | None = None,
     rdzv_backend: str = "c10d",
     rdzv_id: str = "autoshard",
+    master_addr: str | None = None,
+    master_port: int | None = None,
     max_restarts: int = 0,
     cuda_available: bool | None = None,
+    calibration: str | os.PathLike | None = None,
+    profile: str | os.PathLike | None = None,
 ) -> LaunchSpec:
-    """Validate the plan and arguments and build the torchrun command (module docstring, steps 1-3)."""
+    """Validate the plan and arguments and build the torchrun command (module docstring, steps 1-4)."""
     from autoshard.plan import Plan
 
     plan_path = Path(plan_path).absolute()
     plan = Plan.load(plan_path)
+    if calibration is not None:
+        calibration = _check_calibration(plan, Path(calibration).absolute())
     _check_command(command)
-    _check_nodes(nnodes, node_rank, rdzv_endpoint)
-    nproc = _nproc_per_node(plan, nnodes, nproc_per_node)
+    _check_nodes(nnodes, node_rank, rdzv_endpoint, master_addr, master_port)
+    nproc = _nproc_per_node(plan, plan_path, nnodes, nproc_per_node)
     timeout = timeout_s()
     torchrun = [sys.executable, "-m", CHILD_MODULE, "agent", "--nnodes", str(nnodes), "--nproc-per-node", str(nproc)]
-    if rdzv_endpoint is None:
-        torchrun.append("--standalone")
+    if node_rank is not None:
+        torchrun += ["--node-rank", str(node_rank)]
+    if rdzv_endpoint is not None:
+        torchrun += ["--rdzv-endpoint", rdzv_endpoint, "--rdzv-backend", rdzv_backend, "--rdzv-id", rdzv_id]
+    elif master_addr is not None:
+        torchrun += ["--rdzv-backend", "static", "--master-addr", master_addr]
+        torchrun += ["--master-port", str(29500 if master_port is None else master_port)]
     else:
-        torchrun += ["--node-rank", str(node_rank), "--rdzv-endpoint", rdzv_endpoint]
-        torchrun += ["--rdzv-backend", rdzv_backend, "--rdzv-id", rdzv_id]
+        torchrun.append("--standalone")
     torchrun += ["--max-restarts", str(max_restarts)]
     torchrun += ["--module", CHILD_MODULE, "rank", *command]
     env = {PLAN_ENV: str(plan_path), TIMEOUT_ENV: f"{timeout:g}"}
+    if calibration is not None:
+        env[CALIBRATION_ENV] = str(calibration)
+    if profile is not None:  # runtime/step_profile.py: autoshard.compile traces each rank's second step there
+        env[PROFILE_ENV] = str(Path(profile).absolute())
     if cuda_available is None:
         cuda_available = _cuda_available()
     if not cuda_available and "OMP_NUM_THREADS" not in os.environ:
         env["OMP_NUM_THREADS"] = "1"
     return LaunchSpec(argv=tuple(torchrun), env=env, nproc_per_node=nproc, nnodes=nnodes, timeout_s=timeout)
+
+
+def _check_calibration(plan: Any, path: Path) -> Path:
+    """``path`` once it reads as a calibration file whose figures are the ones the plan was searched with
+    (its recorded cluster keeps its fingerprint; a hand-written plan records none: the file alone is checked).
+    A bad file is a ``ClusterError``, a mismatch a ``PlanError``, here, before any rank starts."""
+    from autoshard.cluster import check_calibration
+    from autoshard.plan_reuse import cluster_of
+
+    if not plan.fingerprints.cluster_spec:
+        check_calibration(path)
+        return path
+    try:
+        plan.check_compatible(cluster=cluster_of(plan).with_calibration(path))
+    except PlanError as err:
+        raise PlanError(f"--calibration {path}: {err}; plan with `autoshard plan ... --calibration {path}` "
+                        "first") from None
+    return path
 
 
 def _check_command(command: Sequence[str]) -> None:
@@ -236,33 +288,61 @@ def _check_command(command: Sequence[str]) -> None:
         raise LaunchError(f"script {command[0]!r} is not a file; give the path of a Python script, or '-m MODULE'")
 
 
-def _check_nodes(nnodes: int, node_rank: int, rdzv_endpoint: str | None) -> None:
+def _check_nodes(
+    nnodes: int, node_rank: int | None, rdzv_endpoint: str | None, master_addr: str | None, master_port: int | None
+) -> None:
+    """The node and rendezvous options make one launch (module docstring, step 3), or a ``LaunchError``."""
     if nnodes < 1:
         raise LaunchError(f"--nnodes {nnodes} must be at least 1")
-    if not 0 <= node_rank < nnodes:
+    if node_rank is not None and nnodes == 1:
+        raise LaunchError(f"--node-rank {node_rank} needs --nnodes N (N > 1, the number of nodes); "
+                          "a one-node launch takes neither")
+    if node_rank is not None and not 0 <= node_rank < nnodes:
         raise LaunchError(f"--node-rank {node_rank} must be in [0, {nnodes}) for --nnodes {nnodes}")
-    if nnodes > 1 and rdzv_endpoint is None:
+    if rdzv_endpoint is not None and master_addr is not None:
+        raise LaunchError("--rdzv-endpoint (c10d rendezvous) and --master-addr (static rendezvous) exclude each "
+                          "other; give one")
+    if master_port is not None and master_addr is None:
+        raise LaunchError(f"--master-port {master_port} needs --master-addr HOST (the node of --node-rank 0)")
+    if nnodes > 1 and rdzv_endpoint is None and master_addr is None:
         raise LaunchError(
-            f"--nnodes {nnodes} needs --rdzv-endpoint HOST:PORT (the same on every node, e.g. the first node's "
-            "address and a free port)"
+            f"--nnodes {nnodes} needs a rendezvous: --rdzv-endpoint HOST:PORT (the same on every node, e.g. the "
+            "first node's address and a free port), or --master-addr HOST with --node-rank R"
         )
+    if master_addr is not None and nnodes > 1 and node_rank is None:
+        raise LaunchError(f"--master-addr {master_addr} (static rendezvous) needs --node-rank R on each node, "
+                          f"R in [0, {nnodes})")
     if rdzv_endpoint is not None and ":" not in rdzv_endpoint:
         raise LaunchError(f"--rdzv-endpoint {rdzv_endpoint!r} must be HOST:PORT, e.g. node0:29400")
 
 
-def _nproc_per_node(plan: Any, nnodes: int, forced: int | None) -> int:
+def _nproc_per_node(plan: Any, plan_path: Path, nnodes: int, forced: int | None) -> int:
+    """Processes per node: ``forced``, or the plan's world over ``nnodes``; a launch of another world is refused."""
     world = plan.mesh.world_size
     if forced is not None:
         if forced < 1:
             raise LaunchError(f"--nproc-per-node {forced} must be at least 1")
-        check_world(plan, forced * nnodes)
+        if forced * nnodes != world:
+            nodes = f"{nnodes} node{'s' if nnodes > 1 else ''}"
+            raise PlanError(
+                f"plan {plan_path} needs world {world} (mesh {_mesh_axes(plan.mesh)}); this launch gives {nodes} "
+                f"× {forced} = {forced * nnodes}; leave out --nproc-per-node (default: world / --nnodes), or "
+                f"search a plan for {forced * nnodes} ranks"
+            )
         return forced
     if world % nnodes:
         raise LaunchError(
-            f"the plan's world size {world} ({plan.mesh}) is not divisible by --nnodes {nnodes}; "
-            f"use a node count that divides {world}, or search a plan for {nnodes} nodes"
+            f"plan {plan_path} needs world {world} (mesh {_mesh_axes(plan.mesh)}), which --nnodes {nnodes} does "
+            f"not divide; use a node count that divides {world}, or search a plan for {nnodes} nodes"
         )
     return world // nnodes
+
+
+def _mesh_axes(mesh: Any) -> str:
+    """The mesh axes of degree > 1, e.g. ``dp_shard=2 tp=2`` (``str(mesh)`` also lists the 1s)."""
+    from autoshard.plan import MESH_AXES
+
+    return " ".join(f"{axis}={getattr(mesh, axis)}" for axis in MESH_AXES if getattr(mesh, axis) > 1) or "1 rank"
 
 
 def _cuda_available() -> bool:
@@ -437,12 +517,16 @@ class _OptionParser(argparse.ArgumentParser):
 def add_run_options(parser: argparse.ArgumentParser) -> None:
     """The options of ``autoshard run`` (without the positional arguments)."""
     parser.add_argument("--nnodes", type=int, default=1, metavar="N", help="number of nodes (default 1); processes per node = plan world size / N")
-    parser.add_argument("--node-rank", type=int, default=0, metavar="R", help="this node's index in [0, N) (multi-node)")
+    parser.add_argument("--node-rank", type=int, default=None, metavar="R", help="this node's index in [0, N) (multi-node; static rendezvous needs it)")
     parser.add_argument("--nproc-per-node", type=int, default=None, metavar="P", help="force processes per node; must give the plan's world size (checked)")
     parser.add_argument("--rdzv-endpoint", default=None, metavar="HOST:PORT", help="rendezvous address, the same on every node (required with N > 1)")
     parser.add_argument("--rdzv-backend", default="c10d", metavar="NAME", help="torchrun rendezvous backend (default c10d)")
     parser.add_argument("--rdzv-id", default="autoshard", metavar="ID", help="job id shared by the nodes of one run (default 'autoshard')")
+    parser.add_argument("--master-addr", default=None, metavar="HOST", help="static rendezvous instead of c10d: the address of node 0 (with --node-rank on every node)")
+    parser.add_argument("--master-port", type=int, default=None, metavar="PORT", help="static rendezvous port on --master-addr (default 29500)")
     parser.add_argument("--max-restarts", type=int, default=0, metavar="K", help="restart the workers up to K times on failure (torchrun elastic; default 0)")
+    parser.add_argument("--calibration", default=None, metavar="CAL.json", help="a file of 'autoshard cluster calibrate' that autoshard.compile on the ranks applies to its cluster (checked before the launch)")
+    parser.add_argument("--profile", default=None, metavar="DIR", help="record each rank's second program.step with torch.profiler to DIR/step.rank<R>.trace.json (for 'autoshard report --measured')")
     parser.add_argument("--dry-run", action="store_true", help="print the torchrun command and environment, start nothing")
 
 
@@ -490,7 +574,11 @@ def run_main(args: argparse.Namespace) -> int:
         rdzv_endpoint=args.rdzv_endpoint,
         rdzv_backend=args.rdzv_backend,
         rdzv_id=args.rdzv_id,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
         max_restarts=args.max_restarts,
+        calibration=args.calibration,
+        profile=args.profile,
     )
     if args.dry_run:
         env = " ".join(f"{k}={v}" for k, v in sorted(spec.env.items()))
@@ -520,6 +608,7 @@ if __name__ == "__main__":
 
 
 __all__ = [
+    "CALIBRATION_ENV",
     "CHILD_MODULE",
     "DEFAULT_TIMEOUT_S",
     "EXIT_INTERNAL",

@@ -21,6 +21,10 @@ Two roles, one module, no torch import until the role needs it:
   leaves with ``os._exit`` (a C++ thread torn down by the interpreter's exit
   can abort a finished rank: ``runtime/ppo_program.py``'s ``__main__``).
 
+Both roles hide other libraries' deprecation and torch-internal warnings
+(``autoshard/quiet_warnings.py``) unless ``AUTOSHARD_DEBUG=1`` or warning
+options (``PYTHONWARNINGS``) are set, so one warning is not printed by every rank.
+
 Scripts that catch their own errors report them with ``record_rank_error``.
 Without ``AUTOSHARD_RUN_DIR`` (plain torchrun) nothing is written and
 ``record_rank_error`` prints the one line itself.
@@ -172,9 +176,16 @@ def _destroy_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _filter_warnings() -> None:
+    from autoshard.quiet_warnings import filter_third_party_warnings
+
+    filter_third_party_warnings(debug=os.environ.get(DEBUG_ENV) == "1")
+
+
 def rank_main(command: Sequence[str]) -> int:
     """One rank: heartbeat, run ``command``, record what escapes it; returns the exit code (module docstring)."""
     die_with_parent()
+    _filter_warnings()
     run_dir = _run_dir()
     heartbeat = None
     if run_dir is not None:
@@ -215,6 +226,7 @@ def _quiet_torchrun_logs() -> None:
 def agent_main(torchrun_args: Sequence[str]) -> int:
     """torchrun's agent; on a rank failure writes ``agent.json`` and returns 1 (module docstring)."""
     die_with_parent()
+    _filter_warnings()
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 

@@ -1,4 +1,4 @@
-"""Per-step PPO metrics: phase timers, throughput, MFU, peak memory, JSON lines, a live one-line summary.
+"""Per-step PPO metrics: phase timers, throughput, MFU, peak memory, JSON lines, a per-step progress line.
 
 Keys written per step (all floats; ``/`` groups them):
 
@@ -27,12 +27,13 @@ import resource
 import sys
 import time
 from pathlib import Path
-from typing import IO, Iterator
+from typing import IO, Callable, Iterator
 
 import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.file_io import METRICS_FILE, atomic_write, parse_json_strict, read_bounded_text
+from autoshard.progress import Update
 
 PHASES = ("weight_sync", "generate", "logprobs", "reference", "values", "advantages", "train")
 
@@ -145,6 +146,34 @@ def read_metrics(path: str | Path) -> list[dict[str, float]]:
     return rows
 
 
+def run_info_path(metrics: str | Path) -> Path:
+    """The run's description beside its metrics file: ``run.jsonl`` → ``run.run.json``."""
+    metrics = Path(metrics)
+    return metrics.with_name(f"{metrics.stem}.run.json")
+
+
+def write_run_info(metrics: str | Path, info: dict[str, str | int | float]) -> Path:
+    """Write what a run trains (model, task, plan mesh, world size…; ``autoshard plot`` titles its figure with
+    it) beside ``metrics``, atomically."""
+    return atomic_write(run_info_path(metrics), json.dumps(info, sort_keys=True, indent=2) + "\n",
+                        noun="run info file", parents=True)
+
+
+def read_run_info(metrics: str | Path) -> dict[str, str | int | float] | None:
+    """The run description beside ``metrics``, or None when there is none (an older run) or it is not a JSON
+    object of scalars."""
+    path = run_info_path(metrics)
+    if not path.is_file():
+        return None
+    try:
+        info = parse_json_strict(read_bounded_text(path, METRICS_FILE), source=str(path), kind=METRICS_FILE)
+    except AutoshardError:
+        return None
+    if not isinstance(info, dict) or any(isinstance(v, (dict, list)) for v in info.values()):
+        return None
+    return info
+
+
 _SUMMARY = (
     ("step", "step {:.0f}"),
     ("reward/mean", "reward {:.3f}"),
@@ -166,12 +195,30 @@ def format_summary(metrics: dict[str, float]) -> str:
 
 
 class LiveSummary:
-    """Prints ``format_summary`` per step through rich (one line each; rank 0 only by the caller)."""
+    """Reports each step's metrics as progress (``autoshard/progress.py``): ``step i/N``, elapsed, ETA and
+    tokens/s, with ``format_summary`` of the other headline metrics as the note, kept for every step
+    (a line per step in a log; above the live row on a terminal). Rank 0 only, by the caller.
 
-    def __init__(self, console: object | None = None) -> None:
-        from rich.console import Console
+    ``progress``: where to report (default: plain lines or a live display on stdout, every step).
+    """
 
-        self.console = console if console is not None else Console()
+    def __init__(self, total_steps: int | None = None, progress: Callable[[Update], None] | None = None) -> None:
+        from autoshard.progress import reporter
+
+        self.total_steps = total_steps
+        self.progress = progress if progress is not None else reporter()
+
+    def start(self, step: int = 0) -> None:
+        """Training starts after ``step`` (0, or a resumed checkpoint's): elapsed time and ETA count from now."""
+        self.progress(Update("step", step, self.total_steps))
 
     def __call__(self, metrics: dict[str, float]) -> None:
-        self.console.print(format_summary(metrics), highlight=False)
+        rest = {key: value for key, value in metrics.items() if key not in ("step", "perf/tokens_per_s")}
+        self.progress(Update("step", int(metrics["step"]), self.total_steps, note=format_summary(rest),
+                             rate=metrics.get("perf/tokens_per_s"), rate_unit="tok/s", keep=True))
+
+    def close(self) -> None:
+        """Stop a live display (``Reporter.close``)."""
+        close = getattr(self.progress, "close", None)
+        if close is not None:
+            close()

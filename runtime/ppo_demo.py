@@ -52,7 +52,7 @@ def demo_trainer(*, seed: int = 0, dp: Reducer | None = None, on_metrics=None) -
 def run_demo(steps: int = 150, metrics_path: str | Path | None = None, *, live: bool = True) -> list[dict[str, float]]:
     """Train ``steps`` PPO steps, print a line per step (``live``), write JSON lines to ``metrics_path``."""
     writer = MetricsWriter(metrics_path) if metrics_path is not None else None
-    summary = LiveSummary() if live else None
+    summary = LiveSummary(steps) if live else None
 
     def report(metrics: dict[str, float]) -> None:
         if writer is not None:
@@ -61,11 +61,15 @@ def run_demo(steps: int = 150, metrics_path: str | Path | None = None, *, live: 
             summary(metrics)
 
     trainer = demo_trainer(on_metrics=report)
+    if summary is not None:
+        summary.start()
     try:
         return [trainer.step() for _ in range(steps)]
     finally:
         if writer is not None:
             writer.close()
+        if summary is not None:
+            summary.close()
 
 
 if __name__ == "__main__":

@@ -70,6 +70,7 @@ steps and, on rank 0, writes metric JSON lines, the live line and the plot.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import sys
@@ -284,6 +285,8 @@ class PPORun:
     """PNG of the training curves written by rank 0 at the end (needs ``metrics``)."""
     live: bool = True
     """Rank 0 prints one summary line per step."""
+    profile: bool = False
+    """Record one step with torch.profiler: a Chrome trace per rank next to ``metrics`` (``runtime/step_profile.py``)."""
     rollout_cache: bool = True
     """Sample from a KV-cached full replica synced from the shards each step (``runtime/rollout_engine.py``);
     False: recompute every prefix through the sharded program (no replica memory)."""
@@ -423,15 +426,18 @@ def reseed(trainer: Any, step: int) -> None:
     trainer.sample_generator.manual_seed(base + 1)
 
 
-def train_loop(trainer: Any, steps: int, *, on_step: Callable[[int], None] | None = None) -> list[dict[str, float]]:
+def train_loop(trainer: Any, steps: int, *, on_step: Callable[[int], None] | None = None,
+               around_step: Callable[[int], Any] | None = None) -> list[dict[str, float]]:
     """Run PPO steps ``trainer.step_count + 1 .. steps``, re-seeding before each; returns their metrics.
 
-    ``on_step(step)`` runs after each step (e.g. a periodic checkpoint).
+    ``on_step(step)`` runs after each step (e.g. a periodic checkpoint); ``around_step(step)`` returns a
+    context manager the step runs in (e.g. a profiler on one of them).
     """
     history = []
     while trainer.step_count < steps:
         reseed(trainer, trainer.step_count)
-        history.append(trainer.step())
+        with around_step(trainer.step_count + 1) if around_step is not None else contextlib.nullcontext():
+            history.append(trainer.step())
         if on_step is not None:
             on_step(trainer.step_count)
     return history
@@ -440,16 +446,17 @@ def train_loop(trainer: Any, steps: int, *, on_step: Callable[[int], None] | Non
 # --------------------------------------------------------------------------- one run on this rank
 
 
-def _reporter(run: PPORun, rank: int) -> tuple[Callable[[dict[str, float]], None] | None, Callable[[], None]]:
-    """(on_metrics, close) for this rank: rank 0 writes JSON lines and the live line, others nothing."""
+def _reporter(run: PPORun, rank: int) -> tuple[Callable[[dict[str, float]], None] | None, Callable[[int], None],
+                                               Callable[[], None]]:
+    """(on_metrics, start(step), close) for this rank: rank 0 writes JSON lines and reports each step's
+    progress (``metrics.LiveSummary``: ``step i/N``, elapsed, ETA, tokens/s and the headline metrics),
+    others nothing."""
     if rank != 0:
-        return None, lambda: None
-    from rich.console import Console
-
+        return None, lambda step: None, lambda: None
     from autoshard.runtime.metrics import LiveSummary, MetricsWriter
 
     writer = MetricsWriter(run.metrics) if run.metrics else None
-    summary = LiveSummary(Console(highlight=False, soft_wrap=True)) if run.live else None  # one line per step
+    summary = LiveSummary(run.steps) if run.live else None  # one line per step in a log, a live row on a terminal
 
     def report(metrics: dict[str, float]) -> None:
         if writer is not None:
@@ -457,7 +464,17 @@ def _reporter(run: PPORun, rank: int) -> tuple[Callable[[dict[str, float]], None
         if summary is not None:
             summary(metrics)
 
-    return report, (writer.close if writer is not None else (lambda: None))
+    def start(step: int) -> None:
+        if summary is not None:
+            summary.start(step)
+
+    def close() -> None:
+        if writer is not None:
+            writer.close()
+        if summary is not None:
+            summary.close()
+
+    return report, start, close
 
 
 def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -> list[dict[str, float]]:
@@ -477,7 +494,13 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     if run.plot and not run.metrics:
         raise AutoshardError(f"plot {run.plot!r} needs a metrics file to plot from; pass --metrics FILE.jsonl")
     rank = dist.get_rank()
-    report, close = _reporter(run, rank)
+    report, start, close = _reporter(run, rank)
+    if rank == 0 and run.metrics:
+        from autoshard.runtime.metrics import write_run_info
+
+        write_run_info(run.metrics, {"model": run.model, "task": run.task, "world_size": plan.mesh.world_size,
+                                     "mesh": str(plan.mesh), "schedule": str(plan.schedule),
+                                     "precision": plan.precision, "global_batch": run.global_batch})
     model = load_policy(run.model, run.seed, device, weights=run.weights)
     graph = graph if graph is not None else capture_policy(model.module, model.name)
     trainer = sharded_trainer(run, plan, model=model, graph=graph, device=device, on_metrics=report)
@@ -498,7 +521,8 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
             save_ppo(run.checkpoint, trainer, graph)
 
     try:
-        history = train_loop(trainer, run.steps, on_step=checkpoint)
+        start(trainer.step_count)
+        history = train_loop(trainer, run.steps, on_step=checkpoint, around_step=_profiler(run, rank, trainer, device))
     finally:
         close()
     if run.checkpoint:
@@ -508,6 +532,27 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
 
         print(f"training curves: {plot_metrics(run.metrics, run.plot)}")
     return history
+
+
+def _profiler(run: PPORun, rank: int, trainer: Any, device: str) -> Callable[[int], Any] | None:
+    """With ``run.profile``: record one step of this run (``step_profile.profiled_step``) to this rank's trace."""
+    if not run.profile:
+        return None
+    from autoshard.runtime.step_profile import profiled_step, record_step, trace_path
+
+    if not run.metrics:
+        raise AutoshardError("profile=True writes its trace next to the metrics file; pass --metrics FILE.jsonl")
+    target = profiled_step(trainer.step_count + 1, run.steps)
+    path = trace_path(run.metrics, rank)
+
+    def around(step: int) -> Any:
+        if step != target:
+            return contextlib.nullcontext()
+        if rank == 0:
+            print(f"profiling step {step}: {path}", flush=True)
+        return record_step(path, device)
+
+    return around
 
 
 # --------------------------------------------------------------------------- worker entry point (torchrun)
@@ -556,6 +601,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--resume", action="store_true")
     parser.add_argument("--plot", default=None)
     parser.add_argument("--no-live", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="record one step's Chrome trace per rank next to --metrics")
     parser.add_argument("--no-rollout-cache", action="store_true",
                         help="sample by recomputing prefixes through the sharded program (no full replica per rank)")
 
@@ -566,6 +612,7 @@ def run_from_args(args: argparse.Namespace) -> PPORun:
         model=args.model, weights=args.weights, task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every,
         resume=args.resume, plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
+        profile=args.profile,
     )
 
 

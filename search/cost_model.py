@@ -225,6 +225,8 @@ __all__ = [
     "layer_cost_table",
     "lower_bound_step_time",
     "boundary_send_s",
+    "boundary_terms",
+    "plan_layer_costs",
     "predict",
     "usable_memory_bytes",
 ]
@@ -376,19 +378,9 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
     optimizer update finishes the step. Memory: module docstring.
     """
     strategies = _strategies_in_graph_order(graph, plan)
-    _check_batch(plan, train)
     mesh, schedule = plan.mesh, plan.schedule
-    entries = _region_entries(graph, strategies)
     ranks = [stage_rank(s.stage, mesh.pp, schedule) for s in strategies]
-    costs = [
-        layer_cost(layer, s, mesh, cluster, train, schedule, region_entry=entry)
-        for layer, s, entry in zip(graph.layers, strategies, entries)
-    ]
-    scale = compiled_activation_scale(graph, plan, cluster)
-    if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks (not fewer gathered weights)
-        costs = [replace(c, memory=replace(c.memory, activations=(c.memory.activations - c.memory.kept_gathered) * scale
-                                           + c.memory.kept_gathered))
-                 if layer.block is not None else c for layer, c in zip(graph.layers, costs)]
+    costs = plan_layer_costs(graph, plan, cluster, train)
     p2p = _boundary_p2p(graph, strategies, ranks, mesh, cluster, schedule, train)
     receive = _boundary_buffers(graph, strategies, ranks, mesh, schedule, train)
     stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh, receive[k]) for k in range(mesh.pp)]
@@ -416,6 +408,34 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
         mfu=model_flops / (step * mesh.world_size * peak_flops) if step > 0 else 0.0,
         caveats=pricing_caveats(graph, cluster),
     )
+
+
+def plan_layer_costs(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -> list[LayerCost]:
+    """``LayerCost`` of every layer of ``graph`` under ``plan``, in graph order, as ``predict`` sums them:
+    checkpoint regions priced, block activations scaled when the runtime compiles the plan
+    (``compiled_activation_scale``). ``autoshard/report.py`` lays them out on the step's timeline."""
+    strategies = _strategies_in_graph_order(graph, plan)
+    _check_batch(plan, train)
+    entries = _region_entries(graph, strategies)
+    costs = [
+        layer_cost(layer, s, plan.mesh, cluster, train, plan.schedule, region_entry=entry)
+        for layer, s, entry in zip(graph.layers, strategies, entries)
+    ]
+    scale = compiled_activation_scale(graph, plan, cluster)
+    if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks (not fewer gathered weights)
+        costs = [replace(c, memory=replace(c.memory, activations=(c.memory.activations - c.memory.kept_gathered) * scale
+                                           + c.memory.kept_gathered))
+                 if layer.block is not None else c for layer, c in zip(graph.layers, costs)]
+    return costs
+
+
+def boundary_terms(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -> tuple[list[float], list[float]]:
+    """Per pipeline rank: (send/recv seconds per micro-batch it pays at the boundaries it sends from, bytes of
+    the step's receive buffers), as ``predict`` adds them."""
+    strategies = _strategies_in_graph_order(graph, plan)
+    ranks = [stage_rank(s.stage, plan.mesh.pp, plan.schedule) for s in strategies]
+    return (_boundary_p2p(graph, strategies, ranks, plan.mesh, cluster, plan.schedule, train),
+            _boundary_buffers(graph, strategies, ranks, plan.mesh, plan.schedule, train))
 
 
 def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:

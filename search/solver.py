@@ -78,8 +78,8 @@ worker count (2 workers running ``cpsat_model.LP_SUBSOLVERS`` by default). Two s
 OPTIMAL return identical plans. Candidates whose optima tie exactly (e.g. two data-parallel
 splits the cost model prices alike) resolve to the one CP-SAT solves first, a pure function of
 the inputs and of the bounds' values. Only the
-wall time differs: ``SolverStats.wall_s`` is recorded, and callers comparing
-plans byte for byte zero it (``without_wall_time``). A search cut short by
+wall time differs: ``SolverStats.wall_s`` is kept in memory only (not written, not compared;
+``autoshard/plan.py``, "Reproducible files"), so plan files compare byte for byte. A search cut short by
 ``time_limit_s`` (status FEASIBLE) depends on timing and is not reproducible.
 """
 
@@ -97,6 +97,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError, InfeasibleError
 from autoshard.graph import ModelGraph
 from autoshard.plan import Fingerprints, LayerStrategy, Mesh, Plan, Predictions, Schedule, SolverStats
+from autoshard.progress import ProgressFn, Update
 from autoshard.search import bounds, cost_model, incumbent, layer_terms
 from autoshard.search.cpsat_model import ModelInput, ModelResult, block_members, fits_build_rows, solve_model
 from autoshard.search.evaluate import (
@@ -152,6 +153,8 @@ class _Search:
     mesh_bound_s: float | None = None  # cost_model.lower_bound_step_time (depends on the world size only)
     rows: dict = dataclasses.field(default_factory=dict)  # bounds.MemoryRows per (pp, schedule kind, m)
     offload: bool = True  # whether layers may take the offload state (solve: a first pass without)
+    progress: ProgressFn | None = None  # solve's progress argument
+    meshes_considered: int = 0
 
 
 def without_wall_time(plan: Plan) -> Plan:
@@ -161,7 +164,7 @@ def without_wall_time(plan: Plan) -> Plan:
 
 def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints: Constraints | None = None,
           time_limit_s: float = DEFAULT_TIME_LIMIT_S, hint: Plan | None = None, cost_fn: CostFn | None = None,
-          num_workers: int = DEFAULT_NUM_WORKERS) -> Plan:
+          num_workers: int = DEFAULT_NUM_WORKERS, progress: ProgressFn | None = None) -> Plan:
     """Search the fastest plan for ``graph`` on ``cluster`` that fits per-rank memory.
 
     constraints: pins, fixed mesh degrees, memory limit, schedule (``space.Constraints``).
@@ -170,6 +173,10 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
     hint: a previous plan (e.g. for another cluster); its mesh and schedule
         are tried first and its per-class choices seed CP-SAT (``AddHint``).
     cost_fn: ``layer_cost``-compatible function; default ``cost_model.layer_cost``.
+    progress: receives ``Update("search", decided, candidates, unit="candidates")`` as the main
+        loop refines, solves or prunes (mesh, schedule) candidates; its note says how many meshes
+        CP-SAT solved of those enumerated and the best step time so far (``autoshard/progress.py``).
+        ``None``: silent. It never changes the plan.
     Raises ``AutoshardError`` for malformed or contradictory constraints and
     ``InfeasibleError`` (naming the binding family and what to relax) when no plan fits.
     """
@@ -181,12 +188,12 @@ def solve(graph: ModelGraph, cluster: Cluster, train: TrainSpec, *, constraints:
     # if nothing fits, one with it, in the same time budget
     try:
         return _solve_pass(graph, cluster, train, constraints, cost_fn, hint, start, time_limit_s, num_workers,
-                           offload=False)
+                           offload=False, progress=progress)
     except _NothingFits:
         pass
     try:
         return _solve_pass(graph, cluster, train, constraints, cost_fn, hint, start, time_limit_s, num_workers,
-                           offload=True)
+                           offload=True, progress=progress)
     except _NothingFits as nothing:
         raise nothing.error from None
 
@@ -200,8 +207,10 @@ class _NothingFits(Exception):
 
 
 def _solve_pass(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Constraints, cost_fn: CostFn,
-                hint: Plan | None, start: float, time_limit_s: float, num_workers: int, *, offload: bool) -> Plan:
+                hint: Plan | None, start: float, time_limit_s: float, num_workers: int, *, offload: bool,
+                progress: ProgressFn | None = None) -> Plan:
     search = _new_search(graph, cluster, train, constraints, cost_fn, offload=offload)
+    search.progress = progress
     if search.cap_bytes <= 0:
         raise _below_reservation_error(cluster, constraints)
     enumeration = enumerate_meshes(graph, cluster, train, constraints.mesh)
@@ -211,6 +220,7 @@ def _solve_pass(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constrain
     if not candidates:
         raise _no_mesh_error(enumeration.pruned + tuple(pin_records), constraints)
     search.unit_s = _time_unit(candidates)
+    search.meshes_considered = len(enumeration.meshes)
     ordered = _ordered(candidates, hint)
     _run(search, ordered, hint, start + time_limit_s, num_workers)
     if search.best is None and math.isfinite(search.upper_s) and "TIME_LIMIT" not in search.statuses:
@@ -330,9 +340,12 @@ def _run(search: _Search, candidates: list[Candidate], hint: Plan | None, deadli
         probes[0] = (-math.inf, 0, candidates[0])  # the hint's candidate runs first
     heapq.heapify(probes)
     tables: list = []
+    decided = 0  # candidates dropped by their memory or table bound, or solved
+    _report(search, decided, len(candidates))
     while True:
         probe_ok, table_ok = (bool(h) and _alive(search, h[0][0], use_upper) for h in (probes, tables))
         if not probe_ok and not table_ok:
+            _report(search, len(candidates), len(candidates))
             return  # every remaining entry's bound is ≥ the incumbent
         remaining = deadline - time.monotonic()
         if remaining <= 0:
@@ -345,9 +358,23 @@ def _run(search: _Search, candidates: list[Candidate], hint: Plan | None, deadli
             refined = _refine(search, cand, use_upper)
             if refined is not None:
                 heapq.heappush(tables, (max(cand.lower_bound_s, refined[0]), i, cand, refined[1]))
+            else:
+                decided += 1
+                _report(search, decided, len(candidates))
             continue
         _, _, cand, options = heapq.heappop(tables)
         _solve_candidate(search, cand, options, hint, remaining, num_workers, use_upper)
+        decided += 1
+        _report(search, decided, len(candidates))
+
+
+def _report(search: _Search, decided: int, total: int) -> None:
+    """The main loop's progress (``solve``'s ``progress``); no effect on the search."""
+    if search.progress is None:
+        return
+    best = f", best step {search.best[0]:.4g} s" if search.best is not None else ""
+    note = f"{len(search.solved_meshes)} of {search.meshes_considered} meshes solved{best}"
+    search.progress(Update("search", decided, total, unit="candidates", note=note, eta=False))
 
 
 def _alive(search: _Search, bound: float, use_upper: bool) -> bool:

@@ -84,7 +84,7 @@ def _plan_file(tmp_path):
 def test_inspect_saved_plan(capsys, tmp_path):
     code, out, err = _run(capsys, "inspect", str(_plan_file(tmp_path)))
     assert code == 0 and err == ""
-    assert "mesh dp_replicate=1 dp_shard=4 tp=2 pp=1 ep=1 cp=1 (world 8) | 1f1b m=4 mb=2" in out
+    assert "mesh dp_replicate=1 dp_shard=4 tp=2 pp=1 ep=1 cp=1 (world 8) | no pipeline: 4 micro-batches of 2 sequences accumulated per step" in out
     assert "predicted step 500 ms" in out and "peak 3.00 GiB" in out
     assert "blocks.0-3.attn" in out and "Z3·TP·SP·R(sel)" in out and "head" in out
     code, out, _ = _run(capsys, "inspect", "--no-fold", str(_plan_file(tmp_path)))

@@ -78,7 +78,7 @@ def test_plan_prints_the_plan_and_writes_it(capsys, tmp_path):
     assert plan.model_name == "llama:tiny" and plan.mesh.world_size == 8
     assert (plan.global_batch, plan.seq_len, plan.optimizer, plan.precision) == (16, 128, "adamw", "bf16")
     assert str(plan.mesh).split(" (world")[0] in out  # the printed plan is the saved one
-    assert f"search {plan.solver.wall_s:.1f}"[:8] in out and plan.solver.status in out
+    assert re.search(r"search \d+\.\d s", out) and plan.solver.status in out  # the wall time: console only
     assert f"plan written to {tmp_path / 'p.json'}" in out
 
 

@@ -413,7 +413,7 @@ def test_describe_renders_the_summary():
     console.print(cluster.describe())
     text = console.export_text()
     for needle in ("16 = 2 node(s) × 8 device(s)", "H100 SXM 80GB", "79.2 GiB", "bf16 989 TFLOP/s", "0.77",
-                   "370 GB/s", "46 GB/s", "3.35 TB/s", cluster.fingerprint(), "matmul_efficiency=0.77"):
+                   "370 GB/s", "46 GB/s", "3.35 TB/s", cluster.fingerprint(), "calibrated on", "matmul efficiency"):
         assert needle in text, needle
 
 

@@ -76,11 +76,11 @@ def test_run_launches_two_gloo_ranks_with_plan_env(tmp_path, script, monkeypatch
 
 def test_forced_nproc_that_mismatches_plan_fails_before_launch(tmp_path, script, capsys):
     plan = _plan_file(tmp_path, dp_shard=2, tp=2)
-    with pytest.raises(PlanError, match=r"needs 4 ranks but this job has world size 3"):
+    with pytest.raises(PlanError, match=r"needs world 4 \(mesh .*\); this launch gives 1 node × 3 = 3"):
         launch.build_launch(plan, [script], nproc_per_node=3)
     assert launch.main([plan, "--nproc-per-node", "2", "--", script]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "world size 2" in err and "tp=2" in err
+    assert err.count("\n") == 1 and "1 node × 2 = 2" in err and "tp=2" in err
 
 
 def test_check_world_reads_plan_mesh_and_env(tmp_path, monkeypatch):
@@ -137,6 +137,14 @@ def test_single_node_is_standalone_and_module_form(tmp_path, monkeypatch):
         launch.build_launch(plan, ["-m", "pkg.train"], cuda_available=False)
 
 
+def test_profile_dir_reaches_the_ranks_as_an_absolute_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    plan = _plan_file(tmp_path, dp_shard=2)
+    assert launch.PROFILE_ENV not in launch.build_launch(plan, ["-m", "pkg.train"], cuda_available=False).env
+    spec = launch.build_launch(plan, ["-m", "pkg.train"], cuda_available=False, profile="traces")
+    assert spec.env[launch.PROFILE_ENV] == str(tmp_path / "traces")
+
+
 def _records(tmp_path, *records, agent=None):
     """A run directory as the ranks and the agent leave it."""
     for i, (rank, user, message) in enumerate(records):
@@ -172,8 +180,8 @@ def test_outcome_rank_killed_without_a_record(tmp_path):
 @pytest.mark.parametrize(
     ("kwargs", "command", "message"),
     [
-        ({"nnodes": 3, "rdzv_endpoint": "h:1"}, None, "world size 4 .* not divisible by --nnodes 3"),
-        ({"nnodes": 2}, None, "--nnodes 2 needs --rdzv-endpoint"),
+        ({"nnodes": 3, "rdzv_endpoint": "h:1"}, None, r"needs world 4 \(mesh dp_shard=4\), which --nnodes 3 does not divide"),
+        ({"nnodes": 2}, None, "--nnodes 2 needs a rendezvous: --rdzv-endpoint"),
         ({"nnodes": 2, "node_rank": 2, "rdzv_endpoint": "h:1"}, None, r"--node-rank 2 must be in \[0, 2\)"),
         ({"rdzv_endpoint": "nohost"}, None, "must be HOST:PORT"),
         ({}, [], "no script to run"),

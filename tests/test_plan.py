@@ -289,7 +289,7 @@ def test_notation(kwargs, notation):
 def test_str_is_a_folded_table_and_repr_is_full():
     plan = _plan(_graph(blocks=4), pp=1)
     text = str(plan)
-    assert "mesh dp_replicate=1 dp_shard=2 tp=2 pp=1 ep=1 cp=1 (world 4) | 1f1b m=4 mb=2" in text
+    assert "mesh dp_replicate=1 dp_shard=2 tp=2 pp=1 ep=1 cp=1 (world 4) | no pipeline: 4 micro-batches" in text
     assert "predicted step 1.25 s" in text and "peak 61.00 GiB" in text
     assert "solver OPTIMAL" in text
     rows = {line.split()[0]: line.split() for line in text.splitlines()[7:]}
