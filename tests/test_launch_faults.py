@@ -70,12 +70,12 @@ def _script(tmp_path: Path, name: str, text: str) -> str:
     return str(path)
 
 
-def _start(plan: str, command: list[str], timeout_s: float | None = None) -> subprocess.Popen:
-    """``autoshard run PLAN -- COMMAND`` as its own process (``python -m autoshard.runtime.launch``)."""
+def _start(plan: str, command: list[str], timeout_s: float | None = None, options: list[str] = ()) -> subprocess.Popen:
+    """``autoshard run OPTIONS PLAN -- COMMAND`` as its own process (``python -m autoshard.runtime.launch``)."""
     env = {**os.environ}
     if timeout_s is not None:
         env[launch.TIMEOUT_ENV] = str(timeout_s)
-    argv = [sys.executable, "-m", "autoshard.runtime.launch", plan, "--", *command]
+    argv = [sys.executable, "-m", "autoshard.runtime.launch", *options, plan, "--", *command]
     return subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
