@@ -77,6 +77,7 @@ from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.runtime import collectives
 from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
+from autoshard.runtime.compiled_loss import LossCompiler, compiles_loss
 from autoshard.runtime.inductor_fallback import overlap_on, overlap_safe_backend
 from autoshard.runtime.pipeline import PipelineEngine
 from autoshard.runtime.materialize import Wanted, bind_source, fill, meta_twin
@@ -118,6 +119,8 @@ class Program:
             optimizer.enable_overlap()  # DP gradient buckets reduce under the last micro-batch's backward
         self._run = self.gm
         self.compile_options: dict | None = None  # what the compiled program was compiled with (None: eager)
+        # compiled by inductor on CUDA: Program.step compiles the caller's loss too (runtime/compiled_loss.py)
+        self.loss_compiler = LossCompiler(compiles_loss(ctx.compiled, ctx.device, compile_backend))
         if compile_regions not in REGIONS:
             raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
         if ctx.compiled:
@@ -188,6 +191,8 @@ class Program:
         ``loss_fn`` returns the micro-batch's *sum* and the step's loss is the sum over the global
         batch divided by the global sum of ``batch[normalize_by]`` (one all-reduce over dp first):
         the token mean of the global batch, whatever the padding, dp size and micro-batching.
+
+        A program compiled by inductor on CUDA runs ``loss_fn`` compiled (runtime/compiled_loss.py).
         """
         m = self.plan.schedule.num_micro_batches
         rows = self._rows(batch)
@@ -196,6 +201,7 @@ class Program:
                 f"local batch {rows} is not divisible by num_micro_batches={m}; pass a multiple of {m} rows per rank"
             )
         weight = self._loss_weight(batch, normalize_by)
+        loss_fn = self.loss_compiler(loss_fn)
         if self.pipeline is not None:
             total = self._pipeline_step(batch, loss_fn, None if weight is None else weight * m)
         else:
@@ -360,6 +366,7 @@ def build_program(
     release_model: bool = False,
     track_memory: bool = False,
     inputs: ModelInputs | None = None,
+    exported: torch.fx.GraphModule | None = None,
 ) -> Program:
     """This rank's ``Program`` for ``plan`` (module docstring: the five steps).
 
@@ -390,6 +397,9 @@ def build_program(
     (``runtime/compile_regions.py``).
     ``inputs``: the model's tensor inputs (``autoshard.passes.capture.bind_example`` of the example inputs,
     as ``compile`` passes them; [Note: model inputs]); ``None`` = the tokens alone.
+    ``exported``: the model's export for this rank's device and dtype (``export_model``), which the
+    passes rewrite in place; ``None`` = export here (``runtime/check.py`` passes copies of one export
+    to build many ranks of a plan in one process).
     """
     precision = train.precision if train is not None else plan.precision
     inputs = inputs or ModelInputs.tokens_only(model)
@@ -404,7 +414,7 @@ def build_program(
     build_memory = BuildMemory(torch.device(ctx.device), track_memory)
     with build_memory:
         reader = bind_source(weights, model, release=release_model)
-        gm = run_passes(_export(model, graph, ctx, inputs), plan, ctx)
+        gm = run_passes(exported if exported is not None else _export(model, graph, ctx, inputs), plan, ctx)
         placements = gm.meta[META_KEY]["placements"]
         params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
         config = optimizer or (OptimizerConfig.from_train(train) if train is not None
@@ -538,6 +548,12 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: Model
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
     gm.meta[META_KEY] = {"params": owners}
     return gm
+
+
+def export_model(model: nn.Module, graph: ModelGraph, ctx: RankContext,
+                 inputs: ModelInputs | None = None) -> torch.fx.GraphModule:
+    """What ``build_program`` exports and rewrites for ``ctx`` (``_export``): for its ``exported=`` argument."""
+    return _export(model, graph, ctx, inputs or ModelInputs.tokens_only(model))
 
 
 def _tokens_input(gm: torch.fx.GraphModule | PipelineSplit) -> ModelInputs:

@@ -22,7 +22,8 @@ Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_overhead_s``, ``loss_*_s``,
     roof   = max(F_gemm/(peak·eff(w)) + F_attn/(peak·attn_eff) + F_ew/peak, bytes/(hbm·hbm_eff))
     fwd_compute = roof + k·o + loss_fwd        (k = FORWARD_KERNELS[kind], o = per-kernel floor)
     bwd_compute = 2·roof + 2·k·o + loss_bwd    (dgrad + wgrad; 2× the bytes and kernels too)
-    loss_fwd|bwd = T·vocab · 18 B / (hbm·hbm_eff)   (head only: fp32 log-softmax over all V, every tp rank)
+    loss_fwd|bwd = T·vocab · b / (hbm·hbm_eff)      (head only, all V on every tp rank; b per logit:
+                                                     eager fp32 log-softmax 18, compiled 4; layer_terms.LossForm)
     recompute   = fwd_compute (full) | attention core (selective) | 0
 
 Measured (v4): when ``cluster.calibration`` holds the model probe's samples for the layer's
@@ -174,7 +175,7 @@ the plan (a GPU cluster, ep = cp = 1) and the graph carries the model's ``compil
 (``passes/compiled_saved.py``: min-cut over eager saved bytes of the blocks, traced on meta),
 block activations are scaled by it (``compiled_activation_scale``; ``predict`` only, the search
 keeps eager activations: a conservative bound). The head's activations include the
-loss, ``T·V·LOSS_PEAK_BYTES_PER_LOGIT`` (``layer_terms.loss_bytes``). Fragmentation
+loss, ``T·V·`` 12 B per logit eager, 4 compiled (``layer_terms.loss_bytes``, ``LossForm``). Fragmentation
 (``ALLOCATOR_FRAGMENTATION = 0.05``) and ``reserved`` = ``calibration["reserved_bytes"]`` or
 ``RESERVED_BYTES`` = 1 GiB (CUDA context, NCCL) are headroom in the limit
 (``usable_memory_bytes``), not part of the peak. MFU counts model FLOPs from the graph,
@@ -309,7 +310,8 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
         comm_total_s=dp["dp_total_s"],
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
         memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form,
-                                        schedule.bucket_bytes, cluster.runs_on_cpu),
+                                        schedule.bucket_bytes, cluster.runs_on_cpu,
+                                        layer_terms.runs_compiled(mesh, cluster)),
         detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,
@@ -349,7 +351,8 @@ def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train
     attn_eff, hbm = layer_terms.attention_efficiency(cluster), layer_terms.hbm_bandwidth(cluster)
     compiled = layer_terms.runs_compiled(mesh, cluster)  # fused elementwise traffic
     overhead = (1.0 + layer_terms.BACKWARD_KERNEL_FACTOR) * layer_terms.kernel_overhead_s(cluster)
-    loss_bytes = layer_terms.LOSS_BYTES_PER_LOGIT_FWD + layer_terms.LOSS_BYTES_PER_LOGIT_BWD
+    loss = layer_terms.loss_form(compiled)
+    loss_bytes = loss.fwd_bytes + loss.bwd_bytes
     tokens, s = train.global_batch * train.seq_len, train.seq_len
     spread = kernels = 0.0
     for layer in graph:

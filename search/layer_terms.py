@@ -64,12 +64,30 @@ GEMM_KNEE_FLOPS = 2e9
 # Fused attention (SDPA flash / memory-efficient) on the captured dense attention FLOPs: FlashAttention-2
 # reaches 300–350 TFLOP/s of an H100's 989 in bf16, forward and backward (Dao 2023).
 ATTENTION_EFFICIENCY = 0.35
-# Loss over the vocabulary, fp32 (runtime/ppo_losses.py: logits.float().log_softmax): bytes per
-# logit moved. Forward: upcast (read 2, write 4), log-softmax (max and sum-exp reads 4 + 4, write 4)
-# = 18; backward: softmax grad (read 4 + 4, write 4), downcast (read 4, write 2) = 18.
-LOSS_BYTES_PER_LOGIT_FWD = 18.0
+# Loss over the vocabulary: how Program.step runs the user's loss function on the head's logits, declared
+# once per form (``LossForm``, ``loss_form``). Bytes per logit moved, and held at the loss's peak.
+#
+# Eager (CPU ranks, eager programs; runtime/ppo_losses.py's logits.float().log_softmax): forward upcast
+# (read 2, write 4), log-softmax (max and sum-exp reads 4 + 4, write 4) = 18; backward softmax grad
+# (read 4 + 4, write 4), downcast (read 4, write 2) = 18. Held: at the start of its backward the saved
+# fp32 log-probabilities (4), the incoming fp32 gradient of the log-probabilities (4) and the fp32
+# gradient of the logits being produced (4) are live together: 12. The bf16 logits are not: nothing
+# saves them for backward and Program.step drops the model's outputs when the loss function returns.
+# The forward side peaks lower, at about 8 (bf16 logits, their contiguous copy, the fp32 copy).
+# Checked on the CPU by tracking live tensor bytes through the benchmarks' policy loss: 8.1 forward,
+# 12.1 backward.
+#
+# Compiled (a program compiled by inductor on CUDA: Program.step compiles the loss function too, as
+# torchtitan compiles its loss): the upcast, log-softmax and gather fuse into a reduction over each row
+# that reads the bf16 logits (a max pass and a sum-exp pass: 4) and saves only them and a per-row
+# log-sum-exp; the backward reads them once and writes the bf16 gradient of the logits (4). Held: the
+# saved bf16 logits (2) and their gradient (2): 4 (the inductor-compiled benchmarks' policy loss on the
+# CPU, allocations counted by torch.profiler: 4.00).
+#
+# Capture sees the model up to the logits only, so none of this is in the head's captured saved bytes.
+LOSS_BYTES_PER_LOGIT_FWD = 18.0  # the eager form's (LossForm below)
 LOSS_BYTES_PER_LOGIT_BWD = 18.0
-LOSS_KERNELS = 4  # upcast, log-softmax, gather of the taken token, reduction
+LOSS_KERNELS = 4  # upcast, log-softmax, gather of the taken token, reduction (the eager count, both forms)
 # Data-parallel collectives launch copy kernels on the compute stream besides the NCCL kernel (whose
 # launch α covers): a gather copies out of its flat buffer (1), a reduction copies grads into the
 # flat buffer and back out (2). They sit on the critical path: DP_KERNELS · kernel_overhead each.
@@ -83,20 +101,29 @@ DP_KERNELS = {"gather": 1, "reduce": 2}
 # + norm + write-back + grad cast.
 OPTIMIZER_FP32_PASSES = {"adamw": 8, "sgd": 6}
 OPTIMIZER_KERNELS_PER_TENSOR = {"adamw": 11, "sgd": 5}
-# Memory of the loss over the vocabulary, bytes per logit of one micro-batch. The runtime all-gathers
-# vocab-parallel logits before the user's loss (passes/insert_collectives.py: vocab_shard → replicate),
-# so every tp rank holds all V logits. Counted from the reference loss (cross-entropy on
-# logits.float(): log_softmax + nll): at the start of its backward the saved fp32 log-probabilities
-# (4), the incoming fp32 gradient of the log-probabilities (4) and the fp32 gradient of the logits
-# being produced (4) are live together: 12. The bf16 logits are not: nothing saves them for
-# backward and Program.step drops the model's outputs when the loss function returns (cost model v5
-# and before counted them, 14; with that and v6's gradient rule the compiled searched plans' peaks
-# were over-predicted by 2.4–5.3%, with 12 by −1.1 to +0.5%).
-# The forward side of the loss peaks lower, at about 8 (bf16 logits, their contiguous copy, the fp32
-# copy). Checked on the CPU by tracking live tensor bytes through the benchmarks' policy loss:
-# 8.1 forward, 12.1 backward. Capture sees the model up to the logits only, so none of this is in
-# the head's captured saved bytes.
-LOSS_PEAK_BYTES_PER_LOGIT = 12.0
+# The runtime all-gathers vocab-parallel logits before the user's loss (passes/insert_collectives.py:
+# vocab_shard → replicate), so every tp rank holds all V logits.
+LOSS_PEAK_BYTES_PER_LOGIT = 12.0  # the eager form's
+
+
+@dataclass(frozen=True)
+class LossForm:
+    """How the loss over the vocabulary runs (the comment above): bytes per logit of one micro-batch."""
+
+    name: str
+    fwd_bytes: float  # moved by the loss's forward
+    bwd_bytes: float  # moved by its backward
+    peak_bytes: float  # held at the loss's peak
+
+
+EAGER_LOSS = LossForm("eager", LOSS_BYTES_PER_LOGIT_FWD, LOSS_BYTES_PER_LOGIT_BWD, LOSS_PEAK_BYTES_PER_LOGIT)
+COMPILED_LOSS = LossForm("compiled", 4.0, 4.0, 4.0)
+
+
+def loss_form(compiled: bool) -> LossForm:
+    """The loss's form when the runtime compiles the plan (``runs_compiled``; runtime/program.py compiles the
+    loss function exactly then: ``compiles_loss``) or not."""
+    return COMPILED_LOSS if compiled else EAGER_LOSS
 
 _QUANTIZED = ("fp8", "int8", "int4")
 _SHARDED_STATES = ("zero1", "zero2", "zero3", "offload")
@@ -251,7 +278,8 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
     roofline = max(fwd_matmul, fwd_memory)
     overhead = forward_kernels(layer) * kernel_overhead_s(cluster)
     logits = t * (layer.vocab or 0) if layer.kind == "head" else 0.0  # all V on every tp rank (gathered logits)
-    loss_fwd, loss_bwd = logits * LOSS_BYTES_PER_LOGIT_FWD / hbm, logits * LOSS_BYTES_PER_LOGIT_BWD / hbm
+    loss = loss_form(compiled)
+    loss_fwd, loss_bwd = logits * loss.fwd_bytes / hbm, logits * loss.bwd_bytes / hbm
     fwd = roofline + overhead + loss_fwd
     bwd = 2.0 * roofline + BACKWARD_KERNEL_FACTOR * overhead + loss_bwd
     probed = probed_time(layer, strategy, sh, cluster, train)
@@ -497,10 +525,11 @@ def memory_state(strategy: LayerStrategy, form: DataParallelForm) -> str:
 
 def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGroup], mesh: Mesh, sh: Sharding,
                  sizes: StateBytes, region_entry: bool, form: DataParallelForm, bucket_bytes: int,
-                 host_is_device: bool) -> MemoryBreakdown:
+                 host_is_device: bool, compiled: bool = False) -> MemoryBreakdown:
     """Model states of every parameter group (as the runtime holds them: ``memory_state``), one
     micro-batch of activations and the optimizer step's working set (``step_working_set``; memory.py,
-    "Optimizer step"). ``host_is_device``: CPU ranks, whose host memory is their device memory."""
+    "Optimizer step"). ``host_is_device``: CPU ranks, whose host memory is their device memory.
+    ``compiled`` (``runs_compiled``): the loss's form (``loss_bytes``)."""
     states = MemoryBreakdown()
     state = memory_state(strategy, form)
     work = step_working_set(form, compute_fp32=sizes.grad == STEP_GRAD_BYTES)
@@ -529,7 +558,7 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
     # SP's gathered inputs, saved whole: collective outputs, which a compiled graph keeps as they are (not scaled)
     gathered_inputs = sp_gathered_input_bytes(layer, strategy, mesh.tp, sh.tokens, sizes.param)
-    return states + MemoryBreakdown(activations=acts + gathered_inputs + loss_bytes(layer, sh),
+    return states + MemoryBreakdown(activations=acts + gathered_inputs + loss_bytes(layer, sh, compiled),
                                     kept_gathered=gathered_inputs,
                                     build_transient=build_transient_bytes(regions), step_transient=pack)
 
@@ -543,8 +572,8 @@ def build_regions(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) -> list
             for p in layer.params]
 
 
-def loss_bytes(layer: LayerInfo, sh: Sharding) -> float:
-    """Bytes of the loss over the head's logits of one micro-batch: ``T·V·LOSS_PEAK_BYTES_PER_LOGIT``.
+def loss_bytes(layer: LayerInfo, sh: Sharding, compiled: bool = False) -> float:
+    """Bytes of the loss over the head's logits of one micro-batch: ``T·V·loss_form(compiled).peak_bytes``.
 
     Full ``V`` whatever the tp degree (the runtime gathers the logits), all ``T`` tokens of the
     micro-batch (SP gathers the sequence before the head); any recompute policy (the loss is outside
@@ -554,4 +583,4 @@ def loss_bytes(layer: LayerInfo, sh: Sharding) -> float:
     """
     if layer.kind != "head" or not layer.vocab:
         return 0.0
-    return sh.tokens * layer.vocab * LOSS_PEAK_BYTES_PER_LOGIT
+    return sh.tokens * layer.vocab * loss_form(compiled).peak_bytes
