@@ -18,6 +18,10 @@ and compiles and on while the compiled artifact runs: it sees every op of an
 ``aot_eager`` graph (the CPU tests' backend); inductor's generated kernels
 allocate their buffers without dispatching, so an inductor graph is seen only
 through the ops it calls.
+
+Meta tensors are not counted unless ``count_meta=True``: a program built on
+the meta device (``runtime/check.py``) has only meta storages, whose
+``nbytes`` are the bytes the same tensors would take on a device.
 """
 
 from __future__ import annotations
@@ -32,8 +36,9 @@ from torch.utils._pytree import tree_flatten
 class LiveBytes(TorchDispatchMode):
     """Bytes of storages created under the mode and still alive: ``live`` now, ``peak`` since entry (or ``reset``)."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, count_meta: bool = False) -> None:
         super().__init__()
+        self.count_meta = count_meta
         self.live = 0
         self.peak = 0
         self._sizes: dict[int, int] = {}
@@ -51,7 +56,7 @@ class LiveBytes(TorchDispatchMode):
         self.live -= self._sizes.pop(key, 0)
 
     def _count(self, tensor: torch.Tensor) -> None:
-        if tensor.device.type == "meta" or not hasattr(tensor, "untyped_storage"):
+        if (tensor.device.type == "meta" and not self.count_meta) or not hasattr(tensor, "untyped_storage"):
             return
         try:
             storage = tensor.untyped_storage()

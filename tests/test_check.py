@@ -1,0 +1,152 @@
+"""``autoshard check`` (``runtime/check.py``): every rank role of a plan built at its world size in one process.
+
+Unit tests of the matching (``runtime/_check_match.py``) on hand-made records, one of them deliberately
+mismatched per kind of error; role enumeration; the memory-overflow rule; one plan built and matched end to
+end; and a bounded property sample: random reference models, clusters (1–512 nodes × 1–8 devices) and pins,
+every plan the search returns issues matching collectives on every group. Memory against the cost model is
+reported by ``benchmarks/check_bench.py`` (not asserted here: docs/runtime.md, "Fake-scale check", lists
+where the eager runtime holds more than the prediction).
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from autoshard.plan import Mesh
+from autoshard.runtime._check_match import RoleIndex, first_mismatch, group_members, plan_roles, select_roles
+from autoshard.runtime._check_trace import Issued, axis_of_groups
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+NO_PARAMS = types.SimpleNamespace(layers=[])  # a graph without parameters: one dp class
+# one (5, 3) parameter: over 2 dp ranks chunks of 3 and 2 rows, so each dp coordinate is a role of its own
+UNEVEN = types.SimpleNamespace(layers=[types.SimpleNamespace(params=[types.SimpleNamespace(global_shape=(5, 3))])])
+MIB = 2**20
+
+
+def _records(mesh: Mesh, issued_of, graph=UNEVEN) -> dict:
+    index = RoleIndex(graph, mesh)
+    return {index.role_of(r): issued_of(r) for r in range(mesh.world_size)}, index
+
+
+def _tp_dp(rank: int) -> list[Issued]:
+    return [Issued("all_gather", "dp_shard", 4 * MIB), Issued("all_reduce", "tp", MIB),
+            Issued("reduce_scatter", "dp_shard", 4 * MIB), Issued("all_reduce", "world", 4)]
+
+
+def test_matching_records_pass():
+    records, index = _records(Mesh(dp_shard=2, tp=2), _tp_dp)
+    assert first_mismatch(records, index) is None
+
+
+def test_size_mismatch_names_rank_collective_group_and_bytes():
+    def issued(rank):
+        out = _tp_dp(rank)
+        if rank == 3:  # tp 1 of dp 1 gathers half
+            out[0] = Issued("all_gather", "dp_shard", 2 * MIB)
+        return out
+
+    records, index = _records(Mesh(dp_shard=2, tp=2), issued)
+    message = first_mismatch(records, index)
+    assert message.startswith("rank 3: collective #0 all_gather on group dp_shard expected 4.0 MiB, found 2.0 MiB")
+
+
+def test_kind_and_count_mismatch():
+    def kind(rank):
+        out = _tp_dp(rank)
+        if rank == 1:
+            out[1] = Issued("all_gather", "tp", MIB)
+        return out
+
+    records, index = _records(Mesh(tp=2), kind)
+    assert first_mismatch(records, index) == "rank 1: collective #1 all_gather on group tp expected all_reduce " \
+                                             "(as rank 0), found all_gather"
+    records, index = _records(Mesh(tp=2), lambda r: _tp_dp(r)[: 4 - r])
+    assert "rank 1" in first_mismatch(records, index) and "world" in first_mismatch(records, index)
+
+
+def test_unknown_group_is_a_mismatch():
+    records, index = _records(Mesh(tp=2), lambda r: [Issued("all_reduce", "?", 4)])
+    assert "serves no mesh axis" in first_mismatch(records, index)
+
+
+def test_send_recv_pairs():
+    def p2p(rank, size=MIB):
+        return [Issued("send", "pp", size, peer=1)] if rank == 0 else [Issued("recv", "pp", MIB, peer=0)]
+
+    records, index = _records(Mesh(pp=2), p2p)
+    assert first_mismatch(records, index) is None
+    records, index = _records(Mesh(pp=2), lambda r: p2p(r, 2 * MIB))
+    assert first_mismatch(records, index) == ("rank 0: collective #0 send on group pp to rank 1: sends 2.0 MiB, "
+                                              "rank 1 receives 1.0 MiB")
+
+
+def test_groups_and_roles():
+    mesh = Mesh(pp=2, dp_replicate=2, dp_shard=2, tp=2)
+    assert group_members("tp", 5, mesh) == [4, 5]
+    assert group_members("dp", 1, mesh) == [1, 3, 5, 7]
+    assert group_members("pp", 3, mesh) == [3, 11]
+    assert len(plan_roles(NO_PARAMS, mesh)) == 4  # pp × tp; every dp coordinate alike without parameters
+    classes = {r.key[3] for r in plan_roles(UNEVEN, Mesh(dp_shard=4))}  # 5 rows over 4: 2, 2, 1, 0
+    assert len(classes) == 3
+    roles = plan_roles(NO_PARAMS, Mesh(pp=4, tp=8))
+    chosen = select_roles(roles, Mesh(pp=4, tp=8), 6, seed=1)
+    assert len(chosen) == 6 and {(0, 0, 0, 0), (3, 0, 7, 0)} <= {r.key for r in chosen}
+    assert axis_of_groups({"dp": "0", "dp_shard": "0", "world": "0", "tp": "3"}) == {"0": "dp_shard", "3": "tp"}
+
+
+def test_memory_overflow_rule():
+    from autoshard.runtime.check import RoleResult, _memory_overflow
+
+    role = plan_roles(NO_PARAMS, Mesh())[0]
+    fits = RoleResult(role, "rank 0", 3, 100, 1040, 100, 1000, 0.0)
+    assert _memory_overflow([fits], 0.05) is None
+    over = RoleResult(role, "rank 0", 3, 100, 1100, 100, 1000, 0.0)
+    assert _memory_overflow([over], 0.05).startswith("rank 0: step memory 1.1 KiB traced, 1000 B predicted (+10.0%")
+
+
+# --------------------------------------------------------------------------- end to end
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    from autoshard.models import build
+    from autoshard.passes import capture
+
+    model = build("llama:tiny", device="meta")
+    return model, capture(model, seq_lens=(8, 16))
+
+
+def test_zero3_plan_matches_and_fits(tiny):
+    from autoshard.plan import LayerStrategy, Plan, Schedule
+    from autoshard.runtime.check import check_plan
+    from autoshard.train import TrainSpec
+
+    model, graph = tiny
+    mesh = Mesh(dp_shard=4)
+    plan = Plan(model_name=graph.model_name, mesh=mesh, global_batch=8, seq_len=16, precision="fp32",
+                layers=tuple(LayerStrategy(layer=layer.name, state="zero3") for layer in graph.layers),
+                schedule=Schedule(micro_batch=1, num_micro_batches=2))
+    report = check_plan(plan, model, graph, TrainSpec(global_batch=8, seq_len=16, precision="fp32"))
+    assert report.ok, report.table()
+    assert [r.role.num_ranks for r in report.roles] == [1, 3]  # dp 0, and the three with equal shards
+    assert all(r.collectives > 50 for r in report.roles)  # gathers, re-gathers, reduce-scatters, scalars
+    assert all(abs(r.step_error) < 0.05 for r in report.roles), report.table()
+
+
+@pytest.mark.parametrize("seed", [3])
+def test_searched_plans_issue_matching_collectives(seed):
+    """Property sample (seeded): a random model, cluster and pin; the searched plan's roles match."""
+    from benchmarks import check_bench
+
+    rng = random.Random(seed)
+    row = check_bench.run_case(check_bench.random_case(rng), rng, max_roles=2)
+    if not row["searched"]:
+        pytest.skip(f"infeasible draw: {row['error']}")
+    assert row["collectives_match"], row
