@@ -2,11 +2,13 @@
 
 One ``PPOTrainer.step()`` on each data-parallel rank does:
 
-1. **Rollout** (``generate``). Draw ``rollout_batch`` prompts x [n, P] from the
-   task and sample responses y with a KV cache (``runtime/rollout.py``):
-   y_t ~ top_p(softmax(logits / τ)), at most ``max_new_tokens``, each sequence
-   stopping after its first ``<eos>``. The response mask m_t is 1 through that
-   ``<eos>`` (an action like any other), 0 after.
+1. **Rollout** (``generate``). Draw ``rollout_batch / G`` prompts from the
+   task, repeat each G = ``samples_per_prompt`` times (consecutive rows: one
+   group per prompt), giving x [n, P], and sample responses y with a KV cache
+   (``runtime/rollout.py``): y_t ~ top_p(softmax(logits / τ)), at most
+   ``max_new_tokens``, each sequence stopping after its first ``<eos>`` (or
+   stop token). The response mask m_t is 1 through that stop (an action like
+   any other), 0 after.
 2. **Old log-probs and values** (``logprobs``; ``values`` with a separate
    critic). One forward of π_old over x ‖ y[:-1] gives
    logp_old_t = log softmax(logits_t / τ)[y_t] and V_t, the value head at the
@@ -20,10 +22,18 @@ One ``PPOTrainer.step()`` on each data-parallel rank does:
        r_t = m_t · r^task_t + [t = last response token] · R_seq               (kl_mode="loss")
        k1_t = logp_old_t − logp_ref_t
 
-   GAE with (γ, λ) over the response tokens (V past the end is 0):
+   ``algo="ppo"``: GAE with (γ, λ) over the response tokens (V past the end is 0):
    δ_t = r_t + γ V_{t+1} − V_t, A_t = Σ_k (γλ)^k δ_{t+k}, returns G_t = A_t + V_t.
    With ``whiten_advantages`` A is shifted and scaled to mean 0, std 1 over the
    response tokens of the GLOBAL batch (statistics all-reduced over dp).
+
+   ``algo="grpo"`` (group-relative, no critic): with R_i = Σ_t r_t the total
+   reward of response i and g(i) its group (the G responses to one prompt),
+
+       A_{i,t} = m_{i,t} · (R_i − mean_{g(i)} R) / (std_{g(i)} R + eps)      (std: unbiased, eps = group_eps)
+
+   on every token of the response; no values, returns or whitening. Groups
+   never span ranks (each rank repeats its own prompts).
 5. **Update** (``train``). For ``epochs`` passes, the local batch is shuffled
    and cut into ``mini_batches`` mini-batches; each mini-batch is one optimizer
    step, accumulated over micro-batches of ``micro_batch`` sequences. With
@@ -31,25 +41,29 @@ One ``PPOTrainer.step()`` on each data-parallel rank does:
 
        ℓ_t = max(−A_t ρ_t, −A_t clip(ρ_t, 1 − ε, 1 + ε))                    (ε = clip)
              [for A_t < 0 with dual_clip c: min(·, −c A_t)]
-           + c_v · ½ max((V_t − G_t)², (V_old_t + clip(V_t − V_old_t, ±ε_v) − G_t)²)
+           + c_v · ½ max((V_t − G_t)², (V_old_t + clip(V_t − V_old_t, ±ε_v) − G_t)²)   (algo="ppo" only)
            − c_H · H_t                                                     (entropy bonus, off by default)
            + β · k3_t                                                      (kl_mode="loss" only)
        k3_t = exp(logp_ref_t − logp_t) − (logp_ref_t − logp_t) − 1
 
    and the mini-batch loss is
 
-       L = Σ_{ranks} Σ_{micro-batches} Σ_t m_t ℓ_t / N,   N = Σ_{ranks} Σ_{micro-batches} Σ_t m_t
+       L = Σ_{ranks} Σ_{micro-batches} Σ_t w_t ℓ_t / N,   N = Σ_{ranks} Σ_{micro-batches} Σ_t w_t
 
-   N is the GLOBAL number of response tokens of the mini-batch, all-reduced
-   once per mini-batch through the engine's ``dp`` reducer (one process: the
-   identity). Each micro-batch back-propagates its own share Σ m_t ℓ_t / N and
+   with w_t = m_t (``loss_agg="token"``: N is the GLOBAL number of response
+   tokens) or w_t = m_t / |y| (``loss_agg="sequence"``: each response's token
+   mean, averaged over the N responses). N is all-reduced once per
+   mini-batch through the engine's ``dp`` reducer (one process: the
+   identity). Each micro-batch back-propagates its own share Σ w_t ℓ_t / N and
    the engine SUMS gradients over dp ranks (``ppo_engine`` note), so the
-   gradient is that of the token-mean over the whole mini-batch: it does not
+   gradient is that of the mean over the whole mini-batch: it does not
    change with the data-parallel size or the micro-batch size.
 
-This is token-level PPO as in verl / OpenRLHF ("token-mean" loss aggregation),
-with a per-token KL penalty (k1 in the reward, InstructGPT-style) or a k3 KL
-loss (GRPO-style). Defaults follow REFERENCES.md "PPO defaults".
+``algo="ppo"`` is token-level PPO as in verl / OpenRLHF ("token-mean" loss
+aggregation), with a per-token KL penalty (k1 in the reward, InstructGPT-style)
+or a k3 KL loss (GRPO-style). ``algo="grpo"`` is GRPO (DeepSeekMath) with the
+same clipped surrogate, usually with ``kl_mode="loss"``. Defaults follow
+REFERENCES.md "PPO defaults".
 """
 
 from __future__ import annotations
@@ -68,6 +82,8 @@ from autoshard.runtime.rollout import Rollout, SamplingConfig, generate
 from autoshard.runtime.tasks import Task, check_rewards, check_vocab
 
 KL_MODES = ("reward", "loss")
+ALGOS = ("ppo", "grpo")
+LOSS_AGGREGATIONS = ("token", "sequence")
 _STAT_KEYS = ("policy/loss", "policy/clip_frac", "policy/entropy", "policy/approx_kl", "value/loss", "value/clip_frac")
 
 
@@ -111,6 +127,14 @@ class PPOConfig:
     """Normalise advantages to mean 0, std 1 over the global batch's response tokens."""
     seed: int = 0
     """Seeds prompts, sampling and shuffles (offset by the dp rank)."""
+    algo: str = "ppo"
+    """"ppo": GAE over the value head (or critic) and a value loss; "grpo": group-relative advantages, no value loss."""
+    samples_per_prompt: int = 1
+    """G: responses per prompt (each rank draws rollout_batch / G prompts); GRPO needs G >= 2."""
+    loss_agg: str = "token"
+    """"token": mean over the mini-batch's response tokens; "sequence": mean over responses of their token means."""
+    group_eps: float = 1e-6
+    """eps of the GRPO advantage's denominator (a group of equal rewards gets advantage 0)."""
 
     def __post_init__(self) -> None:
         for name in ("rollout_batch", "mini_batches", "epochs"):
@@ -135,6 +159,19 @@ class PPOConfig:
             raise PPOConfigError(f"dual_clip={self.dual_clip}; must be > 1 (or None to disable)")
         if not (0 <= self.gamma <= 1 and 0 <= self.lam <= 1):
             raise PPOConfigError(f"gamma={self.gamma}, lam={self.lam}; both must lie in [0, 1]")
+        self._check_algo()
+
+    def _check_algo(self) -> None:
+        for name, allowed in (("algo", ALGOS), ("loss_agg", LOSS_AGGREGATIONS)):
+            if getattr(self, name) not in allowed:
+                raise PPOConfigError(f"{name}={getattr(self, name)!r}; allowed: {', '.join(allowed)}")
+        group = self.samples_per_prompt
+        if group < 1 or self.rollout_batch % group:
+            raise PPOConfigError(f"samples_per_prompt={group} does not divide rollout_batch={self.rollout_batch} "
+                                 "(each rank repeats its prompts); pick a divisor of the per-rank batch")
+        if self.algo == "grpo" and group < 2:
+            raise PPOConfigError(f"algo='grpo' with samples_per_prompt={group}: group-relative advantages need "
+                                 "at least 2 responses per prompt; pass samples_per_prompt >= 2")
 
     @property
     def mini_batch_size(self) -> int:
@@ -194,6 +231,8 @@ class PPOTrainer:
         on_metrics: Callable[[dict[str, float]], None] | None = None,
     ) -> None:
         check_vocab(task, policy.vocab_size)
+        if critic is not None and config.algo == "grpo":
+            raise PPOConfigError("algo='grpo' has no value function; drop the critic or use algo='ppo'")
         if reference.vocab_size != policy.vocab_size:
             raise PPOConfigError(
                 f"reference vocab_size={reference.vocab_size} differs from policy vocab_size={policy.vocab_size}; "
@@ -210,8 +249,10 @@ class PPOTrainer:
     # ------------------------------------------------------------------ rollout and experience
 
     def rollout(self) -> Rollout:
-        """Sample ``rollout_batch`` prompts and their responses from the policy."""
-        prompts = self.task.sample_prompts(self.config.rollout_batch, self.cpu_generator).to(self.policy.device)
+        """Sample ``rollout_batch / G`` prompts, G responses to each (consecutive rows), from the policy."""
+        group = self.config.samples_per_prompt
+        prompts = self.task.sample_prompts(self.config.rollout_batch // group, self.cpu_generator)
+        prompts = prompts.repeat_interleave(group, dim=0).to(self.policy.device)
         self.policy.eval_mode()
         return generate(
             self.policy, prompts, self.config.sampling,
@@ -258,9 +299,13 @@ class PPOTrainer:
             task_rewards, seq_total = self._rewards(rollout)
             k1 = L.kl_k1(old_logp, ref_logp) * mask
             rewards = task_rewards - cfg.kl_coef * k1 if cfg.kl_mode == "reward" else task_rewards
-            advantages, returns = L.gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
-            if cfg.whiten_advantages:
-                advantages = L.whiten(advantages, mask, self.dp)
+            if cfg.algo == "grpo":
+                advantages = L.group_advantages(rewards.sum(1), cfg.samples_per_prompt, cfg.group_eps)[:, None] * mask
+                returns = torch.zeros_like(advantages)
+            else:
+                advantages, returns = L.gae(rewards, old_values * mask, mask, cfg.gamma, cfg.lam)
+                if cfg.whiten_advantages:
+                    advantages = L.whiten(advantages, mask, self.dp)
         exp = Experience(tokens, prompt_len, mask, old_logp, ref_logp, old_values * mask, advantages, returns)
         return exp, self._rollout_metrics(rollout, exp, seq_total, k1)
 
@@ -277,7 +322,8 @@ class PPOTrainer:
         return {
             "reward/mean": reward_mean, "reward/std": reward_var**0.5, "response/length": length,
             "response/empty_frac": empty_frac, "kl/k1": kl1, "kl/k3": kl3,
-            "value/explained_var": L.explained_variance(exp.old_values, exp.returns, mask, self.dp),
+            "value/explained_var": (float("nan") if self.config.algo == "grpo"
+                                    else L.explained_variance(exp.old_values, exp.returns, mask, self.dp)),
             "mismatch/logp_abs": gap_mean, "mismatch/logp_max": float(gap.max()),  # max: this rank only
         }
 
@@ -287,10 +333,16 @@ class PPOTrainer:
         """N: response tokens of ``mask`` summed over every data-parallel rank (the dp hook)."""
         return float(self.dp.all_reduce_sum(mask.sum().detach().double().clone()))
 
-    def accumulate_gradients(self, batch: Experience, num_tokens: float) -> dict[str, torch.Tensor]:
-        """Back-propagate Σ m·ℓ / ``num_tokens`` of ``batch`` in micro-batches (no zero_grad, no step).
+    def loss_normaliser(self, mask: torch.Tensor) -> float:
+        """N of the module docstring: Σ of the loss weights of ``mask`` over every data-parallel rank."""
+        weights = L.loss_weights(mask, self.config.loss_agg)
+        return float(self.dp.all_reduce_sum(weights.sum().detach().double().clone()))
 
-        Returns this rank's share of each statistic (Σ m·stat / num_tokens), so
+    def accumulate_gradients(self, batch: Experience, num_tokens: float) -> dict[str, torch.Tensor]:
+        """Back-propagate Σ w·ℓ / ``num_tokens`` of ``batch`` in micro-batches (no zero_grad, no step;
+        w: the loss weights, the mask under ``loss_agg="token"``, module docstring).
+
+        Returns this rank's share of each statistic (Σ w·stat / num_tokens), so
         the shares of all ranks sum to the global token means.
         """
         cfg = self.config
@@ -313,11 +365,16 @@ class PPOTrainer:
             _, values = self.critic.forward(mb.tokens[:, :-1])
         values = L.response_logits(values[..., None], mb.prompt_len, resp_len)[..., 0].float()
         pg, pg_clipped = L.policy_loss(logp, mb.old_logp, mb.advantages, cfg.clip, cfg.dual_clip)
-        vl, v_clipped = L.value_loss(values, mb.old_values, mb.returns, cfg.value_clip)
-        per_token = pg + cfg.value_coef * vl - cfg.entropy_coef * entropy
+        per_token = pg - cfg.entropy_coef * entropy
+        if cfg.algo == "grpo":  # no value function: the value head gets no gradient
+            vl = v_clipped = torch.zeros_like(pg)
+        else:
+            vl, v_clipped = L.value_loss(values, mb.old_values, mb.returns, cfg.value_clip)
+            per_token = per_token + cfg.value_coef * vl
         if cfg.kl_mode == "loss" and cfg.kl_coef:
             per_token = per_token + cfg.kl_coef * L.kl_k3(logp, mb.ref_logp)
-        share = lambda t: (t * mask).sum() / num_tokens  # noqa: E731
+        weights = L.loss_weights(mask, cfg.loss_agg)
+        share = lambda t: (t * weights).sum() / num_tokens  # noqa: E731
         parts = {
             "policy/loss": share(pg), "policy/clip_frac": share(pg_clipped), "policy/entropy": share(entropy),
             "policy/approx_kl": share(0.5 * (logp - mb.old_logp) ** 2),
@@ -337,7 +394,7 @@ class PPOTrainer:
             order = torch.randperm(len(exp), generator=self.cpu_generator).to(exp.tokens.device)
             for index in order.split(cfg.mini_batch_size):
                 batch = exp.select(index)
-                num_tokens = self.global_token_count(batch.mask)
+                num_tokens = self.loss_normaliser(batch.mask)
                 assert num_tokens > 0, "every response has at least its first token"
                 for engine in engines:
                     engine.zero_grad()
@@ -387,4 +444,4 @@ class PPOTrainer:
         }
 
 
-__all__ = ["KL_MODES", "Experience", "PPOConfig", "PPOConfigError", "PPOTrainer"]
+__all__ = ["ALGOS", "KL_MODES", "LOSS_AGGREGATIONS", "Experience", "PPOConfig", "PPOConfigError", "PPOTrainer"]

@@ -13,6 +13,10 @@ Formulas (ρ = exp(logp − logp_old), A advantage, R return, ε clip):
     L_pg = max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)),  and for A < 0 with dual clip c:  min(L_pg, −A·c)
     L_v  = ½·max((V − R)², (V_old + clip(V − V_old, −ε_v, ε_v) − R)²)
     H    = −Σ_v π(v) log π(v)
+    GRPO (groups of G responses to one prompt, R_i a response's total reward):
+         A_i = (R_i − mean_group(R)) / (std_group(R) + eps),  std the unbiased sample std (torch.std)
+    loss weights w_t (the caller sums w·ℓ and divides by the global Σ w):
+         "token": w_t = m_t ;  "sequence": w_t = m_t / Σ_t' m_t'  (each response weighs 1)
 """
 
 from __future__ import annotations
@@ -62,6 +66,20 @@ def gae(
         next_adv = adv
     returns = (advantages + values) * mask
     return advantages, returns
+
+
+def group_advantages(seq_rewards: torch.Tensor, group_size: int, eps: float = 1e-6) -> torch.Tensor:
+    """GRPO advantages [n] of sequence rewards [n] laid out as consecutive groups of ``group_size`` (module formula)."""
+    groups = seq_rewards.view(-1, group_size)  # [n / G, G]
+    mean, std = groups.mean(1, keepdim=True), groups.std(1, keepdim=True)
+    return ((groups - mean) / (std + eps)).reshape(-1)
+
+
+def loss_weights(mask: torch.Tensor, aggregation: str) -> torch.Tensor:
+    """Per-token loss weights [n, R]: ``mask`` for "token", ``mask`` / response length for "sequence"."""
+    if aggregation == "token":
+        return mask
+    return mask / mask.sum(1, keepdim=True).clamp(min=1.0)
 
 
 def masked_stats(x: torch.Tensor, mask: torch.Tensor, dp: Reducer) -> tuple[float, float, float]:

@@ -55,9 +55,12 @@ class PolicyModel:
     """Not a reference model: its initial weights came from user code (``check_same_weights``)."""
 
 
-def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, weights: str | None = None) -> PolicyModel:
+def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, weights: str | None = None,
+                vocab_size: int | None = None) -> PolicyModel:
     """The model ``spec`` names (module docstring), initialised from ``seed`` on ``device``
-    (``"meta"``: for capture only). ``weights``: an HF safetensors directory, HF config specs only."""
+    (``"meta"``: for capture only). ``weights``: an HF safetensors directory, HF config specs only.
+    ``vocab_size``: a reference model's vocabulary (default the tasks' 16; a prompt set's tokenizer
+    may need more, ``runtime/rl_data.py``); other models keep their own."""
     from pathlib import Path
 
     from autoshard.errors import ModelError
@@ -70,7 +73,7 @@ def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, wei
         raise ModelError(f"weights {weights!r}: only a Hugging Face config MODEL (a directory or config.json) reads "
                          f"safetensors; {spec!r} builds its own weights (a factory may load them itself)")
     if not is_factory_spec(spec):
-        return PolicyModel(build_policy_model(spec, seed, device), spec)
+        return PolicyModel(build_policy_model(spec, seed, device, vocab_size=vocab_size), spec)
     target, _, attr = spec.rpartition(":")
     if target.endswith(".py") or "/" in target:
         spec = f"{Path(target).expanduser().resolve()}:{attr}"  # the same name from every working directory
@@ -104,13 +107,41 @@ def _load_hf_policy(path: str, seed: int, weights: str | None) -> PolicyModel:
     return PolicyModel(module, path, source, user=True)
 
 
-def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu") -> torch.nn.Module:
-    """The reference model ``spec`` with the task vocabulary and ``MODEL_MAX_SEQ_LEN``, initialised from ``seed``
-    (any MODEL: ``load_policy``)."""
+def load_reference(spec: str, policy: torch.nn.Module, seed: int, device: str | torch.device = "cpu", *,
+                   vocab_size: int | None = None) -> PolicyModel:
+    """A separate frozen reference: the model ``spec`` names (an HF model directory brings its safetensors),
+    refused (``ModelError``) unless its parameters have the policy's names and shapes: it runs under the
+    policy's plan and graph."""
+    from pathlib import Path
+
+    from autoshard.errors import ModelError
+    from autoshard.models.source import is_hf_config_spec
+
+    weights = None
+    if is_hf_config_spec(spec) and Path(spec).expanduser().is_dir() and any(Path(spec).expanduser().glob("*.safetensors")):
+        weights = spec
+    reference = load_policy(spec, seed, device, weights=weights, vocab_size=vocab_size)
+    mine = {name: tuple(p.shape) for name, p in policy.named_parameters()}
+    theirs = {name: tuple(p.shape) for name, p in reference.module.named_parameters()}
+    if mine != theirs:
+        differ = next((n for n in mine if theirs.get(n) != mine[n]), None) or next(n for n in theirs if n not in mine)
+        raise ModelError(f"reference {spec!r} does not match the policy: parameter {differ!r} is "
+                         f"{mine.get(differ, 'absent')} in the policy and {theirs.get(differ, 'absent')} in the reference; "
+                         "a separate reference needs the policy's architecture (or drop --reference)")
+    if reference.user and reference.weights is None:
+        check_same_weights(reference.module, reference.name, device)
+    return reference
+
+
+def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu", *,
+                       vocab_size: int | None = None) -> torch.nn.Module:
+    """The reference model ``spec`` with ``vocab_size`` (default the task vocabulary) and ``MODEL_MAX_SEQ_LEN``,
+    initialised from ``seed`` (any MODEL: ``load_policy``)."""
     from autoshard.models import build
     from autoshard.runtime.tasks import VOCAB
 
-    return build(spec, seed=seed, device=device, vocab_size=len(VOCAB), max_seq_len=MODEL_MAX_SEQ_LEN)
+    vocab_size = len(VOCAB) if vocab_size is None else vocab_size
+    return build(spec, seed=seed, device=device, vocab_size=vocab_size, max_seq_len=MODEL_MAX_SEQ_LEN)
 
 
 def policy_vocab(model: torch.nn.Module) -> int | None:
@@ -197,6 +228,7 @@ __all__ = [
     "check_policy_vocab",
     "check_same_weights",
     "load_policy",
+    "load_reference",
     "policy_context",
     "policy_vocab",
     "rollout_cache_unsupported",

@@ -74,7 +74,7 @@ import contextlib
 import logging
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Callable, Sequence
 
@@ -91,10 +91,12 @@ from autoshard.runtime.ppo_policy import (  # noqa: F401  (re-exported: the run'
     check_policy_vocab,
     check_same_weights,
     load_policy,
+    load_reference,
     policy_context,
     policy_vocab,
     rollout_cache_unsupported,
 )
+from autoshard.runtime.rl_options import RLOptions
 
 log = logging.getLogger(__name__)
 
@@ -290,6 +292,10 @@ class PPORun:
     rollout_cache: bool = True
     """Sample from a KV-cached full replica synced from the shards each step (``runtime/rollout_engine.py``);
     False: recompute every prefix through the sharded program (no replica memory)."""
+    data: Any = None
+    """User prompts and reward (``runtime/rl_options.PromptSource``) instead of ``task``."""
+    rl: RLOptions = field(default_factory=RLOptions)
+    """Algorithm (PPO / GRPO), generation and reference-model options (``runtime/rl_options.py``)."""
 
 
 def build_engines(
@@ -303,12 +309,14 @@ def build_engines(
     rollout_cache: bool | None = None,
     weights: Any = None,
     vocab_size: int | None = None,
+    reference_model: PolicyModel | None = None,
 ) -> tuple[ProgramEngine, ProgramEngine]:
     """(policy, frozen reference) engines over ``plan`` (and ``reference_plan``, default ``plan``).
 
     Both programs start from ``weights`` (``build_program``'s source; None: ``model``'s own
-    values); the reference reuses the policy's ``RankContext`` (module note: the frozen
-    reference). ``vocab_size``: PPO's action count (default: the tasks' ``len(VOCAB)``; wider
+    values), the reference from ``reference_model``'s instead when given (a separate model of the
+    same architecture, ``ppo_policy.load_reference``); the reference reuses the policy's
+    ``RankContext`` (module note: the frozen reference). ``vocab_size``: PPO's action count (default: the tasks' ``len(VOCAB)``; wider
     logits are restricted to it, ``runtime/ppo_policy.py``). ``rollout_cache`` (default: on
     when the plan has pp == 1) gives the policy a ``RolloutEngine`` (module note: the rollout
     engine); a model without the reference models' cache API recomputes instead (logged).
@@ -332,8 +340,10 @@ def build_engines(
     # engine), and a compiled graph (dynamic=False) would recompile per shape; compiled PPO is untested
     policy_program = build_program(model, graph, plan, None, train, optimizer=adamw, device=device,
                                    compile_graph=False, weights=weights)
+    ref_module, ref_weights = (model, weights) if reference_model is None else (reference_model.module,
+                                                                                 reference_model.weights)
     reference_program = build_program(
-        model, graph, reference_plan, None, train, ctx=policy_program.ctx, weights=weights,
+        ref_module, graph, reference_plan, None, train, ctx=policy_program.ctx, weights=ref_weights,
         optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device, compile_graph=False,
     )
     use_cache = (plan.mesh.pp == 1 if rollout_cache is None else rollout_cache) and policy_program.pipeline is None
@@ -348,9 +358,11 @@ def build_engines(
     return policy, reference
 
 
-def ppo_config(run: PPORun, dp: int, max_new_tokens: int) -> Any:
-    """The reference run's ``PPOConfig`` with ``run.global_batch`` split over ``dp`` ranks."""
+def ppo_config(run: PPORun, dp: int, max_new_tokens: int, sampling: Any = None) -> Any:
+    """The reference run's ``PPOConfig`` with ``run.global_batch`` split over ``dp`` ranks and ``run.rl``'s
+    options; ``sampling`` (default: ``max_new_tokens`` at temperature 1) from ``rl_options.build_task``."""
     from autoshard.runtime.ppo import PPOConfig
+    from autoshard.runtime.rl_options import rl_config_fields
     from autoshard.runtime.rollout import SamplingConfig
 
     if run.global_batch % dp:
@@ -360,7 +372,7 @@ def ppo_config(run: PPORun, dp: int, max_new_tokens: int) -> Any:
         )
     return PPOConfig(
         rollout_batch=run.global_batch // dp, mini_batches=run.mini_batches, kl_coef=run.kl_coef,
-        sampling=SamplingConfig(max_new_tokens=max_new_tokens), seed=run.seed,
+        sampling=sampling or SamplingConfig(max_new_tokens=max_new_tokens), seed=run.seed, **rl_config_fields(run.rl),
     )
 
 
@@ -381,22 +393,28 @@ def sharded_trainer(
     ``graph`` (default: captured from it) is what ``plan`` was searched against.
     """
     from autoshard.runtime.ppo import PPOTrainer
-    from autoshard.runtime.tasks import get_task, task_vocab_size
+    from autoshard.runtime.rl_options import build_task, run_tokenizer
+    from autoshard.runtime.tasks import task_vocab_size
 
+    tokenizer = run_tokenizer(run.data)
     if model is None:
-        model = load_policy(run.model, run.seed, device, weights=run.weights)
+        model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=tokenizer.vocab_size)
     policy_model = model if isinstance(model, PolicyModel) else PolicyModel(model, run.model)
-    task = get_task(run.task, **TASK_PRESETS.get(run.task, {}))
+    task, sampling = build_task(run.task, run.data, run.rl, context=policy_context(policy_model.module),
+                                tokenizer=tokenizer)
     check_policy_vocab(policy_model.module, policy_model.name, task)
     if policy_model.user and policy_model.weights is None:
         check_same_weights(policy_model.module, policy_model.name, device)
     module = policy_model.module
     graph = graph if graph is not None else capture_policy(module, policy_model.name)
+    reference_model = None
+    if run.rl.reference is not None:
+        reference_model = load_reference(run.rl.reference, module, run.seed, device, vocab_size=tokenizer.vocab_size)
     policy, reference = build_engines(
         module, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device, rollout_cache=run.rollout_cache,
-        weights=policy_model.weights, vocab_size=task_vocab_size(task),
+        weights=policy_model.weights, vocab_size=task_vocab_size(task), reference_model=reference_model,
     )
-    config = ppo_config(run, policy.dp.world_size, task.max_response_len)
+    config = ppo_config(run, policy.dp.world_size, sampling.max_new_tokens, sampling)
     flops_per_token = 6.0 * sum(p.numel() for p in module.parameters())
     return PPOTrainer(
         policy, reference, task, config, flops_per_token=flops_per_token, peak_flops=_replica_peak_flops(plan),
@@ -498,15 +516,22 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     if rank == 0 and run.metrics:
         from autoshard.runtime.metrics import write_run_info
 
-        write_run_info(run.metrics, {"model": run.model, "task": run.task, "world_size": plan.mesh.world_size,
+        task_name = run.task if run.data is None else f"prompts:{run.data.prompts}"
+        write_run_info(run.metrics, {"model": run.model, "task": task_name, "algo": run.rl.algo,
+                                     "world_size": plan.mesh.world_size,
                                      "mesh": str(plan.mesh), "schedule": str(plan.schedule),
                                      "precision": plan.precision, "global_batch": run.global_batch})
-    model = load_policy(run.model, run.seed, device, weights=run.weights)
+    from autoshard.runtime.rl_options import run_tokenizer
+
+    model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=run_tokenizer(run.data).vocab_size)
     graph = graph if graph is not None else capture_policy(model.module, model.name)
     trainer = sharded_trainer(run, plan, model=model, graph=graph, device=device, on_metrics=report)
     unsupported = rollout_cache_unsupported(model.module)
     if rank == 0 and run.rollout_cache and unsupported:
         print(f"rollout: no KV cache, recomputing each prefix through the program: {unsupported}", flush=True)
+    if rank == 0:  # said once: prompts cut to the budget, defaults chosen from the algorithm
+        for line in filter(None, [getattr(trainer.task, "notice", None), *run.rl.defaults_said()]):
+            print(line, flush=True)
     if run.resume:
         loaded = load_ppo(run.checkpoint, trainer, graph)
         if rank == 0:
@@ -587,6 +612,8 @@ def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
 
 def worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's flags (``autoshard ppo`` passes them through torchrun)."""
+    from autoshard.runtime.rl_options import add_rl_arguments
+
     parser.add_argument("--plan", required=True, help="plan JSON for this model and world size")
     parser.add_argument("--model", default=PPORun.model,
                         help="MODEL: reference spec, package.module:factory, file.py:factory or HF config (default %(default)s)")
@@ -604,15 +631,18 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="record one step's Chrome trace per rank next to --metrics")
     parser.add_argument("--no-rollout-cache", action="store_true",
                         help="sample by recomputing prefixes through the sharded program (no full replica per rank)")
+    add_rl_arguments(parser)
 
 
 def run_from_args(args: argparse.Namespace) -> PPORun:
     """The ``PPORun`` of parsed worker flags."""
+    from autoshard.runtime.rl_options import options_from_args, source_from_args
+
     return PPORun(
         model=args.model, weights=args.weights, task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every,
         resume=args.resume, plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
-        profile=args.profile,
+        profile=args.profile, data=source_from_args(args), rl=options_from_args(args),
     )
 
 

@@ -6,7 +6,8 @@ t = 0 .. max_new_tokens − 1,
     y_t ~ top_p( softmax(logits(x, y_<t) / temperature) )
 
 one token per sequence per step. A sequence stops after its first ``eos_id``
-(the ``<eos>`` token is part of the response and of ``response_mask``); its
+or ``stop_ids`` token (the stop token is part of the response and of
+``response_mask``); its
 later positions hold ``pad_id`` with mask 0. Decoding ends early when every
 sequence has stopped, so R (the response width) is at most max_new_tokens.
 
@@ -59,6 +60,8 @@ class SamplingConfig:
     """Logits are divided by this before softmax (> 0); PPO's log-probs use the same temperature."""
     top_p: float = 1.0
     """Nucleus sampling: draw from the smallest set of tokens whose probability reaches top_p (0 < top_p ≤ 1)."""
+    stop_ids: tuple[int, ...] = ()
+    """Token ids that end a response as ``<eos>`` does (kept in the response and its mask)."""
 
     def __post_init__(self) -> None:
         if self.max_new_tokens < 1:
@@ -148,6 +151,7 @@ def generate(
             f"policy's max_seq_len {engine.max_seq_len}; lower max_new_tokens or build a longer model"
         )
     cache = engine.new_cache(n, total)
+    stops = torch.tensor([eos_id, *sampling.stop_ids], dtype=torch.long, device=prompts.device)
     tokens = prompts
     done = torch.zeros(n, dtype=torch.bool, device=prompts.device)
     picked, masks, logps = [], [], []
@@ -162,7 +166,7 @@ def generate(
         picked.append(torch.where(alive, choice, torch.full_like(choice, pad_id)))
         masks.append(alive.float())
         logps.append(logprobs.gather(-1, choice[:, None]).squeeze(1) * alive)
-        done = done | (choice == eos_id)
+        done = done | torch.isin(choice, stops)
         tokens = torch.cat([tokens, picked[-1][:, None]], dim=1)
         if _all_done(engine, done, cache):
             break
