@@ -40,8 +40,8 @@ Output flags:
 Progress: long work reports through ``autoshard/progress.py``: a live
 display on a terminal; in a pipe, plain lines for the jobs (``ppo``,
 ``cluster calibrate``) and nothing for the commands whose output is a result
-(``plan``, ``explain``, ``capture``), which keep a pipe to that result or one
-error line. Other libraries' deprecation warnings and torch's internal
+(``plan``, ``explain``, ``report``, ``capture``), which keep a pipe to that
+result or one error line. Other libraries' deprecation warnings and torch's internal
 ``UserWarning`` are hidden while a command runs
 (``autoshard/quiet_warnings.py``, also in the ranks ``run`` and ``ppo``
 start); ``--debug`` shows them.
@@ -321,7 +321,19 @@ def _args_report(parser: argparse.ArgumentParser) -> None:
 def _cmd_report(args: argparse.Namespace, console: Any) -> int:
     from autoshard.report import report_main
 
-    return report_main(args, console, _make_console(stderr=True))
+    return report_main(args, console, None if args.quiet else _make_console(stderr=True))
+
+
+def _args_check(parser: argparse.ArgumentParser) -> None:
+    from autoshard.runtime.check import add_check_arguments
+
+    add_check_arguments(parser)
+
+
+def _cmd_check(args: argparse.Namespace, console: Any) -> int:
+    from autoshard.runtime.check import cmd_check
+
+    return cmd_check(args, console)
 
 
 def _args_ppo(parser: argparse.ArgumentParser) -> None:
@@ -510,6 +522,12 @@ COMMANDS: tuple[Command, ...] = (
         "draw a plan as one HTML page: strategy per layer, memory and step timeline per rank (and a Chrome trace)",
         _cmd_report,
         _args_report,
+    ),
+    Command(
+        ("check",),
+        "build every rank role of a plan at its world size (fake process group, meta tensors); match collectives and memory",
+        _cmd_check,
+        _args_check,
     ),
     Command(
         ("ppo",),

@@ -2,7 +2,10 @@
 
 ``autoshard ppo MODEL --cluster PRESET:NODESxDEVICES [--calibration CAL.json] --task NAME --steps N
 [--weights DIR] [--plan plan.json] [--metrics out.jsonl] [--checkpoint DIR] [--resume]
-[--seed S] [--plot curves.png]`` does, in order:
+[--seed S] [--plot curves.png] [--prompts FILE.jsonl --reward MODULE:FUNCTION] [--algo ppo|grpo]`` does, in order:
+
+(``--prompts``/``--reward`` and the algorithm and generation flags are declared once, for this command and its
+workers, in ``runtime/rl_options.py``; ``docs/ppo.md`` "Your own prompts and rewards".)
 
 0. the model: MODEL is the CLI's grammar (``autoshard/models/source.py``): a
    reference ``family:size`` (built with the task vocabulary),
@@ -35,16 +38,17 @@
    - otherwise, on one node, it writes the plan next to the metrics file (or
      the checkpoint, or a temporary directory) and starts the plan's world
      size of ranks through torchrun (``runtime/launch.py``) running
-     ``python -m autoshard.runtime.ppo_program``; an error raised on the
+     ``python -m autoshard.runtime.ppo_program`` (it prints ``starting N ranks``;
+     ``--debug`` adds torchrun's command line); an error raised on the
      ranks is printed once (``autoshard: error: rank R: ...``, ranks with
      the same message folded) and the exit code is 2 for a user error, 1
      otherwise; a stalled rank stops the job after ``AUTOSHARD_TIMEOUT_S``
      (launch.py's docstring);
    - several nodes: refused, with the ``autoshard run`` line to use instead.
 3. rank 0 reports each step (``runtime/metrics.py``'s ``LiveSummary``:
-   ``step i/N  elapsed  ETA  tok/s`` and the headline metrics; a line per
-   step in a log, a live row under them on a terminal; none with
-   ``--quiet``), writes ``--metrics`` JSON lines and, at the end, the
+   ``step i/N  elapsed  ETA  tok/s`` and the headline metrics; in a log about
+   20 lines, the first step, every k-th and the last, a live row under them
+   on a terminal; none with ``--quiet``), writes ``--metrics`` JSON lines and, at the end, the
    ``--plot`` PNG and its path. The search of step 1 shows a live row on a
    terminal's stderr.
 
@@ -95,6 +99,9 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
                         "a Chrome trace per rank next to --metrics (METRICS.rankR.trace.json) for `autoshard report "
                         "PLAN --measured`")
     parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of a KV-cached full replica per rank (less memory, slower)")
+    from autoshard.runtime.rl_options import add_rl_arguments
+
+    add_rl_arguments(parser)  # --prompts, --reward, --algo, ... (shared with the workers)
 
 
 def add_plot_command_arguments(parser: argparse.ArgumentParser) -> None:
@@ -114,12 +121,21 @@ def cmd_plot(args: argparse.Namespace, console: Any) -> int:
 def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     """``autoshard ppo``: plan (search or load), then train here or through torchrun (module docstring)."""
     from autoshard.cli_search import load_cluster, reference_spec
-    from autoshard.runtime.ppo_program import TASK_PRESETS, capture_policy, check_policy_vocab, load_policy
-    from autoshard.runtime.tasks import get_task
+    from autoshard.runtime import rl_options
+    from autoshard.runtime.ppo_program import capture_policy, check_policy_vocab, load_policy, policy_context
 
     _check_flags(args)
-    task = get_task(args.task, **TASK_PRESETS.get(args.task, {}))  # TaskError naming the tasks, before any search
-    policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights))
+    data, options = rl_options.source_from_args(args), rl_options.options_from_args(args)
+    if data is None:  # a built-in task: its name is refused before the policy is built
+        from autoshard.runtime.ppo_program import TASK_PRESETS
+        from autoshard.runtime.tasks import get_task
+
+        get_task(args.task, **TASK_PRESETS.get(args.task, {}))
+    tokenizer = rl_options.run_tokenizer(data)
+    policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights),
+                         vocab_size=tokenizer.vocab_size)
+    # TaskError naming the tasks, a bad prompt file or reward, before any search
+    task, _ = rl_options.build_task(args.task, data, options, context=policy_context(policy.module), tokenizer=tokenizer)
     check_policy_vocab(policy.module, policy.name, task)
     spec = policy.name  # file paths made absolute: the workers and plans name the model alike
     cluster = load_cluster(args.cluster, args.calibration)
@@ -161,13 +177,16 @@ def _check_flags(args: argparse.Namespace) -> None:
 
 def _check_batch(args: argparse.Namespace, plan: Any, task: Any) -> None:
     """Refuse a ``--batch`` the plan's dp ranks cannot split (ranks would raise it, one per rank, after starting)."""
-    from autoshard.runtime.ppo_program import PPORun, ppo_config
+    import math
 
-    run = PPORun(global_batch=args.batch, seed=args.seed)
+    from autoshard.runtime.ppo_program import PPORun, ppo_config
+    from autoshard.runtime.rl_options import options_from_args
+
+    run = PPORun(global_batch=args.batch, seed=args.seed, rl=options_from_args(args))
     try:
         ppo_config(run, plan.mesh.dp, task.max_response_len)
     except AutoshardError as err:
-        multiple = plan.mesh.dp * run.mini_batches
+        multiple = plan.mesh.dp * math.lcm(run.mini_batches, max(run.rl.group(), 1))
         raise AutoshardError(f"--batch {args.batch} cannot be split over the plan's dp={plan.mesh.dp} ranks and "
                              f"{run.mini_batches} mini-batches ({err}); use a multiple of {multiple}") from None
 
@@ -196,6 +215,18 @@ def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: A
     if args.plan is not None:
         return Plan.load(args.plan)
     from autoshard.progress import reporter
+
+    first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank searches; one shows it
+    with reporter(sys.stderr, quiet=_quiet(args) or not first, lines=False) as progress:  # live on a terminal
+        plan = search_plan(graph, cluster, args.batch, args.precision, progress=progress)
+    if first:
+        console.print(plan.to_rich())
+    return plan
+
+
+def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", progress: Any = None) -> Any:
+    """The plan ``autoshard ppo`` searches for the PPO policy ``graph`` on ``cluster`` (module docstring, step 1:
+    what the runtime implements fixed), for ``batch`` prompts per step in ``precision``."""
     from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN
     from autoshard.search import solve
     from autoshard.search.space import Constraints
@@ -203,14 +234,8 @@ def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: A
 
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
     constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
-    train = TrainSpec(global_batch=args.batch, seq_len=MODEL_MAX_SEQ_LEN, precision=args.precision)
-    first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank searches; one shows it
-    with reporter(sys.stderr, quiet=_quiet(args) or not first, lines=False) as progress:  # live on a terminal
-        plan = solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S,
-                     progress=progress)
-    if first:
-        console.print(plan.to_rich())
-    return plan
+    train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision)
+    return solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
 
 
 def _runtime_pins(cluster: Any) -> dict[str, Any]:
@@ -252,7 +277,9 @@ def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[
         flags.append("--no-rollout-cache")
     if getattr(args, "profile", False):
         flags.append("--profile")
-    return flags
+    from autoshard.runtime.rl_options import rl_worker_flags
+
+    return flags + rl_worker_flags(args, absolute=lambda value: str(Path(value).absolute()))
 
 
 def _launch(args: argparse.Namespace, spec: str, plan_path: Path, console: Any) -> int:
@@ -263,9 +290,11 @@ def _launch(args: argparse.Namespace, spec: str, plan_path: Path, console: Any) 
     launch_spec = build_launch(plan_path, command)
     # rank 0's live line must reach a pipe as it is printed, not when a block buffer fills
     launch_spec = dataclasses.replace(launch_spec, env={**launch_spec.env, "PYTHONUNBUFFERED": "1"})
-    console.print(f"starting {launch_spec.nproc_per_node} ranks: {subprocess.list2cmdline(launch_spec.argv)}",
-                  markup=False, highlight=False, soft_wrap=True)
-    return launch(launch_spec, debug=getattr(args, "debug", False))
+    debug = getattr(args, "debug", False)
+    command_line = f": {subprocess.list2cmdline(launch_spec.argv)}" if debug else ""  # torchrun's, for --debug
+    console.print(f"starting {launch_spec.nproc_per_node} ranks{command_line}", markup=False, highlight=False,
+                  soft_wrap=True)
+    return launch(launch_spec, debug=debug)
 
 
 def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
@@ -274,12 +303,13 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
 
     from autoshard.runtime import ppo_program as P
     from autoshard.runtime.launch_child import timeout_s
+    from autoshard.runtime.rl_options import options_from_args, source_from_args
 
     run = P.PPORun(
         model=spec, weights=_text(args.weights), task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
         resume=args.resume, plot=_text(args.plot), live=not _quiet(args), rollout_cache=not args.no_rollout_cache,
-        profile=getattr(args, "profile", False),
+        profile=getattr(args, "profile", False), data=source_from_args(args), rl=options_from_args(args),
     )
     created = P.init_distributed(plan, timeout_s=timeout_s())
     try:
@@ -299,4 +329,4 @@ def _text(path: Path | None) -> str | None:
     return None if path is None else str(path)
 
 
-__all__ = ["add_plot_command_arguments", "add_ppo_arguments", "cmd_plot", "cmd_ppo"]
+__all__ = ["add_plot_command_arguments", "add_ppo_arguments", "cmd_plot", "cmd_ppo", "search_plan"]

@@ -37,15 +37,18 @@ training step against the flags, and the search is skipped.
 ``explain`` re-captures the plan's model from its name (a reference spec
 such as ``llama:7b``), rebuilds the cluster from the plan's recorded
 ``cluster_spec`` (``plan_reuse.cluster_of``) unless ``--cluster`` is given,
-and the ``TrainSpec`` from the plan's fields.
+and the ``TrainSpec`` from the plan's fields (``plan_reuse``: the recorded
+cluster keeps its name, so a CPU plan is priced as CPU, and its calibration).
 
 ``--calibration FILE`` (``plan``, ``explain``, ``ppo``; ``run`` passes it to
 the ranks) applies a file of ``autoshard cluster calibrate`` to the cluster
 before it is searched or priced (``load_cluster``). A cluster file may name
 one instead (``calibration: cal.json``, relative to the cluster file). The
-plan records the calibrated figures in its cluster fingerprint but not the
-cost-model constants (kernel overhead, layer times), so ``explain`` of a
-calibrated plan takes the same ``--calibration`` to price it as the search did.
+plan records the calibrated figures in its cluster fingerprint and the whole
+calibration record (cost-model constants, layer times) beside it, so ``explain``
+of a calibrated plan prices it as the search did without ``--calibration``; with
+``--cluster`` and no ``--calibration`` it warns in one line
+(``plan_reuse.calibration_warning``).
 """
 
 from __future__ import annotations
@@ -210,13 +213,15 @@ def describe_cluster_spec(spec: str) -> Any:
     return Cluster.load(spec).describe()
 
 
-def calibration_line(cluster: Any, calibration: Path | None) -> str | None:
-    """``calibration cal.json: measured on DEVICE at DATE`` for the console, or ``None`` when uncalibrated."""
+def calibration_line(cluster: Any, calibration: Path | None, *, recorded: bool = False) -> str | None:
+    """``calibration cal.json: measured on DEVICE at DATE`` for the console, or ``None`` when uncalibrated.
+    ``recorded``: without ``calibration``, the cluster is the plan's recorded one (``plan_reuse.cluster_of``)."""
     record = cluster.calibration
     if not record:
         return None
     where = " ".join(str(record[k]) for k in ("device", "date") if k in record) or "an unrecorded machine"
-    source = f" {calibration}" if calibration is not None else " (from the cluster file)"
+    source = f" {calibration}" if calibration is not None else (
+        " (recorded in the plan)" if recorded else " (from the cluster file)")
     return f"calibration{source}: measured on {where}"
 
 
@@ -499,7 +504,7 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
     """``autoshard explain``: why ``layer`` got its strategy in the plan at ``path`` (priced on ``cluster_spec``
     or the plan's recorded cluster, with the ``calibration`` file applied when given)."""
     from autoshard.plan import Plan
-    from autoshard.plan_reuse import cluster_of, train_of
+    from autoshard.plan_reuse import calibration_warning, cluster_for, train_of
     from autoshard.search import Constraints, explain_layer, format_explanation
 
     plan = Plan.load(path)
@@ -508,9 +513,7 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
         close = [n for n in names if layer in n or n in layer][:_MAX_LISTED] or names[:_MAX_LISTED]
         raise AutoshardError(f"layer {layer!r} is not in {path}; layers include {', '.join(close)}; "
                              f"see `autoshard inspect --no-fold {path}`")
-    cluster = load_cluster(cluster_spec, calibration) if cluster_spec else cluster_of(plan)
-    if calibration is not None and not cluster_spec:
-        cluster = cluster.with_calibration(calibration)
+    cluster = cluster_for(plan, cluster_spec, calibration)
     spec = reference_spec(plan.model_name, source=str(path))
     with Stages(progress_console) as stages:
         graph = capture_model(spec, stages)
@@ -520,9 +523,10 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
     explanation = explain_layer(plan, graph, cluster, train, layer, k=top,
                                 constraints=Constraints(max_memory_bytes=max_memory_bytes))
     console.print(format_explanation(explanation))
-    calibrated = calibration_line(cluster, calibration)
-    if calibrated:
-        console.print(calibrated, markup=False)
+    for line in (calibration_line(cluster, calibration, recorded=not cluster_spec),
+                 calibration_warning(plan, cluster)):
+        if line:
+            console.print(line, markup=False)
 
 
 # ----------------------------------------------------------------------- diff

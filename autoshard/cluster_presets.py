@@ -197,12 +197,36 @@ def match_device_name(device_name: str) -> str | None:
     return None
 
 
-def check_same_hardware(measured_device: str, cluster_device: str) -> None:
-    """Refuse calibration measured on hardware of another preset than the cluster's device.
+# How a CPU rank's device is named: the ``cpu`` preset's device, or ``cluster_detect.cpu_dict``'s
+# "MODEL NAME (N core(s)/rank)" for a detected CPU host.
+_CPU_DEVICE_NAME = PRESETS["cpu"]["device"]["name"]
+_DETECTED_CPU_SUFFIX = " core(s)/rank)"
 
-    Names that match no preset (or an empty name) are accepted: there is
+
+def device_kind(device_name: str) -> str | None:
+    """``"gpu"`` for a device name of a GPU preset (``match_device_name``), ``"cpu"`` for a CPU rank's
+    (the ``cpu`` preset's, or a detected CPU host's), ``None`` when the name tells neither."""
+    if match_device_name(device_name) is not None:
+        return "gpu"
+    if device_name == _CPU_DEVICE_NAME or device_name.endswith(_DETECTED_CPU_SUFFIX):
+        return "cpu"
+    return None
+
+
+def check_same_hardware(measured_device: str, cluster_device: str) -> None:
+    """Refuse calibration measured on other hardware than the cluster's device: a GPU of another preset,
+    or a GPU for CPU ranks and the reverse (``device_kind``).
+
+    Names that tell neither (or an empty name) are accepted: there is
     nothing to compare them with.
     """
+    measured_kind, expected_kind = device_kind(measured_device), device_kind(cluster_device)
+    if measured_kind is not None and expected_kind is not None and measured_kind != expected_kind:
+        raise ClusterError(
+            f"calibration measured on {measured_device!r} (a {measured_kind.upper()}) does not fit this cluster's "
+            f"device {cluster_device!r} (a {expected_kind.upper()}); calibrate on the cluster's hardware "
+            f"(`autoshard cluster calibrate` there), or apply it to a {measured_kind.upper()} cluster"
+        )
     measured, expected = match_device_name(measured_device), match_device_name(cluster_device)
     if measured is not None and expected is not None and measured != expected:
         raise ClusterError(

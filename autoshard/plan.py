@@ -50,8 +50,8 @@ regular file or nothing (``file_io.atomic_write``). ``load`` reads by
 nesting ≤ 64, no duplicate keys), checks every field's type, enum and range
 (``autoshard/_plan_schema.py``) and names the JSON path of the first bad one.
 Every field must be present (a plan without ``global_batch`` is damaged, not
-defaulted) but ``Predictions.OPTIONAL_ON_LOAD``, added after the first plans
-were written; unknown fields are refused; the mesh's world size is at most
+defaulted) but ``Predictions.OPTIONAL_ON_LOAD`` and ``Fingerprints.OPTIONAL_ON_LOAD``,
+added after the first plans were written; unknown fields are refused; the mesh's world size is at most
 ``file_io.MAX_WORLD_SIZE`` (2**20).
 
 Invariants checked on construction and load: mesh degrees >= 1 and ``ep``
@@ -281,13 +281,21 @@ class LayerSignature(Record):
 class Fingerprints(Record):
     """Hashes of the model graph, cluster and cost-model version, plus the
     summaries behind them (``layers``, ``cluster_spec``) so a mismatch can be
-    explained. Empty means "not recorded" (a hand-written plan): not checked."""
+    explained. Empty means "not recorded" (a hand-written plan): not checked.
+
+    ``cluster_context``: the rest of the cluster's ``to_dict`` (its names, which
+    ``Cluster.runs_on_cpu`` reads, and its calibration record), neither hashed nor
+    checked; ``plan_reuse.cluster_of`` rebuilds the searched cluster from both.
+    Plans written before it lack it (``OPTIONAL_ON_LOAD``)."""
+
+    OPTIONAL_ON_LOAD: ClassVar[frozenset[str]] = frozenset({"cluster_context"})
 
     model: str = ""
     cluster: str = ""
     cost_model: str = ""
     layers: tuple[LayerSignature, ...] = ()
     cluster_spec: dict[str, Any] = field(default_factory=dict)
+    cluster_context: dict[str, Any] = field(default_factory=dict)
 
     @classmethod
     def of(cls, graph: Any = None, cluster: Any = None, cost_model: str = "") -> Fingerprints:
@@ -298,6 +306,7 @@ class Fingerprints(Record):
             cost_model=cost_model,
             layers=layer_signatures(graph) if graph is not None else (),
             cluster_spec=cluster_dict(cluster) if cluster is not None else {},
+            cluster_context=cluster_context(cluster) if cluster is not None else {},
         )
 
 
@@ -323,6 +332,28 @@ def cluster_dict(cluster: Any) -> dict[str, Any]:
     else:
         raw = encode(cluster)
     return json.loads(json.dumps(raw, sort_keys=True, allow_nan=False))
+
+
+def cluster_context(cluster: Any) -> dict[str, Any]:
+    """What ``cluster.to_dict()`` holds beyond ``cluster_dict``: names and the calibration record
+    (``Fingerprints.cluster_context``); empty for a cluster without both methods."""
+    if not (hasattr(cluster, "to_dict") and hasattr(cluster, "planning_dict")):
+        return {}
+    return json.loads(json.dumps(_beyond(cluster.to_dict(), cluster.planning_dict()), sort_keys=True,
+                                 allow_nan=False))
+
+
+def _beyond(full: dict[str, Any], planning: dict[str, Any]) -> dict[str, Any]:
+    """The keys of ``full`` (recursively) that ``planning`` lacks."""
+    out: dict[str, Any] = {}
+    for key, value in full.items():
+        if key not in planning:
+            out[key] = value
+        elif isinstance(value, dict) and isinstance(planning[key], dict):
+            rest = _beyond(value, planning[key])
+            if rest:
+                out[key] = rest
+    return out
 
 
 def cluster_fingerprint(cluster: Any) -> str:
@@ -637,6 +668,7 @@ __all__ = [
     "Predictions",
     "Schedule",
     "SolverStats",
+    "cluster_context",
     "cluster_dict",
     "cluster_fingerprint",
     "layer_signatures",

@@ -2,23 +2,41 @@
 
 A plan file records everything the search decided from, except the model
 itself: the ``TrainSpec`` fields (``global_batch``, ``seq_len``, ``optimizer``,
-``precision``; the micro-batch is ``schedule.micro_batch``) and, in
-``fingerprints.cluster_spec``, the planning fields of the cluster
-(``Cluster.planning_dict``: names and calibration records left out, as they
-never change a plan). From them:
+``precision``; the micro-batch is ``schedule.micro_batch``) and the cluster in
+two parts: ``fingerprints.cluster_spec``, the fields the cluster fingerprint
+covers (``Cluster.planning_dict``: device and link figures, calibrated ones
+included), and ``fingerprints.cluster_context``, the rest of ``Cluster.to_dict``
+(the names and the calibration record, not fingerprinted). From them:
 
 * ``train_of(plan)`` rebuilds the ``TrainSpec`` (micro-batch fixed to the plan's);
 * ``check_train(plan, train)`` refuses a plan reused for another training step;
-* ``cluster_of(plan)`` rebuilds an equivalent ``Cluster`` whose fingerprint
-  equals the recorded one (names are placeholders: they are not fingerprinted).
+* ``cluster_of(plan)`` rebuilds the cluster the plan was searched on: both parts
+  merged, so its fingerprint equals the recorded one, a ``cpu:1xN`` plan stays a
+  CPU cluster (``Cluster.runs_on_cpu`` reads the name: no compiled-activation
+  pricing) and a calibrated plan keeps its calibration record, whose cost-model
+  constants (kernel overhead, GEMM knee, optimizer rates, layer times) are in no
+  fingerprinted field. ``explain`` and ``report`` thus price a plan as it was
+  searched without ``--cluster`` or ``--calibration`` (a decision: the plan
+  carries its calibration rather than a warning asking for the file again);
+* ``cluster_for(plan, cluster, calibration)`` is the cluster ``explain`` and
+  ``report`` price on: ``--cluster`` or the recorded one, ``--calibration`` applied;
+* ``calibration_warning(plan, cluster)`` is the one line ``explain`` and
+  ``report`` print when a cluster given with ``--cluster`` lacks the calibration
+  the plan was searched with (the chosen cluster is priced as given).
 
-``autoshard.compile(..., plan=...)`` and the ``plan --plan`` / ``explain`` CLI
-commands use them; the model is re-captured by the caller.
+A plan written before ``cluster_context`` was recorded rebuilds with placeholder
+names (``RECORDED_CLUSTER_NAME``) and no calibration record, as before: it is
+priced as a GPU cluster, and as uncalibrated; pass ``--cluster cpu:1xN`` (and
+``--calibration FILE``) for such a plan.
+
+``autoshard.compile(..., plan=...)`` and the ``plan --plan`` / ``explain`` /
+``report`` CLI commands use them; the model is re-captured by the caller.
 """
 
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from autoshard.errors import PlanError
@@ -69,10 +87,12 @@ def check_train(plan: Plan, train: TrainSpec, *, source: str = "plan") -> None:
 
 
 def cluster_of(plan: Plan) -> Cluster:
-    """The cluster ``plan`` was made for, rebuilt from ``fingerprints.cluster_spec``.
+    """The cluster ``plan`` was made for, rebuilt from ``fingerprints.cluster_spec`` and
+    ``fingerprints.cluster_context`` (module docstring; placeholder names when the context is absent).
 
     Raises ``PlanError`` when the plan did not record one (a hand-written plan).
     """
+    from autoshard import cluster_io
     from autoshard.cluster import Cluster
 
     spec = copy.deepcopy(dict(plan.fingerprints.cluster_spec))
@@ -81,7 +101,8 @@ def cluster_of(plan: Plan) -> Cluster:
             f"plan for {plan.model_name!r} records no cluster (fingerprints.cluster_spec is empty); "
             "pass the cluster explicitly (--cluster PRESET:NODESxDEVICES or a cluster file)"
         )
-    spec["name"] = RECORDED_CLUSTER_NAME
+    spec = cluster_io.deep_merge(spec, copy.deepcopy(dict(plan.fingerprints.cluster_context)))
+    spec.setdefault("name", RECORDED_CLUSTER_NAME)
     for key in ("device", "intra_node", "inter_node"):
         if isinstance(spec.get(key), dict):
             spec[key].setdefault("name", RECORDED_CLUSTER_NAME)
@@ -91,4 +112,24 @@ def cluster_of(plan: Plan) -> Cluster:
         raise PlanError(f"plan's recorded cluster cannot be rebuilt: {err}; pass the cluster explicitly") from None
 
 
-__all__ = ["RECORDED_CLUSTER_NAME", "check_train", "cluster_of", "train_of"]
+def cluster_for(plan: Plan, cluster: str | None = None, calibration: str | Path | None = None) -> Cluster:
+    """The cluster ``explain`` and ``report`` price ``plan`` on: ``cluster`` (a preset string or cluster file,
+    ``--cluster``) or else the plan's own (``cluster_of``), with the ``calibration`` file applied when given."""
+    from autoshard.cluster import Cluster
+
+    chosen = Cluster.load(cluster) if cluster else cluster_of(plan)
+    return chosen if calibration is None else chosen.with_calibration(calibration)
+
+
+def calibration_warning(plan: Plan, cluster: Cluster) -> str | None:
+    """``warning: plan was searched with calibration measured on DEVICE DATE; ...`` when the plan records a
+    calibrated cluster and ``cluster`` has no calibration record (module docstring), else ``None``."""
+    recorded = plan.fingerprints.cluster_context.get("calibration") or {}
+    if not recorded or cluster.calibration:
+        return None
+    where = " ".join(str(recorded[k]) for k in ("device", "date") if k in recorded) or "an unrecorded machine"
+    return (f"warning: plan was searched with calibration measured on {where}; pass --calibration FILE to price "
+            "it as searched")
+
+
+__all__ = ["RECORDED_CLUSTER_NAME", "calibration_warning", "check_train", "cluster_for", "cluster_of", "train_of"]

@@ -4,8 +4,9 @@ What it does, in order:
 
 1. checks the output paths (``file_io.check_output_path``), loads the plan (``Plan.load``) and rebuilds what
    it was made for, as ``explain`` does: the model from its name (``cli_search.reference_spec``; a
-   reference spec or a ``file.py:factory`` that still exists), the cluster from the plan's recorded
-   ``cluster_spec`` (or ``--cluster``), the ``TrainSpec`` from its fields (``plan_reuse.train_of``), and
+   reference spec or a ``file.py:factory`` that still exists), the cluster the plan recorded (or
+   ``--cluster``; ``--calibration`` applied: ``plan_reuse.cluster_for``, whose docstring says why a CPU or
+   calibrated plan is priced as searched), the ``TrainSpec`` from its fields (``plan_reuse.train_of``), and
    checks the plan against them (``Plan.check_compatible``);
 2. lays out the predicted step (``autoshard/report_model.py``: its docstring says which parts are the cost
    model's per-layer terms and which are per-step totals laid out in the runtime's order);
@@ -16,6 +17,11 @@ What it does, in order:
    Perfetto (ui.perfetto.dev) or ``chrome://tracing``. ``traceEvents`` holds one ``ph: "X"`` event per
    span, ``ts`` and ``dur`` in microseconds, ``pid`` = the pipeline rank, ``tid`` = the stream's index in
    ``report_model.STREAMS``, and ``ph: "M"`` events naming each process and thread.
+
+Output: the written paths on stdout, after ``explain``'s calibration line and warning when they apply
+(``plan_reuse.calibration_warning``); progress (capture, the PPO policy, compiled activations) as the
+other result commands show it (``cli_search.Stages``: live on a terminal's stderr, nothing in a pipe or
+with ``--quiet``).
 
 ``--measured`` reads a Chrome trace (``autoshard ppo --profile`` writes one per rank next to the metrics
 file: ``runtime/step_profile.py``; any ``torch.profiler`` ``export_chrome_trace`` file works): its busiest
@@ -217,6 +223,8 @@ def add_report_arguments(parser: argparse.ArgumentParser) -> None:
                         "(repeatable: one per rank)")
     parser.add_argument("--cluster", metavar="PRESET:NODESxDEVICES|FILE", help="cluster to cost on (default: the "
                         "one recorded in the plan)")
+    parser.add_argument("--calibration", type=Path, metavar="CAL.json", help="price on the cluster with this file of "
+                        "'autoshard cluster calibrate' applied (default: the plan's recorded calibration, if any)")
 
 
 def _matching_graph(plan: Any, spec: str, cluster: Any, stages: Any) -> Any:
@@ -244,11 +252,11 @@ def _matching_graph(plan: Any, spec: str, cluster: Any, stages: Any) -> Any:
 
 
 def report_main(args: argparse.Namespace, console: Any, progress_console: Any) -> int:
-    """CLI body of ``autoshard report`` (module docstring)."""
-    from autoshard.cli_search import Stages, reference_spec, with_compiled_activations
-    from autoshard.cluster import Cluster
+    """CLI body of ``autoshard report`` (module docstring); ``progress_console``: where progress goes
+    (``None``: ``--quiet``, none)."""
+    from autoshard.cli_search import Stages, calibration_line, reference_spec, with_compiled_activations
     from autoshard.plan import Plan
-    from autoshard.plan_reuse import cluster_of, train_of
+    from autoshard.plan_reuse import calibration_warning, cluster_for, train_of
 
     if not args.plan.name:
         raise AutoshardError(f"{str(args.plan)!r} is not a plan file path; {file_io.PLAN_FILE.hint}")
@@ -258,7 +266,7 @@ def report_main(args: argparse.Namespace, console: Any, progress_console: Any) -
         file_io.check_output_path(args.trace, noun="trace file", parents=True)
     plan = Plan.load(args.plan)
     measured = load_measured(args.measured) if args.measured else None
-    cluster = Cluster.load(args.cluster) if args.cluster else cluster_of(plan)
+    cluster = cluster_for(plan, args.cluster, args.calibration)
     spec = reference_spec(plan.model_name, source=str(args.plan))
     train = train_of(plan)
     with Stages(progress_console) as stages:
@@ -267,6 +275,10 @@ def report_main(args: argparse.Namespace, console: Any, progress_console: Any) -
     report = build_report(plan, graph, cluster, train, measured)
     from autoshard.report_html import render_html
 
+    for line in (calibration_line(cluster, args.calibration, recorded=not args.cluster),
+                 calibration_warning(plan, cluster)):
+        if line:
+            console.print(line, markup=False, highlight=False, soft_wrap=True)
     written = file_io.atomic_write(out, render_html(report), noun="report file", parents=True)
     console.print(f"report written to {written}", markup=False, highlight=False, soft_wrap=True)
     if args.trace is not None:

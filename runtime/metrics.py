@@ -194,28 +194,45 @@ def format_summary(metrics: dict[str, float]) -> str:
     return " | ".join(fmt.format(metrics[key]) for key, fmt in _SUMMARY if key in metrics)
 
 
+KEPT_STEP_LINES = 20  # step lines a run keeps (prints in a log): the first, every k-th and the last
+HEARTBEAT_S = 60.0  # a log also gets the latest step after this long without a line (slow steps)
+
+
 class LiveSummary:
     """Reports each step's metrics as progress (``autoshard/progress.py``): ``step i/N``, elapsed, ETA and
-    tokens/s, with ``format_summary`` of the other headline metrics as the note, kept for every step
-    (a line per step in a log; above the live row on a terminal). Rank 0 only, by the caller.
+    tokens/s, with ``format_summary`` of the other headline metrics as the note. About
+    ``KEPT_STEP_LINES`` steps are kept (``kept``): a log gets their lines, plus the latest step after
+    ``HEARTBEAT_S`` without one; a terminal gets them above a live row that every step updates. The
+    metrics file has every step. Rank 0 only, by the caller.
 
-    ``progress``: where to report (default: plain lines or a live display on stdout, every step).
+    ``progress``: where to report (default: plain lines or a live display on stdout).
     """
 
     def __init__(self, total_steps: int | None = None, progress: Callable[[Update], None] | None = None) -> None:
         from autoshard.progress import reporter
 
         self.total_steps = total_steps
-        self.progress = progress if progress is not None else reporter()
+        self.progress = progress if progress is not None else reporter(interval_s=HEARTBEAT_S)
+        self.first_step = 0
 
     def start(self, step: int = 0) -> None:
         """Training starts after ``step`` (0, or a resumed checkpoint's): elapsed time and ETA count from now."""
+        self.first_step = step
         self.progress(Update("step", step, self.total_steps))
 
+    def kept(self, step: int) -> bool:
+        """Whether ``step``'s line is kept: the run's first step, every k-th and the last, with
+        k = ceil(steps to run / ``KEPT_STEP_LINES``) (every step when the total is unknown)."""
+        if self.total_steps is None:
+            return True
+        every = max(1, math.ceil((self.total_steps - self.first_step) / KEPT_STEP_LINES))
+        return step == self.first_step + 1 or step % every == 0 or step >= self.total_steps
+
     def __call__(self, metrics: dict[str, float]) -> None:
+        step = int(metrics["step"])
         rest = {key: value for key, value in metrics.items() if key not in ("step", "perf/tokens_per_s")}
-        self.progress(Update("step", int(metrics["step"]), self.total_steps, note=format_summary(rest),
-                             rate=metrics.get("perf/tokens_per_s"), rate_unit="tok/s", keep=True))
+        self.progress(Update("step", step, self.total_steps, note=format_summary(rest),
+                             rate=metrics.get("perf/tokens_per_s"), rate_unit="tok/s", keep=self.kept(step)))
 
     def close(self) -> None:
         """Stop a live display (``Reporter.close``)."""

@@ -1,4 +1,4 @@
-"""Smoke test of ``make demo`` (``autoshard/demo.py``): both steps, 2 PPO steps on 2 CPU ranks via torchrun."""
+"""Smoke test of ``make demo`` (``autoshard/demo.py``): every stage, 2 PPO steps on 2 CPU ranks via torchrun."""
 
 from __future__ import annotations
 
@@ -10,8 +10,10 @@ def test_demo_runs_both_steps_on_two_ranks(tmp_path, capfd):
     code = demo.main(["--steps", "2", "--out", str(tmp_path)])
     out, err = capfd.readouterr()
     assert code == 0, out + err[-4000:]  # 1 would mean the single-process fallback ran
-    assert "1. plan llama:7b" in out and "2. PPO" in out
-    assert "starting 2 ranks" in out
+    for heading in ("1. capture llama:7b", "2. plan llama:7b", "3. train llama:tiny", "4. result"):
+        assert heading in out
+    assert "starting 2 ranks\n" in out  # torchrun's command line only with --debug
+    assert "reward " in out.split("4. result")[1] and f"metrics: {tmp_path / 'metrics.jsonl'}" in out
     rows = read_metrics(tmp_path / "metrics.jsonl")
     assert [row["step"] for row in rows] == [1.0, 2.0]
     assert all(0.0 <= row["reward/mean"] <= 1.0 for row in rows)

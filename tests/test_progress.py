@@ -165,9 +165,11 @@ def test_ppo_step_line():
     updates: list[Update] = []
     summary = LiveSummary(150, progress=updates.append)
     summary.start(0)
-    summary({"step": 3.0, "reward/mean": 0.175, "perf/tokens_per_s": 1234.0, "time/step": 0.13})
-    start, step = updates
+    summary({"step": 8.0, "reward/mean": 0.175, "perf/tokens_per_s": 1234.0, "time/step": 0.13})
+    summary({"step": 9.0, "reward/mean": 0.2})
+    start, step, unkept = updates
     assert (start.completed, start.total, start.keep) == (0, 150, False)
     assert (step.task, step.completed, step.total, step.rate, step.rate_unit, step.keep) == (
-        "step", 3, 150, 1234.0, "tok/s", True)
+        "step", 8, 150, 1234.0, "tok/s", True)  # kept: every 8th of 150 steps (about 20 lines)
     assert step.note == "reward 0.175 | 0.13 s"  # step and tokens/s are in the line's head
+    assert (unkept.completed, unkept.keep) == (9, False)
