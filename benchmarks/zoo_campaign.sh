@@ -11,7 +11,7 @@
 #           model lists), each model one process per config
 #   x4      calibrate on all 4 GPUs → $OUT/cal_x4.json, then X4 (model list) on 4 GPUs
 #   both    x4 with X4_BUDGET_S (240) of BUDGET_S, then pairs (calibrated again over 2 ranks) in the rest
-# Every autoshard process measures the searched plan and the forced variants VARIANTS (replicate,zero3:
+# Every autoshard process measures the searched plan and the forced variants VARIANTS (empty: none; default replicate,zero3:
 # benchmarks/baselines/plans.py), each compiled as the runtime compiles on CUDA; BASELINES (empty: none; default
 # fsdp2-noreshard-compiled, the best hand-written baseline of the sharded campaign) run as their own
 # processes, and run.py predicts each with its nearest autoshard plan. Plans are searched for this machine as
@@ -28,7 +28,7 @@ OUT="${OUT:?set OUT to the results folder}"
 PHASE="${1:?phase: pairs | x4 | both}"
 BUDGET_S="${BUDGET_S:-560}"
 PYTHON="${PYTHON:-python3}"
-VARIANTS="${VARIANTS:-replicate,zero3}"
+VARIANTS="${VARIANTS-replicate,zero3}"
 BASELINES="${BASELINES-fsdp2-noreshard-compiled}"
 CONFIGS="autoshard${BASELINES:+,$BASELINES}"
 WORK="${WORK:-/tmp/zoo_work}"
@@ -46,7 +46,7 @@ calibrate() {  # calibrate GPUS NPROC FILE
 
 session() {  # session NAME GPUS NPROC MODELS BUDGET CALIBRATION
   CUDA_VISIBLE_DEVICES="$2" NPROC="$3" MODELS="$4" CONFIGS="$CONFIGS" ROUNDS="${ROUNDS:-1}" BUDGET_S="$5" \
-    CLUSTER=detected CALIBRATION="$6" RUN_LIMIT="${RUN_LIMIT:-420}" RUN_ARGS="--plans forced --variants $VARIANTS" PROFILE_ROUND=0 \
+    CLUSTER=detected CALIBRATION="$6" RUN_LIMIT="${RUN_LIMIT:-420}" RUN_ARGS="${VARIANTS:+--plans forced --variants $VARIANTS}" PROFILE_ROUND=0 \
     OUT="$WORK/$1" bash "$ROOT/benchmarks/sharded_session.sh" > /dev/null 2>&1
 }
 
