@@ -1,6 +1,6 @@
 """Median |prediction error| of the autoshard rows over recorded matrix runs.
 
-    python benchmarks/matrix_errors.py benchmarks/results/bench_*_2026-11-26_matrix.json
+    python benchmarks/matrix_errors.py benchmarks/results/matrix_h100x4_2026-11-26/*_x[24].json
 
 Reads ``benchmarks/run.py`` results files (``meta`` + ``rows``) and, over every row whose
 config starts with ``autoshard`` and whose status is ``ok``, prints the median of

@@ -19,8 +19,8 @@ names; every recorded row so far is uniform.
 
 Run from the repository root::
 
-    .venv/bin/python benchmarks/predict_recorded.py benchmarks/results/bench_llama350m_h100x2_2026-11-26_run2.json \\
-        --calibration benchmarks/results/calibration_h100x2_2026-11-26.json
+    .venv/bin/python benchmarks/predict_recorded.py benchmarks/results/bench_h100x2_2026-11-26/llama350m_run2.json \\
+        --calibration benchmarks/results/bench_h100x2_2026-11-26/calibration.json
 """
 
 from __future__ import annotations
