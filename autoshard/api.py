@@ -106,7 +106,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     train: TrainSpec | None = None,
     plan: Plan | str | Path | None = None,
     constraints: Constraints | None = None,
-    time_limit_s: float = 30.0,
+    time_limit_s: float | None = None,
     name: str | None = None,
     weights: Any = None,
 ) -> Compiled:
@@ -135,7 +135,8 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
             training step are checked; the search is skipped).
         constraints: ``autoshard.search.Constraints`` (pins, forced mesh
             degrees, a memory cap); search only.
-        time_limit_s: wall-clock budget of the search.
+        time_limit_s: wall-clock budget of the search (default: the solver's and the CLI's,
+            ``search.solver.DEFAULT_TIME_LIMIT_S``, 60 s).
         name: model name recorded in the plan (defaults to the class name);
             reusing a plan needs the name it was made with.
         weights: where each rank's shards come from (``runtime/materialize.py``):
@@ -206,10 +207,13 @@ def _check_reuse(given: Plan, source: Any, graph: ModelGraph, cluster: Cluster, 
     return given
 
 
-def _search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Any, time_limit_s: float) -> Plan:
+def _search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: Any,
+            time_limit_s: float | None) -> Plan:
     from autoshard.search import solve
+    from autoshard.search.solver import DEFAULT_TIME_LIMIT_S
 
-    return solve(graph, cluster, train, constraints=constraints, time_limit_s=time_limit_s)
+    limit = DEFAULT_TIME_LIMIT_S if time_limit_s is None else time_limit_s
+    return solve(graph, cluster, train, constraints=constraints, time_limit_s=limit)
 
 
 def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec,
