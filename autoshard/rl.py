@@ -62,16 +62,26 @@ def train(
     kl_coef: float = 0.05,
     metrics: str | Path | None = None,
     live: bool = True,
+    checkpoint: str | Path | None = None,
+    save_every: int = 0,
+    resume: bool = False,
 ) -> list[dict[str, float]]:
     """Train ``model`` on ``prompts`` scored by ``reward`` for ``steps`` steps (module docstring); the per-step
-    metrics (``runtime/metrics.py``: ``reward/mean`` and the rest) of this rank."""
+    metrics (``runtime/metrics.py``: ``reward/mean`` and the rest) of this rank.
+
+    ``checkpoint``: a directory the run saves to at its end (and every ``save_every`` steps); with
+    ``resume=True`` the run continues from it up to ``steps`` in total, drawing the prompts and samples an
+    uninterrupted run draws (``runtime/ppo_checkpoint.py``: generators re-seeded from seed, dp rank and step)."""
     import torch.distributed as dist
 
     from autoshard.runtime.ppo_program import PPORun, init_distributed, run_ppo, worker_device
 
     source = PromptSource(prompts=prompts, reward=reward, tokenizer=tokenizer, long_prompts=long_prompts)
+    if resume and checkpoint is None:
+        raise AutoshardError("resume=True needs checkpoint=DIR (the directory a previous run saved to)")
     run = PPORun(model=model, steps=steps, seed=seed, global_batch=batch, lr=lr, kl_coef=kl_coef, live=live,
-                 metrics=None if metrics is None else str(metrics), data=source, rl=options or RLOptions())
+                 metrics=None if metrics is None else str(metrics), data=source, rl=options or RLOptions(),
+                 checkpoint=None if checkpoint is None else str(checkpoint), save_every=save_every, resume=resume)
     plan, graph = _plan(run, cluster, plan)
     if dist.is_initialized() or "RANK" in os.environ:
         created = init_distributed(plan)
