@@ -145,8 +145,10 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     keep = split_pipeline.local_parameter_fqns(gm, plan, ctx)  # pp > 1: only this rank's stages (split_pipeline)
     replace = {}
     for fqn, param in gm.named_parameters():
-        device = ctx.device if keep is None or fqn in keep else "meta"  # meta: another pipeline rank's parameter
-        local = torch.empty(placements[fqn].local_shape, device=device, dtype=ctx.compute_dtype)
+        if keep is None or fqn in keep:
+            local = torch.empty(placements[fqn].local_shape, device=ctx.device, dtype=ctx.compute_dtype)
+        else:  # another pipeline rank's parameter: its shape on one meta element, no bytes even where ctx is meta
+            local = torch.empty((), device="meta", dtype=ctx.compute_dtype).expand(placements[fqn].local_shape)
         replace[fqn] = nn.Parameter(local, requires_grad=param.requires_grad)
     for fqn, buffer in gm.named_buffers():
         replace[fqn] = torch.empty(buffer.shape, device=ctx.device, dtype=buffer.dtype)

@@ -560,11 +560,12 @@ class ShardedOptimizer:
 
 def update_kind(cfg: OptimizerConfig, masters: list[torch.Tensor]) -> str:
     """``"fused"`` when ``torch._fused_adamw_`` serves this AdamW update (fp32/bf16/fp16 masters on CUDA or
-    the CPU, torch's own condition for ``AdamW(fused=True)``), else ``"foreach"`` (SGD, other devices)."""
+    the CPU, torch's own condition for ``AdamW(fused=True)``; on meta too, where ``autoshard check`` builds for one of
+    them), else ``"foreach"`` (SGD, other devices)."""
     if cfg.name != "adamw" or not masters:
         return "foreach"
     device = masters[0].device
-    if device.type not in ("cuda", "cpu"):
+    if device.type not in ("cuda", "cpu", "meta"):  # meta: a program built to be checked (runtime/check.py)
         return "foreach"
     ok = all(m.device == device and m.dtype in (torch.float32, torch.bfloat16, torch.float16) for m in masters)
     return "fused" if ok else "foreach"

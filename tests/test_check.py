@@ -3,9 +3,9 @@
 Unit tests of the matching (``runtime/_check_match.py``) on hand-made records, one of them deliberately
 mismatched per kind of error; role enumeration; the memory-overflow rule; one plan built and matched end to
 end; and a bounded property sample: random reference models, clusters (1–512 nodes × 1–8 devices) and pins,
-every plan the search returns issues matching collectives on every group. Memory against the cost model is
-reported by ``benchmarks/check_bench.py`` (not asserted here: docs/runtime.md, "Fake-scale check", lists
-where the eager runtime holds more than the prediction).
+every plan the search returns issues matching collectives on every group and holds no more than the cost
+model predicts (within ``check.TOLERANCE``; ``runtime/check.py`` lists the one known overrun, gradient buckets
+spanning layers, which this sample does not draw). ``benchmarks/check_bench.py`` runs a larger sample.
 """
 
 from __future__ import annotations
@@ -140,9 +140,10 @@ def test_zero3_plan_matches_and_fits(tiny):
     assert all(abs(r.step_error) < 0.05 for r in report.roles), report.table()
 
 
-@pytest.mark.parametrize("seed", [3])
-def test_searched_plans_issue_matching_collectives(seed):
-    """Property sample (seeded): a random model, cluster and pin; the searched plan's roles match."""
+@pytest.mark.parametrize("seed", [3, 4])
+def test_searched_plans_match_and_fit(seed):
+    """Property sample (seeded): a random model, cluster and pin; the searched plan's roles match and no role
+    holds more than its predicted memory."""
     from benchmarks import check_bench
 
     rng = random.Random(seed)
@@ -150,3 +151,4 @@ def test_searched_plans_issue_matching_collectives(seed):
     if not row["searched"]:
         pytest.skip(f"infeasible draw: {row['error']}")
     assert row["collectives_match"], row
+    assert row["memory_within_tolerance"], row
