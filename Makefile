@@ -1,10 +1,11 @@
 # Two front doors: `make demo` and `make test`. Both create or reuse .venv.
+# `make test-fast`: the tier without multi-process or long tests, for edit-test loops.
 PYTHON ?= python3.11
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test browser venv clean wheelhouse bench-search bench-capture bench-kernels
+.PHONY: demo test test-fast browser venv clean wheelhouse bench-search bench-capture bench-kernels
 
 venv: $(STAMP)
 
@@ -28,6 +29,10 @@ browser:
 
 test: $(STAMP) browser
 	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15
+
+# No spawned ranks or subprocess runs, nothing over about 2 s (marker `slow`): ~2 min on 2 cores.
+test-fast: $(STAMP)
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow and not gpu" -p no:cacheprovider --durations=15
 
 bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_bench.py

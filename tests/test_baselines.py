@@ -91,6 +91,7 @@ def results():
 
 @pytest.mark.parametrize("baseline", ["fsdp2_sgd", "fsdp2_noreshard_sgd", pytest.param(
     "fsdp2_noreshard_compiled_sgd", marks=pytest.mark.skipif(not HAS_CXX, reason="torch.compile needs a C++ compiler"))])
+@pytest.mark.slow
 def test_fsdp2_matches_autoshard_zero3_sgd(results, baseline):
     ours, theirs = results["autoshard_sgd"], results[baseline]
     for rank in range(2):
@@ -104,6 +105,7 @@ def test_fsdp2_matches_autoshard_zero3_sgd(results, baseline):
         torch.testing.assert_close(theirs[0]["full"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
+@pytest.mark.slow
 def test_training_moved_the_weights(results):
     """Guards the comparison above: the steps changed most parameters and every loss differs."""
     initial = dict(build("gpt:tiny").named_parameters())
@@ -112,6 +114,7 @@ def test_training_moved_the_weights(results):
     assert len(set(results["fsdp2_sgd"][0]["losses"])) == STEPS
 
 
+@pytest.mark.slow
 def test_fsdp2_matches_autoshard_zero3_adamw_losses(results):
     ours, theirs = results["autoshard_adamw"], results["fsdp2_adamw"]
     torch.testing.assert_close(torch.tensor(theirs[0]["losses"]), torch.tensor(ours[0]["losses"]), rtol=1e-4, atol=1e-5)
@@ -124,6 +127,7 @@ def test_policy_loss_is_ce_plus_value_mse():
     torch.testing.assert_close(policy_loss((logits, values), tokens), expected + values.pow(2).mean())
 
 
+@pytest.mark.slow
 def test_attn_override_reaches_reference_model_and_capture():
     """``--attn sdpa`` (RunSpec.attn_impl): every config's reference model and the searched graph use it."""
     from benchmarks import run
@@ -175,6 +179,7 @@ def bench(tmp_path_factory):
     return json.loads((tmp / "out" / "results.json").read_text()), (tmp / "out" / "results.md").read_text(), listed
 
 
+@pytest.mark.slow
 def test_repredict_searched_reproduces_the_recorded_prediction(bench, tmp_path):
     """benchmarks/repredict_searched.py: the search run again on a run's meta, with the run's calibration,
     finds the recorded plan and its recorded calibrated prediction."""
@@ -198,6 +203,7 @@ def test_repredict_searched_reproduces_the_recorded_prediction(bench, tmp_path):
     assert "| run | llama:tiny |" in text and "median |error| step" in text
 
 
+@pytest.mark.slow
 def test_list_plans_covers_ten_distinct_forced_plans(bench):
     from autoshard.plan import Plan
     from benchmarks.baselines.plans import decision_key
@@ -219,6 +225,7 @@ def test_list_plans_covers_ten_distinct_forced_plans(bench):
     assert any(p.schedule.num_micro_batches == 2 and p.mesh.pp == 1 for p in plans.values())
 
 
+@pytest.mark.slow
 def test_runtime_refusal_and_variants():
     from benchmarks.baselines.plans import runtime_refusal, variants
 
@@ -231,6 +238,7 @@ def test_runtime_refusal_and_variants():
     assert {"tp4", "zero3-rep2", "tp2-zero3"} <= set(names4) and len(set(names4)) == len(names4)
 
 
+@pytest.mark.slow
 def test_run_measures_forced_plans_and_baselines(bench):
     data, _, listed = bench
     rows = {r["config"]: r for r in data["rows"]}
@@ -250,6 +258,7 @@ def test_run_measures_forced_plans_and_baselines(bench):
     assert rows["deepspeed-z3"]["status"].startswith(("skipped", "ok"))
 
 
+@pytest.mark.slow
 def test_run_reports_calibrated_predictions(bench):
     data, text, _ = bench
     row = data["rows"][0]

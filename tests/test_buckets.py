@@ -102,10 +102,12 @@ def _expected_buckets(bucket_bytes: int, pad_to: int = 1) -> int:
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_bucketed_matches_single_device(results, reference, name):
     check_against_reference(results[name], reference, MESH)
 
 
+@pytest.mark.slow
 def test_ddp_all_reduces_per_bucket(results):
     num_params = len(_param_bytes())
     base = _syncs(results["replicate_per_param"][0], "all_reduce") - num_params  # loss / clip-norm all-reduces
@@ -118,6 +120,7 @@ def test_ddp_all_reduces_per_bucket(results):
 
 
 @pytest.mark.parametrize("state", ["zero2", "zero1", "offload"])
+@pytest.mark.slow
 def test_flat_states_reduce_scatter_and_gather_per_bucket(results, state):
     result = results[f"{state}_small"][0]
     small = _expected_buckets(SMALL, pad_to=MESH.dp)
@@ -135,6 +138,7 @@ def _gathers(result) -> int:
     return result["counts"].get("all_gather", 0) + result["counts"].get("all_gather_start", 0)
 
 
+@pytest.mark.slow
 def test_zero2_per_param_vs_default(results):
     num_params = len(_param_bytes())
     per_param, default = results["zero2_per_param"][0], results["zero2_default"][0]
@@ -145,6 +149,7 @@ def test_zero2_per_param_vs_default(results):
 
 
 @pytest.mark.parametrize("name", BLOCKING)
+@pytest.mark.slow
 def test_overlapped_sync_launches_from_backward_and_equals_blocking(results, name):
     """Every bucket of a DDP / ZeRO-2 step launches during the last backward (none is left to the
     blocking path), and the trained values are bit-identical to the sync after backward."""

@@ -122,6 +122,7 @@ def _calibrate_world(rank, world_size):
     return result.to_file_dict(), len(result.comm)
 
 
+@pytest.mark.slow
 def test_gloo_world2_fits_a_link():
     (file_dict, samples), _ = run_gloo(_calibrate_world, 2, timeout_s=120)
     level = "intra_node" if "intra_node" in file_dict else "inter_node"

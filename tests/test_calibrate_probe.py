@@ -38,6 +38,7 @@ def probed():
     return samples, Cluster.preset("h100-sxm", 1, 2).with_calibration(file), graph
 
 
+@pytest.mark.slow
 def test_probe_times_every_distinct_layer_at_each_size(probed):
     samples, _, graph = probed
     kinds = {s["signature"].split(":")[0] for s in samples}
@@ -145,6 +146,7 @@ _NEEDS_CXX = pytest.mark.skipif(not any(shutil.which(c) for c in ("g++", "clang+
 
 
 @_NEEDS_CXX
+@pytest.mark.slow
 def test_compiled_model_times_run_the_runtime_regions():
     """The whole-model compiled step: exported, cut in front of the first block, compiled (two graphs)."""
     from torch._dynamo.utils import counters
@@ -163,6 +165,7 @@ def _fake_compiled(times):
     return lambda spec, device, dtype, blocks, batch: times[blocks]
 
 
+@pytest.mark.slow
 def test_compile_scaled_splits_block_and_rest(probed, monkeypatch):
     """Scaled samples: block layers × block/Σeager-block, the others × rest/Σeager-rest, per phase."""
     import autoshard.calibrate_probe as probe
@@ -201,6 +204,7 @@ def test_compile_scaled_refuses_noise(probed, monkeypatch):
         probe.compile_scaled(spec, torch.device("cpu"), torch.float32, samples)
 
 
+@pytest.mark.slow
 def test_cli_compile_writes_scaled_samples_and_factors(tmp_path, monkeypatch):
     """``calibrate --compile``: the file says compiled, carries the factors, and loads."""
     import autoshard.calibrate_probe as probe
@@ -218,6 +222,7 @@ def test_cli_compile_writes_scaled_samples_and_factors(tmp_path, monkeypatch):
     assert sum(k.startswith("layer_time|") for k in applied.calibration) == 2 * len(written["samples"])
 
 
+@pytest.mark.slow
 def test_compiled_saved_scale_of_llama_is_below_one():
     """Inductor's min-cut partitioner recomputes Llama's fp32 norm/RoPE chains instead of saving them."""
     from autoshard.calibrate_probe import block_saved_bytes, compiled_saved_scale

@@ -326,6 +326,7 @@ def test_tables_render(tiny_graphs):
     assert "aten.linear" in text and "counted" in text
 
 
+@pytest.mark.slow
 def test_three_block_proxy_equals_full_export():
     model = build("llama:tiny", device="meta", dtype=torch.bfloat16, num_layers=6, dropout=0.1)
     proxied = capture(model, seq_lens=(16, 32))
@@ -396,6 +397,7 @@ def test_root_level_tensors_are_charged_consistently(tiny_graphs):
     assert tiny_graphs["llama"].layer("embed").saved_boundary_per_token == 8 + rope  # int64 token ids + RoPE
 
 
+@pytest.mark.slow
 def test_a_meta_model_takes_example_tokens_from_the_cpu():
     """Planning a model built on meta with the tokens a user has at hand (CPU): the tokens follow the model."""
     model = build("llama:tiny", device="meta", dtype=torch.bfloat16)

@@ -166,6 +166,7 @@ def test_projections_without_structure_stay_replicated():
     assert not any(is_tp_able(layer) for layer in graph.layers if layer.block == 0)
 
 
+@pytest.mark.slow
 def test_search_offers_and_picks_tp():
     graph = graph_of("nano")
     meshes = enumerate_meshes(graph, synthetic_cluster("h100-sxm", 1))
@@ -217,6 +218,7 @@ def results():
 
 
 @pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.slow
 def test_tp2_trains_like_single_device(results, case):
     name = CASES[case][0]
     ref_losses, ref_params = single_device(name)

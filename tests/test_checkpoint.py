@@ -288,12 +288,14 @@ def jobs(tmp_path_factory):
     return {"root": Path(root), "four": four, "two": two}
 
 
+@pytest.mark.slow
 def test_zero3_save_cuts_uneven_and_empty_shards(jobs):
     shapes = [r["local_shapes"] for r in jobs["four"]["save"]]
     assert [s["emb.weight"] for s in shapes] == [(3, 6), (3, 6), (3, 6), (1, 6)]
     assert [s["blk.b"] for s in shapes] == [(2,), (2,), (1,), (0,)]
 
 
+@pytest.mark.slow
 def test_failed_save_leaves_previous_checkpoint(jobs):
     for result in jobs["four"]["failed_save"]:
         assert result["raised"] is not None and "disk died" in result["raised"]
@@ -301,11 +303,13 @@ def test_failed_save_leaves_previous_checkpoint(jobs):
         assert result["step"] == 11
 
 
+@pytest.mark.slow
 def test_local_shape_breaking_chunk_rule_is_refused(jobs):
     for message in jobs["four"]["bad_local_shape"]:
         assert "'model.emb.weight'" in message and "[4, 6]" in message
 
 
+@pytest.mark.slow
 def test_reshard_zero3_to_tp2_dp2(jobs):
     for rank, result in enumerate(jobs["four"]["load_tp2dp2"]):
         assert result["matches"] and all(result["matches"].values()), (rank, result["matches"])
@@ -314,12 +318,14 @@ def test_reshard_zero3_to_tp2_dp2(jobs):
     assert "_StridedShard" in jobs["four"]["load_tp2dp2"][0]["placements"]["blk.w"]
 
 
+@pytest.mark.slow
 def test_reshard_to_two_ranks(jobs):
     for result in jobs["two"]["load"]:
         assert all(result["matches"].values()), result["matches"]
         assert result["step"] == 11
 
 
+@pytest.mark.slow
 def test_rng_restored_per_rank(jobs):
     saved = [r["rand_after_save"] for r in jobs["four"]["save"]]
     assert not torch.equal(saved[0], saved[1])  # ranks had different streams
@@ -329,12 +335,14 @@ def test_rng_restored_per_rank(jobs):
         assert torch.equal(result["rand_after_load"], saved[rank])
 
 
+@pytest.mark.slow
 def test_fingerprint_mismatch_names_both_and_leaves_ranks_in_step(jobs):
     for result in jobs["four"]["fingerprint"]:
         assert FINGERPRINT in result["message"] and "sha256:model-b" in result["message"]
         assert result["alive"] == 4.0
 
 
+@pytest.mark.slow
 def test_sidecar_is_json_with_plan_and_mesh(jobs):
     info = ckpt.read_info(jobs["root"] / "ckpt")
     raw = json.loads((jobs["root"] / "ckpt" / ckpt.SIDECAR).read_text())
@@ -345,6 +353,7 @@ def test_sidecar_is_json_with_plan_and_mesh(jobs):
     assert {f"rng.cpu.{r}" for r in range(4)} <= set(info.tensors)
 
 
+@pytest.mark.slow
 def test_load_weights_and_safetensors_of_sharded_checkpoint(jobs, tmp_path):
     from safetensors.torch import load_file
 
@@ -358,6 +367,7 @@ def test_load_weights_and_safetensors_of_sharded_checkpoint(jobs, tmp_path):
     assert all(torch.equal(exported[name], tensor) for name, tensor in expected.items())
 
 
+@pytest.mark.slow
 def test_resumed_program_gives_identical_next_losses(jobs):
     """Resumed under TP2×DP2 (4 ranks) and ZeRO-3 over 2 ranks, the next two SGD losses equal
     single-device training from the same initialisation (the saved step-1 state is exact)."""
@@ -372,6 +382,7 @@ def test_resumed_program_gives_identical_next_losses(jobs):
         torch.testing.assert_close(torch.tensor(result["losses"]), torch.tensor(reference), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.slow
 def test_adamw_program_loads_a_checkpoint_without_moments(jobs):
     for result in jobs["two"]["adamw_from_sgd"]:
         assert result == {"step": 1, "optimizer_steps": 0, "moments_zero": True, "saved_optimizer_steps": 1}

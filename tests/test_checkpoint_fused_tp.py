@@ -163,11 +163,13 @@ def test_fused_shard_blocks_are_the_placement_regions():
                 assert held == expected, (mesh, rank, shape)
 
 
+@pytest.mark.slow
 def test_the_tp_run_holds_c_attn_as_three_parts(job):
     saved = job["results"]["save_tp"][0]["saved"]["placements"]
     assert saved[FUSED].tp_parts == 3  # the layout under test
 
 
+@pytest.mark.slow
 def test_tp_checkpoint_holds_the_global_tensors(job):
     """The tp 2 checkpoint holds the global masters and moments (fused c_attn included), as the ZeRO-3 one
     does: same keys, shapes and dtypes, so the format does not depend on the plan."""
@@ -185,6 +187,7 @@ def test_tp_checkpoint_holds_the_global_tensors(job):
     assert sorted((tuple(c.offsets), tuple(c.sizes)) for c in chunks) == [((0, 32 * k), (64, 32)) for k in range(6)]
 
 
+@pytest.mark.slow
 def test_same_plan_resume_is_bit_identical(job):
     results = job["results"]
     for resumed, saved in zip(results["tp_from_tp"], results["save_tp"]):
@@ -195,6 +198,7 @@ def test_same_plan_resume_is_bit_identical(job):
 
 
 @pytest.mark.parametrize("case, saved, mesh", [("dp_from_tp", "save_tp", DP2), ("tp_from_dp", "save_dp", TP2)])
+@pytest.mark.slow
 def test_resume_under_the_other_plan(job, case, saved, mesh):
     """tp 2 → ZeRO-3 dp 2 and back: the loaded masters and moments are the checkpoint's, bit for bit; the next
     two losses equal the uninterrupted run's to rtol 1e-5 (reductions differ in order)."""
@@ -206,6 +210,7 @@ def test_resume_under_the_other_plan(job, case, saved, mesh):
                                    torch.tensor(results[saved][0]["after"], dtype=torch.float64), rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_program_built_from_the_tp_checkpoint_reads_fused_blocks(job):
     whole = _whole(job["results"]["tp_built"], TP2)
     saved = _read_whole(job["tp"])
@@ -214,6 +219,7 @@ def test_program_built_from_the_tp_checkpoint_reads_fused_blocks(job):
             assert torch.equal(value, saved[key]), key
 
 
+@pytest.mark.slow
 def test_export_of_the_tp_checkpoint_is_gpt2_with_hf_names(job):
     from autoshard.runtime.hf_export import export_checkpoint, hf_name_map
 

@@ -86,6 +86,7 @@ def test_cluster_show_of_a_calibrated_cluster_has_readable_rows(files, capsys):
     assert "intra_node.bandwidth=" not in out  # not the raw record
 
 
+@pytest.mark.slow
 def test_plan_and_explain_with_calibration(files, capsys):
     flag, in_file = files / "flag.json", files / "in_file.json"
     code, out, _ = _run(capsys, *PLAN, "--cluster", "h100-sxm:1x8", "--calibration", files / "cal.json", "-o", flag)
@@ -115,6 +116,7 @@ def test_bad_calibration_is_one_line(files, capsys, name, needle):
     assert needle in err and "calibration" in err
 
 
+@pytest.mark.slow
 def test_wrong_kinds_and_references_are_one_line(files, capsys, tmp_path):
     plan = files / "p.json"
     assert _run(capsys, *PLAN, "--cluster", "h100-sxm:1x8", "-o", plan)[0] == 0
@@ -132,6 +134,7 @@ def test_ppo_refuses_a_bad_calibration_before_any_search(files, capsys):
     assert "garbled.json" in err
 
 
+@pytest.mark.slow
 def test_run_checks_and_passes_the_calibration(files, capsys, monkeypatch):
     plan, uncalibrated, script = files / "p.json", files / "u.json", files / "train.py"
     script.write_text("")

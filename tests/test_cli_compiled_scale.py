@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
 
 from autoshard import cli_search
@@ -18,6 +19,8 @@ from autoshard.passes.capture import capture_reference
 from autoshard.plan import Plan
 from autoshard.search.cost_model import predict
 from autoshard.train import TrainSpec
+
+pytestmark = pytest.mark.slow  # every case runs for seconds
 
 ARGS = ("--batch", "16", "--seq", "128")
 

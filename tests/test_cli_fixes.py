@@ -72,6 +72,7 @@ def test_cpu_plan_is_priced_as_searched():
         plan.predictions.step_time_s, plan.predictions.peak_memory_bytes)
 
 
+@pytest.mark.slow
 def test_explain_prices_a_calibrated_plan_as_searched(tmp_path, capsys, monkeypatch):
     """Without --calibration: the recorded calibration, said so; with a --cluster lacking it: one warning line."""
     from autoshard import cli_search

@@ -68,16 +68,19 @@ def test_quiet_before_or_after_the_command(capsys, argv):
 
 
 # ------------------------------------------------------------------ start-up
+@pytest.mark.slow
 def test_python_dash_m_autoshard_help():
     done = subprocess.run([sys.executable, "-m", "autoshard", "--help"], capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert done.stdout.startswith("usage: autoshard") and done.stderr == ""
 
 
+@pytest.mark.slow
 def test_importing_the_cli_does_not_import_torch():
     assert _python("import autoshard.cli, sys; print('torch' in sys.modules)") == "False"
 
 
+@pytest.mark.slow
 def test_help_and_inspect_do_not_import_torch(tmp_path):
     """``main`` adds a command's arguments only when that command runs (``build_parser(lazy=True)``)."""
     path = _plan_file(tmp_path)

@@ -72,6 +72,7 @@ def gpt_plans(tmp_path_factory):
 
 
 # ---------------------------------------------------------------- workflow
+@pytest.mark.slow
 def test_plan_prints_the_plan_and_writes_it(capsys, tmp_path):
     out = _ok(capsys, "plan", "llama:tiny", "--cluster", "h100-sxm:1x8", *TINY, "-o", str(tmp_path / "p.json"))
     plan = Plan.load(tmp_path / "p.json")
@@ -82,6 +83,7 @@ def test_plan_prints_the_plan_and_writes_it(capsys, tmp_path):
     assert f"plan written to {tmp_path / 'p.json'}" in out
 
 
+@pytest.mark.slow
 def test_inspect_explain_diff_of_two_clusters(capsys, gpt_plans):
     a, b = gpt_plans["h100-sxm:1x8"], gpt_plans["h100-sxm:2x8"]
     assert re.search(r"blocks\.0(-\d+)?\.attn", _ok(capsys, "inspect", str(a)))  # identical blocks fold
@@ -100,6 +102,7 @@ def test_inspect_explain_diff_of_two_clusters(capsys, gpt_plans):
     assert "plans make the same decisions" in _ok(capsys, "diff", str(a), str(a))
 
 
+@pytest.mark.slow
 def test_plan_reuse_skips_the_search(capsys, gpt_plans, monkeypatch, tmp_path):
     def no_search(*args, **kwargs):
         raise AssertionError("--plan must not search")
@@ -119,6 +122,7 @@ def test_plan_reuse_skips_the_search(capsys, gpt_plans, monkeypatch, tmp_path):
     assert "does not match model 'llama:tiny'" in line
 
 
+@pytest.mark.slow
 def test_retarget_solves_from_the_old_plan_and_prints_the_diff(capsys, gpt_plans, monkeypatch, tmp_path):
     hints = []
     real_solve = search.solve
@@ -136,6 +140,7 @@ def test_retarget_solves_from_the_old_plan_and_prints_the_diff(capsys, gpt_plans
     assert f"changes from {old_path}" in out and "predictions" in out
 
 
+@pytest.mark.slow
 def test_pins_mesh_and_memory_reach_the_plan(capsys, tmp_path):
     path = tmp_path / "pinned.json"
     _ok(capsys, "plan", "llama:tiny", "--cluster", "h100-sxm:1x8", *TINY, "--mesh", "tp=2,pp=1",
@@ -149,6 +154,7 @@ def test_pins_mesh_and_memory_reach_the_plan(capsys, tmp_path):
     assert len(mlp) == 2 and all(s.recompute == "full" for s in mlp)  # pinned by class id glob
 
 
+@pytest.mark.slow
 def test_moe_with_fixed_expert_parallelism(capsys, tmp_path):
     path = tmp_path / "moe.json"
     _ok(capsys, "plan", "moe:tiny", "--cluster", "h100-sxm:1x8", *TINY, "--mesh", "ep=2", "-o", str(path))
@@ -158,6 +164,7 @@ def test_moe_with_fixed_expert_parallelism(capsys, tmp_path):
     assert moe_layers and all(s.ep for s in moe_layers)
 
 
+@pytest.mark.slow
 def test_llama_7b_on_one_h100_node(capsys, tmp_path):
     path = tmp_path / "7b.json"
     out = _ok(capsys, "plan", "llama:7b", "--cluster", "h100-sxm:1x8", "--batch", "64", "--seq", "4096",
@@ -226,12 +233,14 @@ PLAN = ("plan", "gpt:tiny", "--cluster", "h100-sxm:1x8")
     ],
     ids=lambda v: " ".join(v) if isinstance(v, tuple) else None,
 )
+@pytest.mark.slow
 def test_bad_plan_input_is_one_line(capsys, argv, needles):
     line = _one_line_error(capsys, *argv)
     for needle in needles:
         assert needle in line, (needle, line)
 
 
+@pytest.mark.slow
 def test_plan_flags_that_cannot_apply_to_a_reused_plan(capsys, gpt_plans):
     line = _one_line_error(capsys, "plan", "--plan", str(gpt_plans["h100-sxm:1x8"]), "--cluster", "h100-sxm:1x8",
                            "--pin", "blocks.*.attn:state=zero3", "--mesh", "tp=2")

@@ -35,6 +35,7 @@ def test_factories_build_on_meta_in_the_compute_dtype():
     assert len(moved.blocks) == 3
 
 
+@pytest.mark.slow
 def test_capture_plan_reuse_and_explain_a_user_model(capsys, tmp_path):
     assert main(["capture", FILE_SPEC, "--seq", "64"]) == 0
     out = capsys.readouterr().out
@@ -74,6 +75,7 @@ def _saved(tmp_path, name, config) -> Path:
     return tmp_path / name
 
 
+@pytest.mark.slow
 def test_hugging_face_config_directories_and_files(capsys, tmp_path):
     """A Hugging Face model directory (``save_pretrained``'s config.json) or the JSON file itself plans
     and explains through ``autoshard.models.hf.actor_critic``; an unsupported model type is refused with

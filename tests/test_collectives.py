@@ -356,6 +356,7 @@ def gloo_results(request):
 
 
 @pytest.mark.parametrize("case", CHECKED_CASES)
+@pytest.mark.slow
 def test_numerics_match_single_process_reference(gloo_results, case):
     world_size, results = gloo_results
     check_case_results(case, world_size, results)
@@ -371,6 +372,7 @@ def check_case_results(case: str, world_size: int, results) -> None:
             )
 
 
+@pytest.mark.slow
 def test_per_rank_loss_all_reduce_is_wrong_for_tp(gloo_results):
     world_size, results = gloo_results
     check_per_rank_loss_ops_are_wrong_for_tp(world_size, results)
@@ -385,6 +387,7 @@ def check_per_rank_loss_ops_are_wrong_for_tp(world_size: int, results) -> None:
         assert not torch.allclose(*checks["grad_x"], rtol=1e-3)
 
 
+@pytest.mark.slow
 def test_eager_fast_path_equals_dispatch(gloo_world2):
     """Fast path and torch.library dispatch give bit-identical values and gradients; each path ran where meant."""
     for result in gloo_world2["eager_fast_path"]:
@@ -396,6 +399,7 @@ def test_eager_fast_path_equals_dispatch(gloo_world2):
         assert result["pending"] == 0
 
 
+@pytest.mark.slow
 def test_opcheck_passes(gloo_world2):
     """torch.library.opcheck on real gloo data: schema, autograd registration, fake kernel, AOT dispatch."""
     check_opcheck_reports(gloo_world2["opcheck"])

@@ -69,6 +69,7 @@ def test_plan_mode_captures_and_searches(compiled):
     assert str(compiled) == str(compiled.plan)
 
 
+@pytest.mark.slow
 def test_default_train_is_the_example_inputs_shape(gpt):
     tokens = torch.zeros(4, 32, dtype=torch.long, device="meta")
     result = autoshard.compile(gpt, autoshard.Cluster.preset("h100-sxm", devices_per_node=2), example_inputs=(tokens,))
@@ -76,6 +77,7 @@ def test_default_train_is_the_example_inputs_shape(gpt):
     assert result.plan.model_name == "GPTModel"  # no name: the class name
 
 
+@pytest.mark.slow
 def test_saved_plan_is_reused_without_search(gpt, compiled, tmp_path, no_search):
     path = compiled.plan.save(tmp_path / "plan.json")
     for given in (str(path), path, Plan.load(path)):
@@ -85,6 +87,7 @@ def test_saved_plan_is_reused_without_search(gpt, compiled, tmp_path, no_search)
     assert autoshard.compile(gpt, "h100-sxm:1x8", plan=path, train=TRAIN, name="gpt:tiny").plan == compiled.plan
 
 
+@pytest.mark.slow
 def test_mismatched_plan_is_refused(gpt, compiled, tmp_path, no_search):
     path = compiled.plan.save(tmp_path / "plan.json")
     with pytest.raises(PlanError, match=r"plan.json: plan does not match cluster .*'nodes': plan has 1, cluster has 2"):

@@ -50,9 +50,11 @@ from autoshard.runtime import build_program
 from autoshard.train import TrainSpec
 
 # inductor's CPU backend compiles C++: without a compiler the inductor cases cannot run
-pytestmark = pytest.mark.skipif(
-    not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")),
-    reason="torch.compile's CPU backend needs a C++ compiler")
+pytestmark = [
+    pytest.mark.slow,  # spawned gloo ranks
+    pytest.mark.skipif(not any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++")),
+                       reason="torch.compile's CPU backend needs a C++ compiler"),
+]
 
 GPT, LLAMA = "gpt:tiny", "llama:tiny"
 

@@ -29,6 +29,8 @@ from autoshard.plan import Mesh
 from autoshard.runtime import build_program
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 # inductor's CPU backend compiles C++ (the inductor case)
 HAS_CXX = any(shutil.which(c) for c in (os.environ.get("CXX", "g++"), "g++", "clang++"))
 

@@ -15,6 +15,8 @@ from autoshard.runtime import build_program
 from autoshard.runtime.compile_regions import insert_region_breaks, region_of
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 SPEC = "llama:tiny"  # 2 blocks
 
 

@@ -38,6 +38,7 @@ def test_disabled_compiler_returns_the_function_itself():
 
 
 @pytest.mark.skipif(not HAS_CXX, reason="inductor needs a C++ compiler on the CPU")
+@pytest.mark.slow
 def test_compiled_loss_equals_eager_and_saves_what_the_declaration_says():
     """Values and gradients equal the eager loss's. What each form saves for backward (seen through
     saved-tensor hooks, which AOTAutograd's save_for_backward calls), plus the logits' gradient the

@@ -19,6 +19,8 @@ from autoshard.calibrate_probe import saved_bytes
 from autoshard.cluster import Cluster
 from benchmarks import compiled_saved
 
+pytestmark = pytest.mark.slow  # every case compiles the model (seconds)
+
 SPEC, SEQ, MB = "llama:tiny", 16, 2
 
 

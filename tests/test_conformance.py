@@ -34,6 +34,8 @@ from autoshard.plan import Mesh
 from autoshard.runtime import build_program
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 SPEC = "llama:tiny"
 STATES = ("replicate", "zero1", "zero2", "zero3", "offload")
 MESH = Mesh(dp_shard=2)

@@ -345,16 +345,19 @@ def _check(case: Case, per_rank: list[dict]):
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_mixed_plans_issue_the_declared_collectives_world2(issued2, name):
     _check(CASES_2[name], issued2[name])
 
 
 @pytest.mark.parametrize("name", list(CASES_USER))
+@pytest.mark.slow
 def test_user_blocks_issue_the_declared_collectives(issued_user, name):
     _check(CASES_USER[name], issued_user[name])
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_mixed_plans_issue_the_declared_collectives_world4(issued4, name):
     _check(CASES_4[name], issued4[name])
 

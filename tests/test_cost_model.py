@@ -722,6 +722,7 @@ def test_pricing_caveats_name_what_the_model_cannot_price():
     assert "measured on llama:350m, not m" in text
 
 
+@pytest.mark.slow
 def test_compiled_saved_scale_is_measured_for_any_model_and_read_by_predict():
     """``passes/compiled_saved.py`` traces one step on meta with both partitioners: a Llama's fp32 norms
     and RoPE are recomputed by min-cut (scale < 1); ``predict`` on a GPU cluster scales the compiled

@@ -153,6 +153,7 @@ def test_an_output_class_that_is_no_dataclass_is_refused_with_the_hint():
 
 
 @pytest.mark.parametrize("name", list(MESHES))
+@pytest.mark.slow
 def test_dataclass_output_trains_like_single_device(results, name):
     ref_losses, ref_params, ref_forward = _reference()
     for r in results[name]:

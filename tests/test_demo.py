@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
+
 from autoshard import demo
 from autoshard.runtime.metrics import read_metrics
+
+pytestmark = pytest.mark.slow  # subprocess runs
 
 
 def test_demo_runs_both_steps_on_two_ranks(tmp_path, capfd):

@@ -16,9 +16,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from autoshard.runtime import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow  # subprocess runs
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "examples" / "train.py"

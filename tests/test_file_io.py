@@ -333,6 +333,7 @@ def test_cli_plot_output_is_checked(capsys, tmp_path):
     _one_line_error(capsys, "plot", str(metrics), "-o", "/dev/full", needle="cannot write plot '/dev/full'")
 
 
+@pytest.mark.slow
 def test_cli_subprocess_fifo_does_not_hang(files):
     result = subprocess.run([sys.executable, "-m", "autoshard.cli", "inspect", str(files["fifo"])],
                             capture_output=True, text=True, timeout=120, cwd=REPO)

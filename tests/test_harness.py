@@ -109,10 +109,12 @@ def _rank_1_skips_the_collective(rank: int, world_size: int) -> None:
         dist.all_reduce(torch.ones(1))
 
 
+@pytest.mark.slow
 def test_run_gloo_world_2_all_reduce():
     assert run_gloo(_all_reduce_rank_plus_one, 2) == [[3.0, 3.0]] * 2
 
 
+@pytest.mark.slow
 def test_run_gloo_exception_on_rank_1_surfaces_with_its_traceback():
     with pytest.raises(ValueError, match="deliberate failure on rank 1") as info:
         run_gloo(_raise_on_rank, 2, bad_rank=1)
@@ -121,11 +123,13 @@ def test_run_gloo_exception_on_rank_1_surfaces_with_its_traceback():
     assert "_raise_on_rank" in remote  # the child's own frame, not the parent's
 
 
+@pytest.mark.slow
 def test_run_gloo_dead_rank_fails_fast():
     with pytest.raises(RankFailedError, match="rank 1 exited with code 3"):
         run_gloo(_die_on_rank_1, 2)
 
 
+@pytest.mark.slow
 def test_run_gloo_hang_fails_within_the_timeout():
     start = time.monotonic()
     with pytest.raises(Exception) as info:
@@ -175,18 +179,22 @@ def world4_cases():
     return run_gloo_cases(CASES, 4)
 
 
+@pytest.mark.slow
 def test_cases_workers_are_single_threaded(world4_cases):
     assert world4_cases["threads"] == [("1", 1)] * 4
 
 
+@pytest.mark.slow
 def test_cases_all_reduce(world4_cases):
     assert world4_cases["all_reduce"] == [10.0] * 4
 
 
+@pytest.mark.slow
 def test_cases_all_gather(world4_cases):
     assert world4_cases["all_gather"] == [[0, 1, 4, 9]] * 4
 
 
+@pytest.mark.slow
 def test_cases_subgroup(world4_cases):
     assert world4_cases["subgroup_pairs"] == [1, 1, 5, 5]
 
@@ -197,6 +205,7 @@ def _case_fails_on_rank_1(rank: int, world_size: int) -> None:
     dist.barrier()  # rank 0 waits in a collective rank 1 never joins
 
 
+@pytest.mark.slow
 def test_cases_failure_names_the_case():
     with pytest.raises(CaseFailedError, match="case 'broken' failed on rank 1: KeyError"):
         run_gloo_cases({"broken": _case_fails_on_rank_1}, 2)

@@ -31,6 +31,8 @@ from autoshard.runtime.hf_export import (  # noqa: E402
     resolve_config,
 )
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
              vocab_size=256, max_position_embeddings=64)
 GPT2 = dict(n_embd=64, n_layer=2, n_head=4, vocab_size=256, n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,

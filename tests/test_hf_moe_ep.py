@@ -38,6 +38,7 @@ def _graphs():
     return hf, ours
 
 
+@pytest.mark.slow
 def test_capture_says_why_hf_experts_cannot_run_expert_parallel():
     hf, ours = _graphs()
     moe = [layer for layer in hf.layers if layer.kind == "moe"]
@@ -45,6 +46,7 @@ def test_capture_says_why_hf_experts_cannot_run_expert_parallel():
     assert all(layer.ep_refusal == "" for layer in ours.layers)
 
 
+@pytest.mark.slow
 def test_the_search_offers_no_expert_parallel_mesh_for_them():
     hf, ours = _graphs()
     cluster = Cluster.parse("h100-sxm:1x4")
@@ -55,6 +57,7 @@ def test_the_search_offers_no_expert_parallel_mesh_for_them():
     assert any(mesh.ep > 1 for mesh in enumerate_meshes(ours, cluster, TRAIN).meshes)
 
 
+@pytest.mark.slow
 def test_a_forced_expert_parallel_plan_is_refused_naming_the_layer():
     hf, _ = _graphs()
     layers = tuple(LayerStrategy(layer=layer.name, ep=layer.kind == "moe") for layer in hf.layers)

@@ -99,6 +99,7 @@ def _forward_from_hf_files(rank, world_size, directory, state):
     return {"logits": logits, "values": values}
 
 
+@pytest.mark.slow
 def test_hf_files_fill_a_sharded_plan_and_the_value_head_is_initialised(tmp_path):
     from _harness import run_gloo_cases
 
@@ -166,6 +167,7 @@ def test_packed_rows_attend_within_their_documents():
         start += n
 
 
+@pytest.mark.slow
 def test_a_masked_policy_captures_on_meta():
     from autoshard.passes import capture
 

@@ -69,11 +69,13 @@ def results4():
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_tp2_matches_single_device(results2, references, name):
     check_against_reference(results2[name], references[CASES_2[name][0]], TP2)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_tp2_dp2_matches_single_device(results4, references, name):
     check_against_reference(results4[name], references[CASES_4[name][0]], TP2_DP2)
 
@@ -86,6 +88,7 @@ def _build(model: str, plan: Plan, world: int = 2, rank: int = 0):
         return build_program(build_hf(model), graph_of(model), plan, None, TRAIN, compile_graph=False)
 
 
+@pytest.mark.slow
 def test_repeat_kv_literals_become_local_head_counts():
     """HF's ``repeat_kv``: expand(B, kv=2, rep=2, S, d) and reshape(B, 4, S, d) carry global head counts."""
     program = _build("llama+repeat_kv", tp_plan("llama+repeat_kv", TP2))
@@ -128,6 +131,7 @@ def test_fused_shard_is_each_parts_chunk_as_dtensor_strided_shard():
         assert torch.equal(p.shard(full, ctx), expected)
 
 
+@pytest.mark.slow
 def test_mqa_and_indivisible_kv_heads_are_refused_and_not_searched():
     from autoshard.search.space import enumerate_meshes
     from autoshard.search.synthetic import synthetic_cluster
@@ -181,6 +185,7 @@ class _Attention(torch.nn.Module):
     ((64, 32, 32), False, r"layer 'blocks.0.attn':.*unequal parts \[64, 32, 32\]"),  # fused grouped-query q/k/v
     ((64, 64, 64), True, r"layer 'blocks.0.attn': tp-split parameter 'blocks.0.attn.qkv.weight' is used by"),
 ])
+@pytest.mark.slow
 def test_user_projections_tp_cannot_split_are_refused(sizes, by_hand, message):
     from autoshard.passes import capture
     from autoshard.search.space import is_tp_able
@@ -193,6 +198,7 @@ def test_user_projections_tp_cannot_split_are_refused(sizes, by_hand, message):
         build_program(model, graph, plan, None, TRAIN, compile_graph=False)
 
 
+@pytest.mark.slow
 def test_moe_layers_get_no_sequence_parallelism():
     from autoshard.search.space import Constraints, admissible_strategies, validate_constraints
     from autoshard.search.synthetic import synthetic_cluster

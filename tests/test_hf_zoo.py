@@ -153,6 +153,7 @@ def dp_results():
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_data_parallel_matches_single_device(dp_results, name):
     spec, _ = CASES[name]
     check_against_reference(dp_results[name], _single_device(spec), Mesh(dp_shard=2), rtol=1e-5, atol=2e-6)
@@ -183,6 +184,7 @@ def test_benchmark_search_plans_the_zoo_data_parallel(caplog):
     assert "variant tp2 skipped: hf-llama:tiny is planned with {'tp': 1}" in caplog.text
 
 
+@pytest.mark.slow
 def test_compiled_saved_scale_traces_as_inductor_decomposes(monkeypatch):
     """``passes/compiled_saved.py`` traces with inductor's decompositions: a LayerNorm (GPT-2, Phi) becomes
     reductions and elementwise ops that min-cut recomputes, so its output is not saved; kept whole (no

@@ -59,6 +59,7 @@ def script(tmp_path):
     return str(path)
 
 
+@pytest.mark.slow
 def test_run_launches_two_gloo_ranks_with_plan_env(tmp_path, script, monkeypatch):
     monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
     plan = _plan_file(tmp_path, dp_shard=2)
@@ -214,6 +215,7 @@ def test_cli_parser_forms(tmp_path, script, capsys):
         launch.run_main(args)
 
 
+@pytest.mark.slow
 def test_ppo_refuses_what_its_ranks_would_in_the_parent(tmp_path, capsys):
     """`autoshard ppo`: a --checkpoint that is a file, and a --batch the plan's ranks cannot split, are one line,
     exit 2, before any rank starts (they used to be raised on every rank)."""

@@ -23,7 +23,10 @@ import pytest
 from autoshard.plan import LayerStrategy, Mesh, Plan
 from autoshard.runtime import launch
 
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux")
+pytestmark = [
+    pytest.mark.slow,  # subprocess runs
+    pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG and /proc are Linux"),
+]
 
 TINY = textwrap.dedent(
     """

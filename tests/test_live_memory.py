@@ -41,6 +41,8 @@ from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.search.cost_model import predict
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 SPEC = "llama:tiny"
 MODEL = dict(hidden=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=768, vocab_size=512)  # 3.4M params
 BATCH, SEQ, BUCKET = 8, 32, 1 << 20
@@ -154,28 +156,24 @@ def _check(results: list[dict], case: tuple, mesh: Mesh, keys: tuple[str, ...]) 
         assert abs(errors[key]) <= TOLERANCE, (key, report)
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("state, micro_batches, compiled", CASES_2)
 def test_optimizer_step_and_build_memory(measured2, state, micro_batches, compiled):
     case = (state, micro_batches, compiled)
     _check(measured2[_name(*case)], case, DP, ("optimizer", "build"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("state, micro_batches, compiled", CASES_4)
 def test_optimizer_step_and_build_memory_hsdp(measured4, state, micro_batches, compiled):
     case = (state, micro_batches, compiled)
     _check(measured4[_name(*case)], case, HSDP, ("optimizer", "build"))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("state, micro_batches, compiled", CASES_2)
 def test_step_peak_memory(measured2, state, micro_batches, compiled):
     case = (state, micro_batches, compiled)
     _check(measured2[_name(*case)], case, DP, ("step",))
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("state, micro_batches, compiled", CASES_4)
 def test_step_peak_memory_hsdp(measured4, state, micro_batches, compiled):
     case = (state, micro_batches, compiled)

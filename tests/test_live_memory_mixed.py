@@ -38,6 +38,8 @@ from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.search.cost_model import predict
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 MODELS = {
     "llama": ("llama:tiny", dict(hidden=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=768,
                                  vocab_size=512)),
@@ -153,13 +155,11 @@ def _check(case: Case, results: list[dict]) -> None:
     assert all(abs(e) <= TOLERANCE for _, _, e in errors(case, results).values()), report
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES_2))
 def test_live_memory_world2(measured2, name):
     _check(CASES_2[name], measured2[name])
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(CASES_4))
 def test_live_memory_world4(measured4, name):
     _check(CASES_4[name], measured4[name])

@@ -89,6 +89,7 @@ def test_hf_policy_exports_causal_sdpa_without_a_mask(hf):
         assert attn_mask is None and is_causal is True, (node.args, node.kwargs)
 
 
+@pytest.mark.slow
 def test_hf_policy_captures_on_meta(hf, tiny_graph):
     names = [layer.name for layer in tiny_graph.layers]
     assert names[0] == "model.embed_tokens" and names[-2:] == ["lm_head", "value_head"]
@@ -193,6 +194,7 @@ def _run_world_of_one(tmp_path, monkeypatch, *extra: str) -> dict:
     return rows[0]
 
 
+@pytest.mark.slow
 def test_bench_runs_a_reference_model_in_a_world_of_one(tmp_path, monkeypatch):
     row = _run_world_of_one(tmp_path, monkeypatch, "--model", "llama:tiny")
     assert row["status"] == "ok", row["status"]
@@ -202,6 +204,7 @@ def test_bench_runs_a_reference_model_in_a_world_of_one(tmp_path, monkeypatch):
     assert row["predicted_build_peak_gib"] > 0 and row["step_peak_gib"] is None  # no CUDA counter
 
 
+@pytest.mark.slow
 def test_bench_runs_the_hf_policy_in_a_world_of_one(hf, tmp_path, monkeypatch):
     row = _run_world_of_one(tmp_path, monkeypatch, "--model", "hf-llama:tiny")
     assert row["status"] == "ok", row["status"]

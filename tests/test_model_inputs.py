@@ -168,6 +168,7 @@ def references():
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.slow
 def test_world2_matches_single_device(results, references, name):
     kind, fields, _ = CASES[name]
     losses, params, logits = references[kind]
@@ -177,6 +178,7 @@ def test_world2_matches_single_device(results, references, name):
         torch.testing.assert_close(r["logits"], logits.chunk(dp, 0)[coord], rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_bad_inputs_to_a_program_name_the_input(results):
     messages = results["ddp_right"][0]["errors"]
     expected = ["input 'attention_mask' is torch.int64 (1, 16)", "input 'position_ids' is missing",

@@ -145,6 +145,7 @@ def test_tied_embeddings_survive_materialisation():
     assert tied.config.param_count() == llama.config.param_count() - 128 * 64
 
 
+@pytest.mark.slow
 def test_seeded_init_is_deterministic_and_scaled():
     a, b, c = build("moe", seed=3), build("moe", seed=3), build("moe", seed=4)
     for (name, pa), pb, pc in zip(a.named_parameters(), b.parameters(), c.parameters()):
@@ -194,6 +195,7 @@ def test_tp_roles_by_module():
 
 @pytest.mark.parametrize("family", FAMILY_NAMES)
 @pytest.mark.parametrize("strict", [False, True])
+@pytest.mark.slow
 def test_export_with_dynamic_batch_and_seq(family, strict):
     overrides = {"capacity_factor": 1.5} if family == "moe" else {}
     model = build(family, **overrides)

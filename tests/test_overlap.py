@@ -118,6 +118,7 @@ def results():
     return run_gloo_cases(cases, 2, timeout_s=400)
 
 
+@pytest.mark.slow
 def test_start_wait_equal_blocking_gather(results):
     for r in results["op"]:
         assert r["equal"] and r["grad"]
@@ -125,6 +126,7 @@ def test_start_wait_equal_blocking_gather(results):
         assert r["shapes"] == ((2, 10), (2, 8))
 
 
+@pytest.mark.slow
 def test_second_wait_raises(results):
     for message in results["double_wait"]:
         assert message is not None and "no pending collective" in message
@@ -132,6 +134,7 @@ def test_second_wait_raises(results):
 
 @pytest.mark.parametrize("base,other", [("gpt_p0", "gpt_p1"), ("gpt_p0", "gpt_p2"), ("llama_p0", "llama_p1"),
                                         ("mixed_p0", "mixed_p1")])
+@pytest.mark.slow
 def test_overlap_numerics_equal_blocking(results, base, other):
     ref, new = results[base], results[other]
     for a, b in zip(ref, new):
@@ -142,6 +145,7 @@ def test_overlap_numerics_equal_blocking(results, base, other):
 
 
 @pytest.mark.parametrize("name", ["gpt_p0", "gpt_p1"])
+@pytest.mark.slow
 def test_fused_eager_gathers_equal_op_by_op_dispatch(results, name):
     """passes/_zero3.py note "fused eager gather": one autograd node per layer gives bit-identical training."""
     for fused, ops in zip(results[name], results[name + "_dispatch"]):
@@ -150,6 +154,7 @@ def test_fused_eager_gathers_equal_op_by_op_dispatch(results, name):
             assert torch.equal(value, ops["shards"][fqn]), fqn
 
 
+@pytest.mark.slow
 def test_backward_reduce_scatters_leave_the_compute_path(results):
     """prefetch > 0, eager: every gather's reduce-scatter goes through the GradSink (passes/_zero3.py note);
     prefetch 0 and traced/intercepted execution keep the blocking op; nothing is left undrained."""
@@ -162,6 +167,7 @@ def test_backward_reduce_scatters_leave_the_compute_path(results):
                 assert r["async_reduce_scatters"] == 0, name
 
 
+@pytest.mark.slow
 def test_every_start_waited_and_used(results):
     for name in TRAIN_CASES:
         for r in results[name]:
@@ -169,6 +175,7 @@ def test_every_start_waited_and_used(results):
             assert (r["starts"] > 0) == (TRAIN_CASES[name][1] > 0), name
 
 
+@pytest.mark.slow
 def test_backward_regathers_prefetched_one_layer_ahead(results):
     """prefetch > 0: re-gathers in backward mostly come from a gather started one layer ahead (recompute.py note).
 
@@ -249,6 +256,7 @@ def test_prefetch_anchors_skip_light_layers():
     assert prefetch_anchors([5, 5, 5, 5], 2) == [None, None, 0, 1]
 
 
+@pytest.mark.slow
 def test_prefetch_zero_and_quantized_layers_keep_blocking_gathers():
     quantized = lambda layer: {"state": "zero3", "weight_comm": "int8" if layer == "blocks.0.mlp" else "bf16"}  # noqa: E731
     with fake_world(2, 0):
@@ -331,6 +339,7 @@ def test_trace_summary_finds_next_gather_during_compute():
     assert bench.summarise_trace({"traceEvents": cpu}, 2, 4)["layers"] is None  # CPU run: no kernels
 
 
+@pytest.mark.slow
 def test_bench_smoke_runs_both_modes(tmp_path):
     import json
     import subprocess

@@ -27,6 +27,7 @@ def test_pass_order():
     "world, rank, mesh",
     [(64, 37, Mesh(dp_shard=32, tp=2)), (1024, 777, Mesh(dp_replicate=4, dp_shard=128, tp=2))],
 )
+@pytest.mark.slow
 def test_large_mesh_local_shapes(world, rank, mesh):
     plan = make_plan(LLAMA, mesh, lambda layer: {"state": "zero3", "tp": "megatron"})
     with fake_world(world, rank):

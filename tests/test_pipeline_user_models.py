@@ -268,6 +268,7 @@ HF_WORLD4 = {  # case → (mesh, state, schedule)
 
 
 @pytest.mark.parametrize("name", HF)
+@pytest.mark.slow
 def test_hf_policy_pp2_matches_single_device(name):
     results = _run(name, make_plan(name, PP2))
     check(results, name, PP2)
@@ -278,6 +279,7 @@ def test_hf_policy_pp2_matches_single_device(name):
         assert results[0]["shared"] == ()
 
 
+@pytest.mark.slow
 def test_tied_gpt2_compiled_stages_match_single_device():
     """Each stage a ``torch.compile`` module (``aot_eager``: the joint graph, no code generation): the mirror's
     values are copied in place before the step, its gradient read after it."""
@@ -286,6 +288,7 @@ def test_tied_gpt2_compiled_stages_match_single_device():
     check(results, "gpt2", PP2)
 
 
+@pytest.mark.slow
 def test_tied_gpt2_interleaved_matches_single_device():
     """4 virtual stages on 2 ranks: the tied weight on stage 0 (rank 0) and stage 3 (rank 1)."""
     results = _run("gpt2", make_plan("gpt2", PP2, schedule="interleaved_1f1b", virtual=2))
@@ -294,6 +297,7 @@ def test_tied_gpt2_interleaved_matches_single_device():
 
 
 @pytest.mark.parametrize("case", list(HF_WORLD4))
+@pytest.mark.slow
 def test_hf_policy_world4_matches_single_device(case):
     name = case.split("_")[0]
     mesh, state, schedule = HF_WORLD4[case]
@@ -325,6 +329,7 @@ def user_results():
 
 
 @pytest.mark.parametrize("case", list(USER_CASES))
+@pytest.mark.slow
 def test_user_output_forms_train_as_single_device(user_results, case):
     name, mesh = USER_CASES[case]
     results = user_results[case]

@@ -69,6 +69,7 @@ def test_old_files_with_wall_time_are_read(problem, tmp_path):
         Plan.load(old)
 
 
+@pytest.mark.slow
 def test_cli_plans_twice_byte_for_byte(tmp_path, capsys):
     paths = [tmp_path / f"p{i}.json" for i in range(2)]
     for path in paths:

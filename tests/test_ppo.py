@@ -168,6 +168,7 @@ def _gloo_case(rank: int, world_size: int) -> dict:
     return {"grads": grads, "white": white, "params": params, "exp": exp}
 
 
+@pytest.mark.slow
 def test_real_two_rank_gloo_matches_single_process():
     from _harness import run_gloo
 
@@ -274,6 +275,7 @@ LEARN_STEPS = 150
 LEARN_THRESHOLD = 0.65  # format alone (commas, <eos>) caps the reward at 0.6: passing needs right digits
 
 
+@pytest.mark.slow
 def test_ppo_learns_arithmetic_sequences():
     """The reference run (``runtime/ppo_demo.py``): mean reward ~0.06 → ≥ LEARN_THRESHOLD within LEARN_STEPS."""
     from autoshard.runtime.ppo_demo import demo_trainer

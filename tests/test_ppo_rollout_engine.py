@@ -115,12 +115,14 @@ def results():
 
 
 @pytest.mark.parametrize("plan", ["zero3", "tp"])
+@pytest.mark.slow
 def test_first_sync_reproduces_the_initial_weights(results, plan):
     assert all(rank["synced_exactly"] for rank in results[plan])
 
 
 @pytest.mark.parametrize("plan", ["zero3", "tp"])
 @pytest.mark.parametrize("when", ["before", "after"])
+@pytest.mark.slow
 def test_cached_rollout_matches_recompute(results, plan, when):
     for rank in results[plan]:
         cached, recompute = rank[when]["cached"], rank[when]["recompute"]
@@ -131,6 +133,7 @@ def test_cached_rollout_matches_recompute(results, plan, when):
 
 
 @pytest.mark.parametrize("plan", ["zero3", "tp"])
+@pytest.mark.slow
 def test_training_curve_matches_recompute(results, plan):
     for rank in results[plan]:
         cached, recompute = rank["curves"]["cached"], rank["curves"]["recompute"]
@@ -144,6 +147,7 @@ def test_training_curve_matches_recompute(results, plan):
 
 
 @pytest.mark.parametrize("plan", ["zero3", "tp"])
+@pytest.mark.slow
 def test_weight_sync_is_a_metric_phase_once_per_step(results, plan):
     for rank in results[plan]:
         assert all("time/weight_sync" in m and m["time/weight_sync"] >= 0 for m in rank["curves"]["cached"])
@@ -151,12 +155,14 @@ def test_weight_sync_is_a_metric_phase_once_per_step(results, plan):
         assert rank["syncs"] == STEPS + 1  # initial weights, then once after each step's updates
 
 
+@pytest.mark.slow
 def test_tp_ranks_sample_the_same_tokens(results):
     first, second = results["tp"]
     for when in ("before", "after"):
         assert torch.equal(first[when]["cached"]["tokens"], second[when]["cached"]["tokens"])
 
 
+@pytest.mark.slow
 def test_timing_at_long_responses(results):
     rank0 = results["timing"][0]
     for name in ("cached", "recompute"):

@@ -144,6 +144,7 @@ def _last10(history) -> float:
     return float(_series(history, "reward/mean")[-10:].mean())
 
 
+@pytest.mark.slow
 def test_mixed_plan_learns(results):
     mixed = results["mixed"][0]
     assert len(mixed) == STEPS
@@ -151,6 +152,7 @@ def test_mixed_plan_learns(results):
     assert _last10(mixed) >= THRESHOLD, _series(mixed, "reward/mean")
 
 
+@pytest.mark.slow
 def test_ddp_plan_gives_the_same_curve(results):
     mixed, ddp = results["mixed"][0], results["ddp"][0]
     for key in COMPARED:
@@ -160,6 +162,7 @@ def test_ddp_plan_gives_the_same_curve(results):
     assert abs(_last10(ddp) - _last10(mixed)) < 0.2
 
 
+@pytest.mark.slow
 def test_sharded_plans_sum_gradients_like_module_ddp(results):
     module_ddp = results["module_ddp"][0]
     for name in ("mixed", "ddp"):
@@ -168,6 +171,7 @@ def test_sharded_plans_sum_gradients_like_module_ddp(results):
                                        atol=1e-5, msg=lambda m, key=key, name=name: f"{name} {key}: {m}")
 
 
+@pytest.mark.slow
 def test_ranks_report_the_same_global_metrics(results):
     for name in ("mixed", "ddp", "tp"):
         first, second = results[name]
@@ -175,6 +179,7 @@ def test_ranks_report_the_same_global_metrics(results):
             assert _series(first, key).tolist() == _series(second, key).tolist(), (name, key)
 
 
+@pytest.mark.slow
 def test_tp_plan_matches_single_process(results):
     from autoshard.runtime.ppo_demo import demo_trainer
 
@@ -186,6 +191,7 @@ def test_tp_plan_matches_single_process(results):
                                    msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.slow
 def test_resume_under_another_plan_continues_the_run(results):
     resumed = results["resume"][0]
     assert resumed["loaded_step"] == 2
@@ -198,6 +204,7 @@ def test_resume_under_another_plan_continues_the_run(results):
                                    msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.slow
 def test_cli_joins_an_existing_job(results):
     assert results["cli_join"] == [0, 0]
     rows = read_metrics(f"{results['root']}/m.jsonl")

@@ -79,6 +79,7 @@ def _tokens():
 # --------------------------------------------------------------------------- torchrun (outside an existing job)
 
 
+@pytest.mark.slow
 def test_ppo_launches_on_a_user_factory(tmp_path, capfd):
     metrics = tmp_path / "nano.jsonl"
     code = cli_main(["ppo", NANO, "--cluster", "cpu:1x2", "--steps", "2", "--batch", "8", "--quiet",
@@ -178,6 +179,7 @@ def results(hf_dir, tmp_path_factory):
     return {"out": out, **run_gloo_cases(cases, 2, timeout_s=300)}
 
 
+@pytest.mark.slow
 def test_hf_config_dir_with_weights_trains_through_the_cli(results):
     (code0, printed0), (code1, _) = results["hf_cli"]
     assert (code0, code1) == (0, 0)
@@ -185,6 +187,7 @@ def test_hf_config_dir_with_weights_trains_through_the_cli(results):
     assert "recomputing each prefix through the program: HFLlamaPolicy has no new_cache" in printed0
 
 
+@pytest.mark.slow
 def test_hf_weights_fill_the_programs_and_logits_are_restricted_to_the_task_ids(results, hf_dir):
     _, expected = hf_dir
     for out in results["hf_numerics"]:
@@ -194,6 +197,7 @@ def test_hf_weights_fill_the_programs_and_logits_are_restricted_to_the_task_ids(
         assert out["rollout"] is None
 
 
+@pytest.mark.slow
 def test_a_resumed_user_model_continues_the_uninterrupted_run(results):
     for case in ("nano_full", "nano_half", "nano_resume"):
         assert [code for code, _ in results[case]] == [0, 0], (case, results[case][0][1])
@@ -207,6 +211,7 @@ def test_a_resumed_user_model_continues_the_uninterrupted_run(results):
                                    rtol=1e-4, atol=1e-5, msg=lambda m, key=key: f"{key}: {m}")
 
 
+@pytest.mark.slow
 def test_a_factory_with_rank_dependent_weights_is_refused(results):
     for message in results["rank_dependent"]:
         assert message is not None and "built different initial weights on different ranks" in message
@@ -247,6 +252,7 @@ def test_weights_are_refused_for_a_factory_and_reach_the_workers_absolute(capsys
     assert flags[flags.index("--model") + 1] == "/abs/cfg"
 
 
+@pytest.mark.slow
 def test_resuming_with_another_model_or_no_step_left_is_refused_in_one_line(capsys, results, hf_dir):
     checkpoint = str(results["out"] / "nano_ckpt")
     resume = ["--cluster", "cpu:1x2", "--checkpoint", checkpoint, "--resume", "--steps", str(RESUME_STEPS + 2)]
@@ -260,6 +266,7 @@ def test_resuming_with_another_model_or_no_step_left_is_refused_in_one_line(caps
     assert f"is at step {RESUME_STEPS}, and --steps {RESUME_STEPS} counts the steps of the whole run" in err
 
 
+@pytest.mark.slow
 def test_an_edited_model_of_the_same_name_names_the_changed_parameter(results, hf_dir):
     from autoshard.models.hf import actor_critic, load_hf_config
     from autoshard.runtime._checkpoint_files import CheckpointError

@@ -208,17 +208,20 @@ def _check(results, reference, mesh, bound):
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_world2_within_bound(results2, references, name):
     spec, mesh, _choose, bound = CASES_2[name]
     _check(results2[name], references[spec], mesh, bound)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_world4_within_bound(results4, references, name):
     spec, mesh, _choose, bound = CASES_4[name]
     _check(results4[name], references[spec], mesh, bound)
 
 
+@pytest.mark.slow
 def test_masters_stay_exact(results2):
     """Quantization error of the gathered weights (~1e-3) never reaches the masters: they move by ≤ lr·‖g‖."""
     for r in results2["masters"]:
@@ -235,6 +238,7 @@ def _layers_with_params(spec):
     return sum(1 for layer in graph_of(spec).layers if layer.params)
 
 
+@pytest.mark.slow
 def test_int8_weight_gathers_replace_plain_gathers(results2):
     """Per micro-batch and layer: one quantized forward gather, at most one quantized re-gather in backward,
     one full-precision reduce-scatter (qwZ quantizes weights only)."""
@@ -246,6 +250,7 @@ def test_int8_weight_gathers_replace_plain_gathers(results2):
     assert "quantized_reduce_scatter" not in counts
 
 
+@pytest.mark.slow
 def test_quantized_grads_use_qgz(results2, results4):
     llama = _layers_with_params(LLAMA)
     zero2 = results2["g8_zero2"][0]["counts"]  # one qgZ per parameter after accumulation, then param all-gathers
@@ -255,6 +260,7 @@ def test_quantized_grads_use_qgz(results2, results4):
     assert zero3["quantized_reduce_scatter"] == 2 * llama and "reduce_scatter" not in zero3
 
 
+@pytest.mark.slow
 def test_gather_moves_uint8_and_half_the_bytes(results2):
     """bf16 training: the int8 gathers move uint8 rows (payload + scales) and ≥ 1.9x fewer bytes than bf16."""
     moved = results2["bytes"][0]
@@ -268,6 +274,7 @@ def test_gather_moves_uint8_and_half_the_bytes(results2):
 # --------------------------------------------------------------------------- pass structure (no compute)
 
 
+@pytest.mark.slow
 def test_pass_records_and_grad_comm_map():
     plan = make_plan(LLAMA, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8"} if "attn" in l
                      else {"state": "zero2", "grad_comm": "int4"})

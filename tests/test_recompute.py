@@ -68,6 +68,7 @@ def local_runs():
 
 @pytest.mark.parametrize("spec", [GPT, LLAMA])
 @pytest.mark.parametrize("policy", ["selective", "full"])
+@pytest.mark.slow
 def test_recompute_numerics_equal_single_device(local_runs, references, spec, policy):
     losses, params, placements = local_runs[spec, policy][1]
     coords = {"tp": 0, "dp_replicate": 0, "dp_shard": 0, "pp": 0}
@@ -76,6 +77,7 @@ def test_recompute_numerics_equal_single_device(local_runs, references, spec, po
 
 
 @pytest.mark.parametrize("spec", [GPT, LLAMA])
+@pytest.mark.slow
 def test_saved_activations_drop(local_runs, spec):
     none, selective, full = (local_runs[spec, p][0] for p in ("none", "selective", "full"))
     # selective drops the S²-sized scores/probabilities (math) or SDPA's internals; full keeps region inputs only
@@ -84,6 +86,7 @@ def test_saved_activations_drop(local_runs, spec):
 
 
 @pytest.mark.parametrize("spec", [GPT, LLAMA])
+@pytest.mark.slow
 def test_region_structure(local_runs, spec):
     selective = local_runs[spec, "selective"][2]
     assert [r.layers for r in selective] == [("blocks.0.attn",), ("blocks.1.attn",)]
@@ -155,17 +158,20 @@ def references():
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_recompute_world2(results2, references, name):
     spec, mesh, _ = CASES_2[name]
     check_against_reference(results2[name], references[spec], mesh)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_recompute_world4(results4, references, name):
     spec, mesh, _ = CASES_4[name]
     check_against_reference(results4[name], references[spec], mesh)
 
 
+@pytest.mark.slow
 def test_zero3_full_region_regathers_in_recompute(results2):
     layers_with_params = sum(1 for layer in graph_of(LLAMA).layers if layer.params)
     for rank in results2["zero3_counts"]:

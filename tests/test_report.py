@@ -148,6 +148,7 @@ def test_measured_trace_beside_the_prediction(graph, one_stage, tmp_path):
     assert classify("ncclKernel_AllReduce_RING", "kernel") == "communication"
 
 
+@pytest.mark.slow
 def test_cli_report_writes_page_and_trace(tmp_path, capsys):
     plan_path, html, trace = tmp_path / "p.json", tmp_path / "out" / "p.html", tmp_path / "p.trace.json"
     assert main(["plan", "llama:tiny", "--cluster", CLUSTER, "--batch", "16", "--seq", "64", "--time-limit", "5",

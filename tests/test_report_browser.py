@@ -16,8 +16,11 @@ import pytest
 from autoshard.cli import main
 
 BROWSER = next((b for b in ("chromium", "chromium-browser", "google-chrome") if shutil.which(b)), None)
-pytestmark = pytest.mark.skipif(BROWSER is None, reason="no chromium on PATH: `make test` installs Debian's "
-                                "chromium (apt-get install chromium) when apt is available")
+pytestmark = [
+    pytest.mark.slow,  # subprocess runs (headless chromium)
+    pytest.mark.skipif(BROWSER is None, reason="no chromium on PATH: `make test` installs Debian's "
+                       "chromium (apt-get install chromium) when apt is available"),
+]
 FLAGS = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--no-first-run",
          "--disable-dev-shm-usage"]
 

@@ -51,6 +51,7 @@ def _sums():
 
 
 @pytest.mark.parametrize("algo", ["grpo", "ppo"])
+@pytest.mark.slow
 def test_a_tiny_policy_learns_a_user_reward(algo):
     options = rl.RLOptions(algo=algo, samples_per_prompt=4 if algo == "grpo" else None, max_new_tokens=8)
     history = rl.train("llama:tiny", _sums(), sevens, steps=LEARN_STEPS, options=options, batch=32, live=False)
@@ -60,6 +61,7 @@ def test_a_tiny_policy_learns_a_user_reward(algo):
     assert (algo == "grpo") == math.isnan(history[-1]["value/explained_var"])
 
 
+@pytest.mark.slow
 def test_an_interrupted_grpo_run_resumes_exactly(tmp_path):
     """Policy, optimizer moments, step and the prompts drawn: 2 steps, a checkpoint, 2 more equal 4 in one go."""
     options = rl.RLOptions(algo="grpo", samples_per_prompt=4, max_new_tokens=6)
@@ -180,6 +182,7 @@ def test_bad_reward_outputs_name_the_prompt_index():
 # --------------------------------------------------------------------------- CLI
 
 
+@pytest.mark.slow
 def test_cli_trains_grpo_on_a_prompt_file(tmp_path, monkeypatch, capfd):
     prompts = tmp_path / "sums.jsonl"
     prompts.write_text("".join(json.dumps(row) + "\n" for row in _sums()[:20]))

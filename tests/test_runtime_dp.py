@@ -83,23 +83,27 @@ def references():
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_world2_matches_single_device(results2, references, name):
     spec, mesh, _ = CASES_2[name]
     check_against_reference(results2[name], references[spec], mesh)
 
 
 @pytest.mark.parametrize("name", list(CASES_BF16))
+@pytest.mark.slow
 def test_bf16_compute_matches_fp32_single_device(results_bf16, references, name):
     spec, mesh, _ = CASES_BF16[name]
     check_against_reference(results_bf16[name], references[spec], mesh, rtol=1e-2, atol=1e-2)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_world4_matches_single_device(results4, references, name):
     spec, mesh, _ = CASES_4[name]
     check_against_reference(results4[name], references[spec], mesh)
 
 
+@pytest.mark.slow
 def test_zero3_collective_counts(results2):
     """ZeRO-3, 2 micro-batches: per layer one all-gather forward and one reduce-scatter backward per
     micro-batch; re-gathers in backward are counted as all-gathers too; the optimizer adds one world
@@ -118,6 +122,7 @@ def test_zero3_collective_counts(results2):
     assert counts["all_reduce"] == 2
 
 
+@pytest.mark.slow
 def test_zero3_shards_are_chunks(results4):
     """Uneven ZeRO-3 shards follow torch.chunk: rank r holds chunk r (maybe empty)."""
     per_rank = results4["zero3_uneven"]
@@ -156,6 +161,7 @@ def test_fused_update_matches_torch_adamw(weight_decay):
         torch.testing.assert_close(b, p.detach(), rtol=1e-6, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_optimizer_bench_smoke(tmp_path):
     """benchmarks/optimizer_bench.py runs both update paths and writes its JSON (tiny CPU run)."""
     import json

@@ -145,12 +145,14 @@ def _check(results, reference, mesh):
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_ep_world2(results2, references, name):
     kind, mesh, _ = CASES_2[name]
     _check(results2[name], references[kind], mesh)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_ep_world4(results4, references, name):
     kind, mesh, _ = CASES_4[name]
     _check(results4[name], references[kind], mesh)
@@ -163,6 +165,7 @@ def test_capacity_model_drops_tokens():
     assert not bool(moe.route(x).kept.all())
 
 
+@pytest.mark.slow
 def test_ep_graph_and_shapes():
     plan = _plan("dropless", Mesh(dp_shard=4, ep=2), _ep_moe)
     with fake_world(4, 3):
@@ -175,12 +178,14 @@ def test_ep_graph_and_shapes():
     assert program.param_placements["blocks.0.moe.router.weight"].ep_dim is None
 
 
+@pytest.mark.slow
 def test_ep_with_zero3_experts_is_refused():
     plan = _plan("dropless", Mesh(dp_shard=2, ep=2), lambda layer: {"ep": layer.endswith("moe"), "state": "zero3"})
     with fake_world(2, 0), pytest.raises(PlanError, match="expert parallelism with state='zero3'"):
         build_program(_model("dropless"), _graph("dropless"), plan, None, TRAIN)
 
 
+@pytest.mark.slow
 def test_expert_placement_is_a_dtensor_shard_when_ep_equals_dp_shard():
     from torch.distributed.tensor import Replicate, Shard
 

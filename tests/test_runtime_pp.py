@@ -160,15 +160,18 @@ def _check(results, reference, mesh):
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_pp_world2_matches_single_device(results2, reference, name):
     _check(results2[name], reference, CASES_2[name][0])
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_pp_world4_matches_single_device(results4, reference, name):
     _check(results4[name], reference, CASES_4[name][0])
 
 
+@pytest.mark.slow
 def test_each_rank_holds_only_its_stages(results2):
     """pp=2, interleaved: rank 0 runs virtual stages 0 and 2, rank 1 stages 1 and 3; no parameter on both."""
     rank0, rank1 = (set(r["placements"]) for r in results2["interleaved_1f1b"])
@@ -180,6 +183,7 @@ def test_each_rank_holds_only_its_stages(results2):
 # --------------------------------------------------------------------------- build only (fake process group)
 
 
+@pytest.mark.slow
 def test_rank_builds_only_its_stage():
     """pp rank 1 of pp2×dp2 (ZeRO-3): one stage, the second half's parameters, one boundary tensor in."""
     plan = make_plan(Mesh(pp=2, dp_shard=2), "1f1b", state="zero3")
@@ -193,6 +197,7 @@ def test_rank_builds_only_its_stage():
     assert not any(p.is_meta for p in program.gm.local_parameters().values())
 
 
+@pytest.mark.slow
 def test_tied_embedding_on_two_pp_ranks_is_mirrored():
     """gpt:tiny's tied embedding/head on stages 0 and 1: pp rank 0 owns it, rank 1 holds a mirror outside its
     optimizer and placements (passes/split_pipeline.py, [Note: parameters shared between pp ranks])."""

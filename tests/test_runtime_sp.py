@@ -75,12 +75,14 @@ def results4():
 
 
 @pytest.mark.parametrize("name", list(CASES_2))
+@pytest.mark.slow
 def test_sp_world2(results2, references, name):
     spec, mesh, _ = CASES_2[name]
     check_against_reference(results2[name], references[spec], mesh)
 
 
 @pytest.mark.parametrize("name", list(CASES_4))
+@pytest.mark.slow
 def test_sp_dp_world4(results4, references, name):
     spec, mesh, _ = CASES_4[name]
     check_against_reference(results4[name], references[spec], mesh)

@@ -10,6 +10,8 @@ from _harness import run_gloo_cases
 from _runtime_cases import check_against_reference, graph_of, make_plan, single_device, train_case
 from autoshard.plan import Mesh
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 GPT, LLAMA = "gpt:tiny", "llama:tiny"
 
 

@@ -22,6 +22,8 @@ from autoshard.search.synthetic import synthetic_cluster
 from autoshard.runtime import build_program
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # every case runs for seconds
+
 MODELS = ("gpt:tiny", "llama:tiny", "moe:tiny")
 PIN_CHOICES = {
     "state": ("replicate", "zero1", "zero2", "zero3", "offload"),

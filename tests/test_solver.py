@@ -253,6 +253,7 @@ def test_infeasible_message_names_family_need_and_relaxations(small):
         solve(odd, cluster, train, constraints=Constraints(mesh={"tp": 2}), cost_fn=toy_layer_cost)
 
 
+@pytest.mark.slow
 def test_hint_is_accepted_and_retargets(small):
     graph, cluster, train = small
     plan = solve(graph, cluster, train, cost_fn=toy_layer_cost)

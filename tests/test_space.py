@@ -197,6 +197,7 @@ def test_pin_on_a_tied_head_names_the_real_reason():
     validate_constraints(Constraints(pin={"head": {"recompute": "full", "state": "replicate"}}), graph, cluster)
 
 
+@pytest.mark.slow
 def test_tied_weights_are_never_pipelined():
     """A tied embedding and head would sit on the first and last pp rank, which the runtime refuses
     (``passes/split_pipeline.py``): the mesh enumeration prunes pp > 1 for such a model."""

@@ -21,6 +21,8 @@ from autoshard.runtime.live_bytes import LiveBytes
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.train import TrainSpec
 
+pytestmark = pytest.mark.slow  # spawned gloo ranks
+
 MODEL = dict(hidden=256, num_layers=4, num_heads=4, num_kv_heads=2, ffn_hidden=768, vocab_size=512)
 BUCKET = 1 << 20
 
@@ -45,7 +47,6 @@ def step_case(rank, world_size, state):
     return {"peak": live.peak, "params_bytes": params}
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("state", ["zero1", "zero2"])
 def test_optimizer_step_holds_no_second_model_copy(state):
     results = run_gloo_cases({state: functools.partial(step_case, state=state)}, 2, timeout_s=300)[state]

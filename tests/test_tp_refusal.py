@@ -54,6 +54,7 @@ def test_mqa_forced_to_tp2_is_refused_naming_the_layer(family):
     _tp_plan(graph, Mesh(tp=2), none=tuple(attention)).check_compatible(graph=graph)
 
 
+@pytest.mark.slow
 def test_kv_heads_that_tp_does_not_divide_and_runnable_degrees():
     graph = capture(_hf("Llama", kv_heads=2), seq_lens=(8, 16))
     assert "key/value heads of size 2 split over tp=4" in _refusal(_tp_plan(graph, Mesh(tp=4)), graph)
@@ -108,6 +109,7 @@ def test_capture_records_what_tp_cannot_split(sizes, by_hand, reason):
     _tp_plan(graph, Mesh(dp_shard=2)).check_compatible(graph=graph)  # no tp axis: nothing is split
 
 
+@pytest.mark.slow
 def test_compile_refuses_before_any_rank_starts(monkeypatch):
     import autoshard.api as api
 
@@ -121,6 +123,7 @@ def test_compile_refuses_before_any_rank_starts(monkeypatch):
         autoshard.compile(model, "cpu:1x2", plan=_tp_plan(graph, Mesh(tp=2)))
 
 
+@pytest.mark.slow
 def test_cli_refuses_a_forced_plan_in_one_line(capsys, tmp_path):
     from _user_models import mqa_policy
     from autoshard.cli import main

@@ -81,6 +81,7 @@ def runs(tmp_path_factory):
 
 
 @pytest.mark.parametrize("state", STATES)
+@pytest.mark.slow
 def test_resume_equals_uninterrupted_bit_for_bit(runs, state):
     full, half, resumed = runs[f"full_{state}"], runs[f"half_{state}"], runs[f"resume_{state}"]
     assert runs[f"full_{state}"]["plan_states"] == [state]
@@ -91,6 +92,7 @@ def test_resume_equals_uninterrupted_bit_for_bit(runs, state):
 
 
 @pytest.mark.parametrize("case, saved", [("cross", "full_replicate"), ("resize", "full_zero2")])
+@pytest.mark.slow
 def test_resume_under_another_plan_or_world_size(runs, case, saved):
     """cross: a DDP checkpoint (moments whole on every rank) resumed under ZeRO-3 (moments row-sharded);
     resize: a 2-rank ZeRO-2 checkpoint (flat moment chunks) resumed on 1 rank."""
@@ -102,6 +104,7 @@ def test_resume_under_another_plan_or_world_size(runs, case, saved):
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_moments_step_and_data_position(runs):
     path = runs["root"] / "half_zero2" / f"step_{HALF:06d}"
     info = ckpt.read_info(path)
@@ -143,6 +146,7 @@ def _reference_history() -> list[dict]:
     return history
 
 
+@pytest.mark.slow
 def test_ddp_run_equals_torch_adamw_with_schedule(runs):
     reference = _reference_history()
     for state in ("replicate", "zero3"):
