@@ -448,3 +448,13 @@ def no_hang(seconds: int = 10):
     finally:
         signal.alarm(0)
         signal.signal(signal.SIGALRM, previous)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_intra_op_thread():
+    """Tiny matmuls: one intra-op thread is ~10x faster than two on a shared 2-core machine. A module that
+    imports this fixture (``from _harness import one_intra_op_thread``) runs every test with one thread."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -19,13 +19,7 @@ from autoshard.runtime.tasks import TaskError, get_task
 VOCAB = 16
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny matmuls: one intra-op thread is ~10x faster than two on a shared 2-core machine."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from _harness import one_intra_op_thread  # noqa: E402,F401 - autouse: one intra-op thread
 
 
 def _engines(seed: int = 0, lr: float = 1e-3, **model_overrides):

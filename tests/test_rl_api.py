@@ -30,12 +30,7 @@ LEARN_STEPS = 20
 LEARN_MARGIN = {"grpo": 0.3, "ppo": 0.15}
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from _harness import one_intra_op_thread  # noqa: E402,F401 - autouse: one intra-op thread
 
 
 def sevens(prompts, responses, references, response_ids):

@@ -13,12 +13,7 @@ from autoshard.runtime.rollout import RolloutError, SamplingConfig, generate, to
 EOS, PAD = 1, 0
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+from _harness import one_intra_op_thread  # noqa: E402,F401 - autouse: one intra-op thread
 
 
 class _NoCache(ModuleEngine):
