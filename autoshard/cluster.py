@@ -255,9 +255,12 @@ class Cluster:
 
     @property
     def runs_on_cpu(self) -> bool:
-        """Whether the ranks are CPU processes (the ``cpu`` preset, or a detected CPU host): the runtime
-        then runs plans eager, and the cost model prices no compiled graph (``search/layer_terms.py``)."""
-        return self.name.split(":")[0] == "cpu" or self.name.startswith("detected:cpu:")
+        """Whether the ranks are CPU processes (the ``cpu`` preset, or a detected CPU host, whatever the
+        cluster is named: its device says so, ``cluster_presets.device_kind``): the runtime then runs plans
+        eager, and the cost model prices no compiled graph (``search/layer_terms.py``)."""
+        if self.name.split(":")[0] == "cpu" or self.name.startswith("detected:cpu:"):
+            return True
+        return cluster_presets.device_kind(self.device.name) == "cpu"
 
     @property
     def world_size(self) -> int:

@@ -12,8 +12,8 @@ included), and ``fingerprints.cluster_context``, the rest of ``Cluster.to_dict``
 * ``check_train(plan, train)`` refuses a plan reused for another training step;
 * ``cluster_of(plan)`` rebuilds the cluster the plan was searched on: both parts
   merged, so its fingerprint equals the recorded one, a ``cpu:1xN`` plan stays a
-  CPU cluster (``Cluster.runs_on_cpu`` reads the name: no compiled-activation
-  pricing) and a calibrated plan keeps its calibration record, whose cost-model
+  CPU cluster (``Cluster.runs_on_cpu``: no compiled-activation pricing; an older
+  plan without the recorded names is still one, by its CPU device) and a calibrated plan keeps its calibration record, whose cost-model
   constants (kernel overhead, GEMM knee, optimizer rates, layer times) are in no
   fingerprinted field. ``explain`` and ``report`` thus price a plan as it was
   searched without ``--cluster`` or ``--calibration`` (a decision: the plan

@@ -325,6 +325,9 @@ def test_full_json_file_and_content_sniffing(tmp_path):
     assert Cluster.from_file(_write(tmp_path, "d.cluster", "preset: cpu\ndevices_per_node: 2\n")).world_size == 2
     assert Cluster.load(str(tmp_path / "c.json")) == cluster
     assert Cluster.load(tmp_path / "d.cluster").name == "cpu:1x2"
+    renamed = Cluster.from_file(_write(tmp_path, "e.cluster", "preset: cpu\nname: mybox\ndevices_per_node: 2\n"))
+    assert renamed.name == "mybox" and renamed.runs_on_cpu  # CPU ranks by their device, not their name
+    assert not Cluster.from_file(_write(tmp_path, "f.cluster", "preset: h100-sxm\nname: cpu-less\n")).runs_on_cpu
     assert Cluster.load("h100-sxm:2x8") == Cluster.parse("h100-sxm:2x8")
 
 
