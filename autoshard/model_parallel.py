@@ -45,8 +45,8 @@ Notes, each what the runtime does:
 * SP's all-gather before the column projections (and the vocab-parallel head) is not repeated in the
   backward, as Megatron-LM repeats it: the gathered whole-sequence input is what the column linear saves
   for its weight gradient, so each such layer keeps ``T·h`` of it, not ``T·h/t``
-  (``search/memory.sp_gathered_input_bytes``; measured on 2 × H200, a 1.1B Llama at tp 2 + SP: 45 of them,
-  2.8 GiB, live at the step's peak).
+  (``search/memory.sp_gathered_input_bytes``; the memory campaign in
+  ``benchmarks/results/memory_h200_2026-11-27`` found them live at the step's peak).
 * Every TP/SP/EP collective is a node of the per-rank graph (``in_graph``) and synchronous
   (``runtime/collectives.py``, note "synchronous kernels"): on the critical path, hidden under
   nothing. SP's parameter all-reduces run once per parameter per micro-batch (each use of a

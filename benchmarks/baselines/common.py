@@ -32,9 +32,8 @@ differs from another only by how the step is parallelised):
   steps, reset after each config is built (``reset_after_build``): every
   config builds from the fp32 reference model materialised whole on each GPU
   (``reference_model``; 27 GB for a 7B model), which is the harness's, not
-  the config's, so the build's peak is recorded apart (``build_peak_bytes``;
-  before 2026-11-27 it was part of the peak: a 7B ZeRO-3 plan on 4 × H200
-  measured 47.5 GiB, its build, against a 41.8 GiB step). On CPU there is no
+  the config's, so the build's peak is recorded apart (``build_peak_bytes``).
+  On CPU there is no
   resettable per-config peak, so it is reported as ``None``.
 - **MFU**: model FLOPs ``3·Σ_layers forward_flops(B, S)`` from the captured
   graph (the formula ``search.cost_model.predict`` uses) over ``step time ·
