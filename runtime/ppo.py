@@ -254,6 +254,10 @@ class PPOTrainer:
         prompts = self.task.sample_prompts(self.config.rollout_batch // group, self.cpu_generator)
         prompts = prompts.repeat_interleave(group, dim=0).to(self.policy.device)
         self.policy.eval_mode()
+        engine = getattr(self.policy, "rollout", None)  # a rollout layout of its own (runtime/rollout_engine.py)
+        if engine is not None:
+            return engine.generate(self.policy, prompts, self.config.sampling, eos_id=self.task.eos_id,
+                                   pad_id=self.task.pad_id, generator=self.sample_generator)
         return generate(
             self.policy, prompts, self.config.sampling,
             eos_id=self.task.eos_id, pad_id=self.task.pad_id, generator=self.sample_generator,
@@ -347,18 +351,29 @@ class PPOTrainer:
         """
         cfg = self.config
         stats = {k: torch.zeros((), dtype=torch.float64) for k in _STAT_KEYS}
+        if getattr(self.policy, "pipelined", False) and self.critic is None:
+            # pipeline stages (pp > 1): the engine runs its schedule over micro-batches of the mini-batch and
+            # calls the loss on the last stage with each micro-batch's rows (ppo_program.ProgramEngine.accumulate)
+            def rows_loss(logits: torch.Tensor, values: torch.Tensor, rows: torch.Tensor):
+                return self._micro_batch_loss(batch.select(rows.to(batch.tokens.device)), num_tokens, logits, values)
+
+            self.policy.accumulate(batch.tokens[:, :-1], rows_loss, stats, micro_batch=cfg.micro_batch)
+            return stats
         for index in torch.arange(len(batch)).split(cfg.micro_batch or len(batch)):
-            loss, parts = self._micro_batch_loss(batch.select(index), num_tokens)
+            mb = batch.select(index)
+            loss, parts = self._micro_batch_loss(mb, num_tokens, *self.policy.forward(mb.tokens[:, :-1]))
             # With a separate critic the scalar holds both losses; one backward reaches both models.
             self.policy.backward(loss)
             for key, value in parts.items():
                 stats[key] += value.detach().double().cpu()
         return stats
 
-    def _micro_batch_loss(self, mb: Experience, num_tokens: float) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def _micro_batch_loss(self, mb: Experience, num_tokens: float, logits: torch.Tensor,
+                          values: torch.Tensor) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """(Σ w·ℓ / ``num_tokens``, statistics' shares) of micro-batch ``mb`` from the policy's
+        (logits, values) of ``mb.tokens[:, :-1]``."""
         cfg, mask = self.config, mb.mask
         resp_len = mask.shape[1]
-        logits, values = self.policy.forward(mb.tokens[:, :-1])
         logits = L.response_logits(logits, mb.prompt_len, resp_len)
         logp, entropy = L.token_logprobs(logits, mb.responses, cfg.sampling.temperature)
         if self.critic is not None:

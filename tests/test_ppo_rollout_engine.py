@@ -6,7 +6,7 @@ One spawned job runs every case (``_harness`` note "spawned jobs are expensive")
   [1, h] is split 1 + 0 rows: the uneven chunk rule) and ``tp``
   (``Mesh(tp=2)``, Megatron attention/MLP/embedding/head): a trainer with the
   cache engine and one without (``rollout_cache=False``, the recompute path)
-  from the same seed. Checked: the first sync reproduces the initial weights
+  from the same seed. Checked: the first sync reproduces the initial weights (the tp plan's replica holds halves: gathered over its group)
   bitwise; the rollouts of both paths have the same tokens and log-probs
   before training and again after ``STEPS`` PPO steps (a stale replica would
   sample other tokens); the training curves agree at rtol 1e-5; the metrics
@@ -32,6 +32,7 @@ import torch
 from _harness import run_gloo_cases
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime.ppo_program import PPORun, build_policy_model, capture_policy, reseed, sharded_trainer, train_loop
+from autoshard.runtime import collectives
 from autoshard.runtime.rollout import SamplingConfig
 
 STEPS = 3
@@ -67,7 +68,9 @@ def _compare(rank, world_size, plan, graph):
     assert cached.reference.rollout is None
     cached.policy.sync_rollout_weights()
     initial = dict(build_policy_model(run.model, run.seed).named_parameters())
-    replica = dict(cached.policy.rollout.replica.named_parameters())
+    engine = cached.policy.rollout  # the plan's tp by default: a tp=2 plan's replica holds halves
+    replica = {name: p if engine.dims[name] is None else collectives.all_gather(p.contiguous(), engine.dims[name], engine.group)
+               for name, p in engine.replica.named_parameters()}
     synced_exactly = sorted(replica) == sorted(initial) and all(torch.equal(replica[k], initial[k]) for k in initial)
     before = {"cached": _sample(cached, 0), "recompute": _sample(recompute, 0)}
     curves = {"cached": train_loop(cached, STEPS), "recompute": train_loop(recompute, STEPS)}
