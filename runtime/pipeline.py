@@ -6,14 +6,16 @@
 * ``train_step(tokens, loss_fn)``: one ``PipelineStage`` per local stage and
   the plan's schedule (``gpipe`` → ``ScheduleGPipe``, ``1f1b`` →
   ``Schedule1F1B``, ``interleaved_1f1b`` → ``ScheduleInterleaved1F1B``) over
-  ``num_micro_batches`` micro-batches of the rank's local batch. The user
+  ``num_micro_batches`` micro-batches of the rank's local batch (or the
+  caller's count: PPO's, ``runtime/ppo_program.py``). The user
   inputs reach every stage as keyword arguments (split into micro-batches by
   the schedule) and the last stage calls ``loss_fn(outputs, micro_tokens)``
   (``target=`` of ``schedule.step``). Each micro-batch loss is divided by
   ``m`` before backward (``scale_grads=False``), which is the single-stage
   program's convention: gradients = d(mean of micro-batch losses). Returns
   that mean on every pp rank (the last stage's value, all-reduced over pp
-  with zeros elsewhere).
+  with zeros elsewhere). ``mean=False`` back-propagates each micro-batch
+  loss as it is (PPO's losses are shares of a globally normalised sum).
 * ``forward(tokens)``: inference without autograd: stages run in order
   0..K-1, activations sent point-to-point to the next stage's pp rank, and
   the model outputs broadcast from the last stage, so every rank returns the
@@ -52,6 +54,7 @@ shape compiles once for training, ``forward`` once more.
 from __future__ import annotations
 
 import inspect
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
@@ -69,6 +72,9 @@ from autoshard.runtime import collectives
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 # torch >= 2.12 can skip merging the last stage's outputs, which a training step does not use.
 _NO_OUTPUTS = {"return_outputs": False} if "return_outputs" in inspect.signature(ScheduleGPipe.step).parameters else {}
+# Schedules kept per (micro-batch count, shape); the least recently used beyond this are dropped with their
+# stages' buffers. A training run has one shape; a PPO run one per response length.
+SCHEDULE_CACHE_SIZE = 8
 
 
 class _StageForward(nn.Module):
@@ -99,7 +105,7 @@ class PipelineEngine:
         self.regather = regather
         self.group = collectives._group(ctx.group("pp"))
         self.stages = {k: _StageForward(split.stage(k), regather) for k in self.layout.local_stages}
-        self._schedules: dict[tuple, Any] = {}
+        self._schedules: OrderedDict[tuple, Any] = OrderedDict()
 
     def compile(self, compile_fn: Callable[[nn.Module], Callable]) -> None:
         """Run every local stage as ``compile_fn(stage)`` (``torch.compile``; module docstring)."""
@@ -132,7 +138,7 @@ class PipelineEngine:
     def _dtype(self, val: torch.Tensor) -> torch.dtype:
         return self.ctx.compute_dtype if val.dtype.is_floating_point else val.dtype
 
-    def _build(self, micro: dict[str, torch.Tensor], loss_fn: Callable) -> Any:
+    def _build(self, micro: dict[str, torch.Tensor], m: int, loss_fn: Callable) -> Any:
         stages = [
             PipelineStage(
                 self.stages[k],
@@ -146,18 +152,30 @@ class PipelineEngine:
             for k in self.layout.local_stages
         ]
         cls = SCHEDULES[self.schedule.name]
-        m = self.schedule.num_micro_batches
-        return cls(stages if cls is ScheduleInterleaved1F1B else stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        try:
+            return cls(stages if cls is ScheduleInterleaved1F1B else stages[0], m, loss_fn=loss_fn, scale_grads=False)
+        except ValueError as err:  # the schedule's own limits on m (1F1B: m >= stages; interleaved: rounds)
+            raise PlanError(f"pipeline schedule {self.schedule.name!r} with {m} micro-batches: {err}; pass a batch "
+                            "whose rows split into a count the schedule takes, or choose another schedule") from err
 
-    def train_step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor, loss_fn: Callable) -> torch.Tensor:
-        """Forward + backward of every micro-batch; the mean micro-batch loss on every pp rank ([] fp32)."""
-        m = self.schedule.num_micro_batches
+    def train_step(self, inputs: dict[str, torch.Tensor], target: torch.Tensor, loss_fn: Callable, *,
+                   num_micro_batches: int | None = None, mean: bool = True) -> torch.Tensor:
+        """Forward + backward of every micro-batch; the mean micro-batch loss on every pp rank ([] fp32).
+
+        ``num_micro_batches``: how many micro-batches the rows split into (default: the plan's).
+        ``mean=False``: each micro-batch's ``loss_fn`` is back-propagated as it is, not divided by m (a
+        caller whose losses are already shares of a normalised sum, as PPO's), and the sum is returned.
+        """
+        m = num_micro_batches or self.schedule.num_micro_batches
         micro = {name: t.chunk(m, 0)[0] for name, t in inputs.items()}
-        key = tuple((name, tuple(t.shape)) for name, t in sorted(micro.items()))
+        key = (m, *((name, tuple(t.shape)) for name, t in sorted(micro.items())))
         # The schedule keeps the loss function it was built with: route it through a mutable cell.
-        self._loss_fn = loss_fn
+        self._loss_fn = (lambda out, tgt: loss_fn(out, tgt) / m) if mean else loss_fn
         if key not in self._schedules:
-            self._schedules[key] = self._build(micro, lambda out, tgt: self._loss_fn(self._outputs(out), tgt) / m)
+            self._schedules[key] = self._build(micro, m, lambda out, tgt: self._loss_fn(self._outputs(out), tgt))
+            if len(self._schedules) > SCHEDULE_CACHE_SIZE:  # every pp rank sees the same shapes: same eviction
+                self._schedules.popitem(last=False)
+        self._schedules.move_to_end(key)
         losses: list[torch.Tensor] = []
         kwargs = {name: t.to(self.ctx.device) for name, t in inputs.items()}
         step_kw = dict(target=target.to(self.ctx.device), losses=losses) if self.is_last else {}

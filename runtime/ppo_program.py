@@ -5,10 +5,11 @@
 
 | member | over the program |
 | --- | --- |
-| ``forward(tokens)`` | ``Program.forward`` (ZeRO-3 gathers, Megatron TP with all-gathered logits): (logits [B, S, V], values [B, S]) on every rank of the tp group; under ``no_grad`` the ZeRO-3 re-gather records are dropped at once |
+| ``forward(tokens)`` | ``Program.forward`` (ZeRO-3 gathers, Megatron TP with all-gathered logits): (logits [B, S, V], values [B, S]) on every rank of the tp group; under ``no_grad`` the ZeRO-3 re-gather records are dropped at once; with pp > 1 only under ``no_grad`` (the stages in order, outputs broadcast to the pp group) |
 | ``forward(tokens, cache=, start_pos=)``, ``new_cache`` | with a ``RolloutEngine`` (default for the policy): KV-cached sampling on an eager full replica, synced from the program's shards once per step (``runtime/rollout_engine.py``); without one (``rollout_cache=False``, the reference): ``new_cache`` is None and rollout recomputes the prefix each decode step through the program |
 | ``sync_rollout_weights()`` | copy the current weights into the replica (collective; no-op when already fresh); ``PPOTrainer`` times it as the ``weight_sync`` phase |
 | ``backward(loss)`` | ``(D · loss).backward()`` with D = dp size, then the re-gather cache reset |
+| ``pipelined``, ``accumulate(tokens, loss_fn, stats)`` | pp > 1: forward and backward of a whole mini-batch through the plan's schedule (note: PPO on pipeline stages) |
 | ``step()`` | ``ShardedOptimizer.step()``: gradient sync over dp, global-norm clip, update, write back |
 | ``dp`` | ``GroupReducer`` over the plan's combined ``"dp"`` group (dp_replicate × dp_shard) |
 
@@ -57,9 +58,29 @@ gap. Memory: one unsharded replica per rank (``rollout_engine`` docstring).
 Which models a run takes (reference, factory, Hugging Face config), their initial weights, vocabulary
 and rollout: ``runtime/ppo_policy.py``.
 
-Partial: pipeline plans (pp > 1) are refused (``Program.forward`` has no
-autograd with pp > 1); the plan's ``num_micro_batches`` is not used (PPO
-micro-batches itself, ``PPOConfig.micro_batch``).
+[Note: PPO on pipeline stages]
+With pp > 1 the backward runs inside the ``torch.distributed.pipelining``
+schedule, so ``PPOTrainer.accumulate_gradients`` hands the engine the whole
+mini-batch (``accumulate``): the schedule's target is the row indices, and
+on the last stage PPO's loss of each micro-batch reads those rows of the
+experience (advantages, old and reference log-probs, masks, returns, old
+values: every rank of a pp group holds the same experience, as it sampled
+the same tokens). Each loss is back-propagated as it is, times D (not
+divided by the micro-batch count: it is already a share of the global
+normaliser), and the statistics are summed over pp (zeros off the last
+stage), so every rank reports the same metrics. Micro-batches:
+``PPOConfig.micro_batch`` rows each when set, else the divisor of the
+mini-batch rows nearest the plan's ``num_micro_batches`` (at least the
+stage count, where one exists; logged when it differs). Old, reference and
+rollout log-probs come from ``forward`` under ``no_grad``: the stages one
+after the other over the whole chunk (no micro-batching), the outputs
+broadcast from the last stage. pp > 1 gets no KV-cached rollout replica
+here: rollout recomputes each prefix through that forward.
+
+Partial: scoring and rollout forwards with pp > 1 are serial (one stage busy
+at a time) and broadcast full logits; with pp = 1 the plan's
+``num_micro_batches`` is not used (PPO micro-batches itself,
+``PPOConfig.micro_batch``).
 
 The worker entry point ``python -m autoshard.runtime.ppo_program`` (started by
 ``autoshard ppo`` through torchrun, ``autoshard/cli_ppo.py``) joins the
@@ -132,11 +153,6 @@ class ProgramEngine:
     def __init__(
         self, program: Any, *, vocab_size: int, max_seq_len: int, frozen: bool = False, rollout: Any = None
     ) -> None:
-        if program.pipeline is not None:
-            raise PlanError(
-                f"plan mesh {program.plan.mesh} has pp={program.plan.mesh.pp}: PPO on pipeline-parallel programs "
-                "is not implemented (no autograd through Program.forward with pp > 1); search with --mesh pp=1"
-            )
         self.program, self.frozen = program, frozen
         self.vocab_size, self.max_seq_len = int(vocab_size), int(max_seq_len)
         ctx = program.ctx
@@ -166,6 +182,11 @@ class ProgramEngine:
                     "call forward(tokens) on the whole prefix"
                 )
             return self._actions(*self.rollout.forward(tokens, cache, start_pos))
+        if self.pipelined and torch.is_grad_enabled():
+            raise EngineError(
+                f"forward with autograd on a pipeline program (pp={self.program.plan.mesh.pp}): its backward runs "
+                "inside the schedule; train through accumulate(tokens, loss_fn, stats), or call forward under no_grad"
+            )
         logits, values = self.program.forward(tokens)
         if not torch.is_grad_enabled():
             self._reset_regather()  # no backward will consume the ZeRO-3 records of this forward
@@ -229,6 +250,66 @@ class ProgramEngine:
         (loss * self.dp.world_size).backward()
         self._reset_regather()
 
+    @property
+    def pipelined(self) -> bool:
+        """Whether the program runs pipeline stages (pp > 1): PPO then trains through ``accumulate``."""
+        return self.program.pipeline is not None
+
+    def accumulate(self, tokens: torch.Tensor, loss_fn: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], Any],
+                   stats: dict[str, torch.Tensor], *, micro_batch: int | None = None) -> None:
+        """Forward/backward of tokens [B, S] through the plan's pipeline schedule (pp > 1; module note: PPO on
+        pipeline stages).
+
+        On the last stage, ``loss_fn(logits, values, rows)`` of each micro-batch (``rows``: its row indices
+        into ``tokens``) returns ``(loss, parts)``: ``loss`` is back-propagated as ``backward`` would (times the
+        dp size), each ``parts[key]`` is added into ``stats[key]`` (float64 scalars, the same keys on every
+        rank), and on return ``stats`` holds the sums on every rank of the pp group. ``micro_batch``: rows per
+        micro-batch (default: module note).
+        """
+        self._require_trainable("accumulate gradients of")
+        rows, scale = tokens.shape[0], self.dp.world_size  # D · loss: SUM over dp from an averaging optimizer
+        sums = {key: torch.zeros_like(value) for key, value in stats.items()}  # stays zero off the last stage
+
+        def micro_loss(outputs: Any, index: torch.Tensor) -> torch.Tensor:
+            loss, parts = loss_fn(*self._actions(*outputs), index)
+            for key, value in parts.items():
+                sums[key] += value.detach().double().cpu()
+            return loss * scale
+
+        index = torch.arange(rows, device=self.device)
+        self.program.pipeline.train_step(self._stage_inputs(tokens), index, micro_loss, mean=False,
+                                         num_micro_batches=self._micro_batches(rows, micro_batch))
+        for key, value in self._sum_over_pp(sums).items():
+            stats[key] += value
+
+    def _stage_inputs(self, tokens: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``tokens`` as the pipeline stages take them (by their placeholder name)."""
+        bound = self.program.inputs.bind((tokens.to(self.device),), {})
+        return dict(zip(self.program.pipeline.layout.input_names, bound.values()))
+
+    def _micro_batches(self, rows: int, micro_batch: int | None) -> int:
+        """Micro-batches of a pipeline step over ``rows`` sequences (module note: PPO on pipeline stages)."""
+        if micro_batch is not None:
+            if rows % micro_batch:
+                raise EngineError(f"micro_batch={micro_batch} does not divide the {rows} rows of the batch; "
+                                  "pick a divisor of the mini-batch size")
+            return rows // micro_batch
+        planned, stages = self.program.plan.schedule.num_micro_batches, self.program.pipeline.layout.num_stages
+        divisors = [d for d in range(1, rows + 1) if rows % d == 0]
+        divisors = [d for d in divisors if d >= stages] or divisors
+        chosen = min(divisors, key=lambda d: (abs(d - planned), -d))
+        if chosen != planned:
+            log.info("pipeline: %d micro-batches of %d rows: the divisor of %d rows nearest the plan's %d "
+                     "(at least the %d stages where one exists)", chosen, rows // chosen, rows, planned, stages)
+        return chosen
+
+    def _sum_over_pp(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``values`` (scalars) summed over the pp group: the last stage's on every stage (zeros elsewhere)."""
+        keys = sorted(values)
+        local = torch.stack([values[key] for key in keys]).to(self.device)
+        total = collectives.all_reduce(local, self.program.ctx.group("pp"), "sum").cpu()
+        return dict(zip(keys, total))
+
     def step(self) -> float:
         """Sync (sum) gradients over dp, clip by global norm, update; the pre-clip global norm."""
         self._require_trainable("step")
@@ -290,6 +371,8 @@ class PPORun:
     profile: bool = False
     """Record one step with torch.profiler: a Chrome trace per rank next to ``metrics`` (``runtime/step_profile.py``)."""
     rollout_cache: bool = True
+    context: int | None = None
+    """A reference model's positions (prompt + response); None: ``MODEL_MAX_SEQ_LEN`` (32, what the tasks need)."""
     """Sample from a KV-cached full replica synced from the shards each step (``runtime/rollout_engine.py``);
     False: recompute every prefix through the sharded program (no replica memory)."""
     data: Any = None
@@ -351,7 +434,8 @@ def build_engines(
     if use_cache and unsupported:
         log.info("rollout: recomputing prefixes through the program: %s", unsupported)
         use_cache = False
-    rollout = RolloutEngine.for_program(policy_program, model) if use_cache else None
+    rollout_tp = plan.rollout[0].tp if plan.rollout else None  # the plan's rollout layout (search/rollout.py)
+    rollout = RolloutEngine.for_program(policy_program, model, tp=rollout_tp) if use_cache else None
     context = policy_context(model)
     policy = ProgramEngine(policy_program, vocab_size=actions, max_seq_len=context, rollout=rollout)
     reference = ProgramEngine(reference_program, vocab_size=actions, max_seq_len=context, frozen=True)
@@ -398,7 +482,8 @@ def sharded_trainer(
 
     tokenizer = run_tokenizer(run.data)
     if model is None:
-        model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=tokenizer.vocab_size)
+        model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=tokenizer.vocab_size,
+                            context=run.context)
     policy_model = model if isinstance(model, PolicyModel) else PolicyModel(model, run.model)
     task, sampling = build_task(run.task, run.data, run.rl, context=policy_context(policy_model.module),
                                 tokenizer=tokenizer)
@@ -523,7 +608,8 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
                                      "precision": plan.precision, "global_batch": run.global_batch})
     from autoshard.runtime.rl_options import run_tokenizer
 
-    model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=run_tokenizer(run.data).vocab_size)
+    model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=run_tokenizer(run.data).vocab_size,
+                        context=run.context)
     graph = graph if graph is not None else capture_policy(model.module, model.name)
     trainer = sharded_trainer(run, plan, model=model, graph=graph, device=device, on_metrics=report)
     unsupported = rollout_cache_unsupported(model.module)
@@ -620,6 +706,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--weights", default=None, help="HF safetensors directory of an HF config MODEL's initial weights")
     parser.add_argument("--task", default=PPORun.task, help="task name (default %(default)s)")
     parser.add_argument("--steps", type=int, default=PPORun.steps)
+    parser.add_argument("--context", type=int, default=None, help="a reference model's positions (default 32)")
     parser.add_argument("--seed", type=int, default=PPORun.seed)
     parser.add_argument("--batch", type=int, default=PPORun.global_batch, help="prompts per step over all dp ranks")
     parser.add_argument("--metrics", default=None)
@@ -642,7 +729,7 @@ def run_from_args(args: argparse.Namespace) -> PPORun:
         model=args.model, weights=args.weights, task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every,
         resume=args.resume, plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
-        profile=args.profile, data=source_from_args(args), rl=options_from_args(args),
+        profile=args.profile, data=source_from_args(args), rl=options_from_args(args), context=args.context,
     )
 
 
