@@ -25,8 +25,11 @@ workers, in ``runtime/rl_options.py``; ``docs/ppo.md`` "Your own prompts and rew
    ranks and PPO mini-batches cannot split is refused the same way.
 1. the plan: ``--plan`` loads one (checked against the model by the runtime);
    otherwise capture the policy (``ppo_program.load_policy`` on meta) and search it for the
-   cluster with what the runtime implements fixed: ``pp = ep = cp = 1`` and
-   ``recompute = none`` everywhere; on a ``cpu`` cluster also unquantized
+   cluster with what the runtime implements fixed: ``ep = cp = 1`` and
+   ``recompute = none`` everywhere, and ``pp = 1`` while the KV-cached
+   rollout is searched with the plan (pipeline plans train, but get no
+   KV-cached rollout replica yet: ``runtime/ppo_program.py``, note "PPO on
+   pipeline stages"); on a ``cpu`` cluster also unquantized
    communication (``weight_comm = grad_comm = bf16``, i.e. the compute
    dtype: the quantized paths would run the Triton interpreter there, and
    4-bit gradients of a tiny model are a poor default). Precision
@@ -87,6 +90,11 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--task", default="arithmetic", metavar="NAME", help="reward task: arithmetic, addition or sorting (default arithmetic, the reference run's)")
     parser.add_argument("--steps", type=_positive_int, default=DEFAULT_STEPS, metavar="N", help=f"PPO steps in total; a resumed run continues up to N (default {DEFAULT_STEPS})")
     parser.add_argument("--plan", type=Path, metavar="PLAN.json", help="train under this plan instead of searching one")
+    parser.add_argument("--context", type=_positive_int, metavar="N", help="positions of a reference model (prompt + "
+                        "response; default 32, what the built-in tasks need); other models keep their own")
+    parser.add_argument("--rollout-tp", default="auto", type=_rollout_tp, metavar="auto|N",
+                        help="ranks per generation group (a Megatron shard each): 'auto' (default) searches it with "
+                             "the training plan, pricing the whole RL step; N fixes it")
     parser.add_argument("--metrics", type=Path, metavar="OUT.jsonl", help="JSON lines of per-step metrics (rank 0)")
     parser.add_argument("--checkpoint", type=Path, metavar="DIR", help="save the PPO state here at the end (and every --save-every steps)")
     parser.add_argument("--save-every", type=_positive_int, default=None, metavar="K", help="also checkpoint every K steps")
@@ -98,10 +106,24 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="record one step (the second) with torch.profiler: "
                         "a Chrome trace per rank next to --metrics (METRICS.rankR.trace.json) for `autoshard report "
                         "PLAN --measured`")
-    parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of a KV-cached full replica per rank (less memory, slower)")
+    parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of the KV-cached rollout replica (less memory, slower)")
     from autoshard.runtime.rl_options import add_rl_arguments
 
     add_rl_arguments(parser)  # --prompts, --reward, --algo, ... (shared with the workers)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: a positive integer")
+    return int(text)
+
+
+def _rollout_tp(text: str) -> str | int:
+    if text == "auto":
+        return text
+    if not text.isdigit() or int(text) < 1 or int(text) & (int(text) - 1):
+        raise argparse.ArgumentTypeError(f"{text!r}: 'auto' or a power of two (1, 2, 4, 8)")
+    return int(text)
 
 
 def add_plot_command_arguments(parser: argparse.ArgumentParser) -> None:
@@ -132,17 +154,21 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
 
         get_task(args.task, **TASK_PRESETS.get(args.task, {}))
     tokenizer = rl_options.run_tokenizer(data)
-    policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights),
+    policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights), context=args.context,
                          vocab_size=tokenizer.vocab_size)
     # TaskError naming the tasks, a bad prompt file or reward, before any search
-    task, _ = rl_options.build_task(args.task, data, options, context=policy_context(policy.module), tokenizer=tokenizer)
+    task, sampling = rl_options.build_task(args.task, data, options, context=policy_context(policy.module),
+                                           tokenizer=tokenizer)
     check_policy_vocab(policy.module, policy.name, task)
     spec = policy.name  # file paths made absolute: the workers and plans name the model alike
     cluster = load_cluster(args.cluster, args.calibration)
     graph = capture_policy(policy.module, policy.name) if args.plan is None or args.resume else None
     if args.resume:
         _check_resume(args, graph)
-    plan = _resolve_plan(args, graph, cluster, console)
+    from autoshard.runtime.ppo_policy import rollout_cache_unsupported
+
+    workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(args.batch, task.prompt_len, sampling)
+    plan = _resolve_plan(args, graph, cluster, console, workload)
     _check_batch(args, plan, task)
     if _under_torchrun():
         return _train_here(args, spec, plan)
@@ -207,9 +233,17 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: Any) -> Any:
+def rollout_workload(batch: int, prompt_len: int, sampling: Any, mini_batches: int = 2) -> Any:
+    """What one RL step samples, for pricing the rollout layout (``search/rollout.py``)."""
+    from autoshard.search.rollout import RolloutWorkload
+
+    return RolloutWorkload(sequences=batch, prompt_len=max(1, prompt_len), response_len=sampling.max_new_tokens,
+                           mini_batches=mini_batches)
+
+
+def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: Any, workload: Any = None) -> Any:
     """The plan of ``--plan``, or one searched for ``cluster`` (against the policy's ``graph``) with the runtime's
-    limits pinned."""
+    limits pinned, its rollout layout chosen with it (``--rollout-tp``)."""
     from autoshard.plan import Plan
 
     if args.plan is not None:
@@ -218,24 +252,46 @@ def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: A
 
     first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank searches; one shows it
     with reporter(sys.stderr, quiet=_quiet(args) or not first, lines=False) as progress:  # live on a terminal
-        plan = search_plan(graph, cluster, args.batch, args.precision, progress=progress)
+        plan = search_plan(graph, cluster, args.batch, args.precision, progress=progress, workload=workload,
+                           rollout_tp=args.rollout_tp, rollout_cache=not args.no_rollout_cache)
     if first:
         console.print(plan.to_rich())
     return plan
 
 
-def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", progress: Any = None) -> Any:
+def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", progress: Any = None,
+                workload: Any = None, rollout_tp: str | int = "auto", rollout_cache: bool = True) -> Any:
     """The plan ``autoshard ppo`` searches for the PPO policy ``graph`` on ``cluster`` (module docstring, step 1:
-    what the runtime implements fixed), for ``batch`` prompts per step in ``precision``."""
+    what the runtime implements fixed), for ``batch`` prompts per step in ``precision``.
+
+    With a ``workload`` (``rollout_workload``) and the KV-cached rollout on, the training plan and the rollout
+    layout are chosen together (``search/rollout.co_plan``: one search per rollout tp, the RL step priced
+    whole); ``rollout_tp`` N fixes the layout instead (priced, recorded)."""
     from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN
     from autoshard.search import solve
     from autoshard.search.space import Constraints
     from autoshard.train import TrainSpec
 
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
-    constraints = Constraints(pin=pins, mesh={"pp": 1, "ep": 1, "cp": 1})
+    mesh = {"ep": 1, "cp": 1}
+    if workload is not None and rollout_cache:  # the co-search prices a KV-cached rollout, which pp > 1 lacks yet
+        mesh["pp"] = 1
+    constraints = Constraints(pin=pins, mesh=mesh)
     train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision)
-    return solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
+    if workload is None or not rollout_cache:
+        return solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
+    import functools
+
+    from autoshard.search import rollout
+
+    # an RL optimizer step: one mini-batch of the sampled sequences, prompt + response long
+    train = TrainSpec(global_batch=max(1, workload.sequences // workload.mini_batches), seq_len=workload.seq_len,
+                      precision=precision)
+    search = functools.partial(solve, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
+    if rollout_tp != "auto":
+        return rollout.with_rollout(graph, cluster, search(graph, cluster, train, constraints=constraints),
+                                    int(rollout_tp), workload)
+    return rollout.co_plan(graph, cluster, train, workload, solve=search, constraints=constraints)
 
 
 def _runtime_pins(cluster: Any) -> dict[str, Any]:
@@ -263,6 +319,8 @@ def _plan_file(args: argparse.Namespace, plan: Any) -> Path:
 def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[str]:
     flags = ["--plan", str(plan_path), "--model", spec, "--task", args.task, "--steps", str(args.steps),
              "--seed", str(args.seed), "--batch", str(args.batch)]
+    if args.context is not None:
+        flags += ["--context", str(args.context)]
     for flag, value in (("--metrics", args.metrics), ("--checkpoint", args.checkpoint), ("--plot", args.plot),
                         ("--weights", args.weights)):
         if value is not None:

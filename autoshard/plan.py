@@ -365,6 +365,44 @@ def cluster_fingerprint(cluster: Any) -> str:
 
 
 @dataclass(frozen=True)
+class RolloutOption(Record):
+    """One rollout layout priced with its training plan (``search/rollout.py``): an RL step's seconds and a
+    rank's bytes; ``refusal`` says why it was not chosen when it does not fit."""
+
+    tp: int = at_least(1, 1)
+    rl_step_s: float = at_least(0.0, 0)
+    generate_s: float = at_least(0.0, 0)
+    reshard_s: float = at_least(0.0, 0)
+    score_s: float = at_least(0.0, 0)
+    train_s: float = at_least(0.0, 0)
+    train_step_s: float = at_least(0.0, 0)
+    reshard_bytes: int = at_least(0, 0)  # received per rank per sync
+    reshard_plan: str = ""  # the sync's steps per parameter, counted (search/rollout.reshard)
+    weights_bytes: int = at_least(0, 0)  # the rollout replica's shard on one rank
+    kv_cache_bytes: int = at_least(0, 0)
+    peak_bytes: int = at_least(0, 0)  # max(training peak + rollout weights, sampling peak)
+    training_mesh: str = ""
+    refusal: str = ""
+
+
+@dataclass(frozen=True)
+class RolloutPlan(Record):
+    """Where generation runs in an RL step: groups of ``tp`` consecutive ranks, each a Megatron shard of
+    degree tp (``runtime/rollout_tp.py``), ``dp`` groups; the workload it was priced for and every
+    layout considered (``search/rollout.co_plan``)."""
+
+    tp: int = at_least(1, 1)
+    dp: int = at_least(1, 1)
+    sequences: int = at_least(1, 1)
+    prompt_len: int = at_least(1, 1)
+    response_len: int = at_least(1, 1)
+    epochs: int = at_least(1, 1)
+    mini_batches: int = at_least(1, 1)
+    chosen: RolloutOption = field(default_factory=RolloutOption)
+    options: tuple[RolloutOption, ...] = ()
+
+
+@dataclass(frozen=True)
 class Plan(Record):
     """A complete, executable sharding plan (module docstring: forms, file format, invariants)."""
 
@@ -380,8 +418,16 @@ class Plan(Record):
     precision: str = choice("bf16", PRECISIONS)
     optimizer: str = choice("adamw", OPTIMIZERS)
     version: int = choice(PLAN_VERSION, SUPPORTED_VERSIONS)
+    rollout: tuple[RolloutPlan, ...] = ()  # RL plans: one rollout layout (search/rollout.py); written only when present
+
+    OPTIONAL_ON_LOAD: ClassVar[frozenset[str]] = frozenset({"rollout"})
 
     def _validate(self) -> None:
+        if len(self.rollout) > 1:
+            raise PlanFieldError("rollout", f"{len(self.rollout)} rollout layouts; a plan has at most one")
+        if self.rollout and self.rollout[0].tp * self.rollout[0].dp != self.mesh.world_size:
+            r = self.rollout[0]
+            raise PlanFieldError("rollout", f"tp={r.tp} × dp={r.dp} is not the mesh's world size {self.mesh.world_size}")
         seen: dict[str, int] = {}
         previous_stage = 0
         for i, strategy in enumerate(self.layers):
@@ -428,8 +474,11 @@ class Plan(Record):
 
     # ------------------------------------------------------------------- JSON
     def to_dict(self) -> dict[str, Any]:
-        """Plain JSON data with ``format`` and ``version`` keys."""
-        return {"format": PLAN_FORMAT, **encode(self)}
+        """Plain JSON data with ``format`` and ``version`` keys (``rollout`` only when the plan has one)."""
+        data = {"format": PLAN_FORMAT, **encode(self)}
+        if not self.rollout:
+            del data["rollout"]
+        return data
 
     @classmethod
     def from_dict(cls, data: Any) -> Plan:
@@ -666,6 +715,8 @@ __all__ = [
     "Plan",
     "PlanFieldError",
     "Predictions",
+    "RolloutOption",
+    "RolloutPlan",
     "Schedule",
     "SolverStats",
     "cluster_context",

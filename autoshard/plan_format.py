@@ -175,6 +175,7 @@ def header_lines(plan: Plan) -> list[str]:
         f"mesh {plan.mesh} | {describe_schedule(plan)}",
     ]
     lines.extend(_prediction_lines(plan))
+    lines.extend(rollout_lines(plan))
     stats = plan.solver
     if stats.status != "NONE":
         lines.append(
@@ -204,6 +205,30 @@ def _prediction_lines(plan: Plan) -> list[str]:
         parts = sorted(p.memory_breakdown.items(), key=lambda kv: (-kv[1], kv[0]))
         memory += " | " + ", ".join(f"{k} {format_bytes(v)}" for k, v in parts)
     return [step, memory, *(f"caveat: {text}" for text in p.caveats)]
+
+
+def rollout_lines(plan: Plan) -> list[str]:
+    """The RL plan's rollout layout, its reshard and the layouts considered (``search/rollout.py``); none
+    without a rollout section."""
+    if not plan.rollout:
+        return []
+    r, c = plan.rollout[0], plan.rollout[0].chosen
+    sharded = "a whole copy per rank" if r.tp == 1 else f"a Megatron shard of 1/{r.tp} per rank"
+    lines = [
+        f"rollout tp={r.tp} × {r.dp} groups ({sharded}) | {r.sequences} sequences of {r.prompt_len}+{r.response_len} "
+        f"tokens per RL step | weights {format_bytes(c.weights_bytes)}, KV cache {format_bytes(c.kv_cache_bytes)} per rank",
+        f"reshard training → rollout: {format_bytes(c.reshard_bytes)} received per rank, {format_seconds(c.reshard_s)}"
+        + (f" | per parameter: {c.reshard_plan}" if c.reshard_plan else ""),
+        f"predicted RL step {format_seconds(c.rl_step_s)} = generate {format_seconds(c.generate_s)} + reshard "
+        f"{format_seconds(c.reshard_s)} + score {format_seconds(c.score_s)} + train {format_seconds(c.train_s)} "
+        f"| peak/rank {format_bytes(c.peak_bytes)}",
+    ]
+    others = [o for o in r.options if o.tp != r.tp]
+    if others:
+        lines.append("rollout layouts considered: " + ", ".join(
+            f"tp={o.tp} " + (f"not chosen: {o.refusal}" if o.refusal else
+                             f"RL step {format_seconds(o.rl_step_s)} (training {o.training_mesh})") for o in others))
+    return lines
 
 
 def _rows(plan: Plan, fold: bool) -> list[tuple[str, ...]]:

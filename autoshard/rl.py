@@ -65,13 +65,15 @@ def train(
     checkpoint: str | Path | None = None,
     save_every: int = 0,
     resume: bool = False,
+    context: int | None = None,
 ) -> list[dict[str, float]]:
     """Train ``model`` on ``prompts`` scored by ``reward`` for ``steps`` steps (module docstring); the per-step
     metrics (``runtime/metrics.py``: ``reward/mean`` and the rest) of this rank.
 
     ``checkpoint``: a directory the run saves to at its end (and every ``save_every`` steps); with
     ``resume=True`` the run continues from it up to ``steps`` in total, drawing the prompts and samples an
-    uninterrupted run draws (``runtime/ppo_checkpoint.py``: generators re-seeded from seed, dp rank and step)."""
+    uninterrupted run draws (``runtime/ppo_checkpoint.py``: generators re-seeded from seed, dp rank and step).
+    ``context``: a reference model's positions, prompt + response (default 32)."""
     import torch.distributed as dist
 
     from autoshard.runtime.ppo_program import PPORun, init_distributed, run_ppo, worker_device
@@ -81,7 +83,8 @@ def train(
         raise AutoshardError("resume=True needs checkpoint=DIR (the directory a previous run saved to)")
     run = PPORun(model=model, steps=steps, seed=seed, global_batch=batch, lr=lr, kl_coef=kl_coef, live=live,
                  metrics=None if metrics is None else str(metrics), data=source, rl=options or RLOptions(),
-                 checkpoint=None if checkpoint is None else str(checkpoint), save_every=save_every, resume=resume)
+                 checkpoint=None if checkpoint is None else str(checkpoint), save_every=save_every, resume=resume,
+                 context=context)
     plan, graph = _plan(run, cluster, plan)
     if dist.is_initialized() or "RANK" in os.environ:
         created = init_distributed(plan)
@@ -105,16 +108,21 @@ def train(
 
 def _plan(run: Any, cluster: str, plan: Any) -> tuple[Any, Any]:
     """(the plan: given, loaded, or searched for ``cluster`` as ``autoshard ppo`` does; the policy's graph)."""
-    from autoshard.cli_ppo import search_plan
+    from autoshard.cli_ppo import rollout_workload, search_plan
     from autoshard.cli_search import load_cluster
     from autoshard.plan import Plan
-    from autoshard.runtime.ppo_program import capture_policy, load_policy
-    from autoshard.runtime.rl_options import run_tokenizer
+    from autoshard.runtime.ppo_program import capture_policy, load_policy, policy_context, rollout_cache_unsupported
+    from autoshard.runtime.rl_options import build_task, run_tokenizer
 
-    policy = load_policy(run.model, run.seed, "meta", vocab_size=run_tokenizer(run.data).vocab_size)
+    tokenizer = run_tokenizer(run.data)
+    policy = load_policy(run.model, run.seed, "meta", vocab_size=tokenizer.vocab_size, context=run.context)
     graph = capture_policy(policy.module, policy.name)
-    if plan is None:
-        plan = search_plan(graph, load_cluster(cluster, None), run.global_batch)
+    if plan is None:  # the training plan and the rollout layout together, as `autoshard ppo` searches them
+        task, sampling = build_task(run.task, run.data, run.rl, context=policy_context(policy.module), tokenizer=tokenizer)
+        workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(
+            run.global_batch, task.prompt_len, sampling, run.mini_batches)
+        plan = search_plan(graph, load_cluster(cluster, None), run.global_batch, workload=workload,
+                           rollout_cache=run.rollout_cache)
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
     return plan, graph

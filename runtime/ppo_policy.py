@@ -55,12 +55,13 @@ class PolicyModel:
     """Not a reference model: its initial weights came from user code (``check_same_weights``)."""
 
 
-def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, weights: str | None = None,
+def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, weights: str | None = None, context: int | None = None,
                 vocab_size: int | None = None) -> PolicyModel:
     """The model ``spec`` names (module docstring), initialised from ``seed`` on ``device``
     (``"meta"``: for capture only). ``weights``: an HF safetensors directory, HF config specs only.
     ``vocab_size``: a reference model's vocabulary (default the tasks' 16; a prompt set's tokenizer
-    may need more, ``runtime/rl_data.py``); other models keep their own."""
+    may need more, ``runtime/rl_data.py``); other models keep their own. ``context``: a reference model's
+    positions (default ``MODEL_MAX_SEQ_LEN``); other models keep their own."""
     from pathlib import Path
 
     from autoshard.errors import ModelError
@@ -73,7 +74,7 @@ def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, wei
         raise ModelError(f"weights {weights!r}: only a Hugging Face config MODEL (a directory or config.json) reads "
                          f"safetensors; {spec!r} builds its own weights (a factory may load them itself)")
     if not is_factory_spec(spec):
-        return PolicyModel(build_policy_model(spec, seed, device, vocab_size=vocab_size), spec)
+        return PolicyModel(build_policy_model(spec, seed, device, vocab_size=vocab_size, context=context), spec)
     target, _, attr = spec.rpartition(":")
     if target.endswith(".py") or "/" in target:
         spec = f"{Path(target).expanduser().resolve()}:{attr}"  # the same name from every working directory
@@ -120,7 +121,7 @@ def load_reference(spec: str, policy: torch.nn.Module, seed: int, device: str | 
     weights = None
     if is_hf_config_spec(spec) and Path(spec).expanduser().is_dir() and any(Path(spec).expanduser().glob("*.safetensors")):
         weights = spec
-    reference = load_policy(spec, seed, device, weights=weights, vocab_size=vocab_size)
+    reference = load_policy(spec, seed, device, weights=weights, vocab_size=vocab_size, context=policy_context(policy))
     mine = {name: tuple(p.shape) for name, p in policy.named_parameters()}
     theirs = {name: tuple(p.shape) for name, p in reference.module.named_parameters()}
     if mine != theirs:
@@ -134,14 +135,14 @@ def load_reference(spec: str, policy: torch.nn.Module, seed: int, device: str | 
 
 
 def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu", *,
-                       vocab_size: int | None = None) -> torch.nn.Module:
-    """The reference model ``spec`` with ``vocab_size`` (default the task vocabulary) and ``MODEL_MAX_SEQ_LEN``,
-    initialised from ``seed`` (any MODEL: ``load_policy``)."""
+                       vocab_size: int | None = None, context: int | None = None) -> torch.nn.Module:
+    """The reference model ``spec`` with ``vocab_size`` (default the task vocabulary) and ``context`` positions
+    (default ``MODEL_MAX_SEQ_LEN``), initialised from ``seed`` (any MODEL: ``load_policy``)."""
     from autoshard.models import build
     from autoshard.runtime.tasks import VOCAB
 
     vocab_size = len(VOCAB) if vocab_size is None else vocab_size
-    return build(spec, seed=seed, device=device, vocab_size=vocab_size, max_seq_len=MODEL_MAX_SEQ_LEN)
+    return build(spec, seed=seed, device=device, vocab_size=vocab_size, max_seq_len=context or MODEL_MAX_SEQ_LEN)
 
 
 def policy_vocab(model: torch.nn.Module) -> int | None:

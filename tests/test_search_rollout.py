@@ -1,0 +1,147 @@
+"""The RL step's pricing and the co-planning of training and rollout layouts (``search/rollout.py``).
+
+Expected values are counted by hand from the models' configs (llama:tiny: vocab 16, h 64, 2 blocks,
+4 heads of 16, 2 key/value heads, MLP 128, untied) and, for the replica and its cache, measured on the
+runtime's own objects (``runtime/rollout_tp.py``): what the cost model prices is what the runtime holds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from autoshard.errors import AutoshardError, PlanError
+from autoshard.plan import LayerStrategy, Mesh, Plan, Predictions, RolloutPlan
+from autoshard.runtime.ppo_program import build_policy_model, capture_policy
+from autoshard.runtime.rollout_tp import build_sharded_replica, new_cache
+from autoshard.search import rollout as R
+
+# llama:tiny elements, by hand: embed 16·64, per block q 64·64, k and v 32·64, o 64·64, gate/up/down 128·64,
+# two norms of 64; final norm 64; head 16·64; value head 64 + 1
+BLOCK_SPLIT = 4096 + 2048 + 2048 + 4096 + 3 * 8192
+WHOLE = 1024 + 2 * (BLOCK_SPLIT + 128) + 64 + 1024 + 65
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model = build_policy_model("llama:tiny", 0)
+    return model, capture_policy(model, "llama:tiny")
+
+
+def _plan(graph, mesh: Mesh, state: str = "replicate", tp: str = "none", **pred) -> Plan:
+    layers = tuple(LayerStrategy(layer=l.name, state=state, tp=tp if l.kind in ("attention", "mlp", "embedding", "head")
+                                 else "none") for l in graph.layers)
+    return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, precision="fp32",
+                predictions=Predictions(**pred))
+
+
+def test_rollout_weights_by_hand_and_as_the_runtime_builds_them(tiny):
+    model, graph = tiny
+    assert R.rollout_weight_bytes(graph, 1, 4) == WHOLE * 4
+    assert R.rollout_weight_bytes(graph, 2, 4) == (512 + 2 * (BLOCK_SPLIT // 2 + 128) + 64 + 512 + 65) * 4
+    for r in (1, 2):
+        replica, _ = build_sharded_replica(model, r, 0, "unused", device="meta", dtype=torch.float32)
+        held = sum(p.numel() for p in replica.parameters()) * 4
+        assert R.rollout_weight_bytes(graph, r, 4) == held
+
+
+def test_kv_cache_by_hand_and_as_the_runtime_allocates_it(tiny):
+    model, graph = tiny
+    # 2 blocks × (k, v) × 3 sequences × 2/r heads × 10 positions × 16 dims × 4 bytes
+    for r in (1, 2):
+        assert R.kv_cache_bytes(graph, r, 3, 10, 4) == 2 * 2 * 3 * (2 // r) * 10 * 16 * 4
+        cache = new_cache(model, r, 3, 10, device="meta", dtype=torch.float32)
+        assert sum(t.numel() * 4 for t in cache.keys + cache.values) == R.kv_cache_bytes(graph, r, 3, 10, 4)
+
+
+def test_reshard_bytes_follow_the_gathers_the_runtime_runs(tiny):
+    _, graph = tiny
+    zero3 = _plan(graph, Mesh(dp_shard=4), state="zero3")
+    # every parameter gathered over 4 ranks: 3/4 of it arrives
+    assert R.reshard(graph, _cluster(), zero3, 2)["reshard_bytes"] == pytest.approx(WHOLE * 4 * 3 / 4)
+    ddp = _plan(graph, Mesh(dp_replicate=4))
+    assert R.reshard(graph, _cluster(), ddp, 4)["reshard_bytes"] == 0  # replicated: a local slice
+    tp2 = _plan(graph, Mesh(dp_replicate=2, tp=2), tp="megatron")
+    # rollout tp = training tp: split parameters are already this rank's slice, the rest replicated
+    assert R.reshard(graph, _cluster(), tp2, 2)["reshard_bytes"] == 0
+    # rollout tp=1 from training tp=2: each split parameter gathered over 2 ranks (half arrives)
+    split = 1024 + 2 * BLOCK_SPLIT + 1024
+    assert R.reshard(graph, _cluster(), tp2, 1)["reshard_bytes"] == pytest.approx(split * 4 / 2)
+
+
+def _cluster(memory_gib: float = 80):
+    from autoshard.cli_search import load_cluster
+
+    cluster = load_cluster("h100-sxm:1x4", None)
+    return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=int(memory_gib * 2**30)))
+
+
+def test_refusals(tiny):
+    _, graph = tiny
+    assert R.rollout_refusal(graph, 2) is None
+    assert "key/value heads (2)" in R.rollout_refusal(graph, 4)
+    assert R.rollout_degrees(graph, _cluster(), 4) == [1, 2]
+    moe = capture_policy(build_policy_model("moe:tiny", 0), "moe:tiny")
+    assert "expert" in R.rollout_refusal(moe, 2)
+
+
+def test_group_batch_counts_distinct_prompt_draws(tiny):
+    _, graph = tiny
+    dp4 = _plan(graph, Mesh(dp_shard=4))
+    assert [R.group_batch(dp4, r, 64) for r in (1, 2, 4)] == [16, 32, 64]
+    tp2 = _plan(graph, Mesh(dp_shard=2, tp=2))
+    assert [R.group_batch(tp2, r, 64) for r in (1, 2, 4)] == [32, 32, 64]  # tp ranks share their prompts
+
+
+def test_co_plan_keeps_the_fastest_fitting_layout_and_records_the_rest(tiny):
+    _, graph = tiny
+    from autoshard.train import TrainSpec
+
+    calls = []
+
+    def solve(graph, cluster, train, constraints):
+        calls.append(constraints.max_memory_bytes)
+        return _plan(graph, Mesh(dp_shard=4), state="zero3", step_time_s=0.01, compute_s=0.009,
+                     peak_memory_bytes=2**30, memory_breakdown={"activations": 2**29, "params": 3000, "optimizer": 9000})
+
+    work = R.RolloutWorkload(sequences=64, prompt_len=8, response_len=16)
+    plan = R.co_plan(graph, _cluster(), TrainSpec(global_batch=16, seq_len=24, precision="fp32"), work, solve=solve)
+    rollout = plan.rollout[0]
+    assert [o.tp for o in rollout.options] == [1, 2]
+    # each search left room for that layout's rollout weights, and (once a plan is known) for the frozen
+    # reference: its parameters and SGD masters, a third of AdamW's optimizer bytes (3000 + 9000 / 3)
+    assert calls == [int(80 * 2**30 - R.rollout_weight_bytes(graph, 1, 4)),
+                     int(80 * 2**30 - R.rollout_weight_bytes(graph, 2, 4) - 6000)]
+    best = min(rollout.options, key=lambda o: o.rl_step_s)
+    assert rollout.tp == best.tp and rollout.chosen == best and rollout.dp == 4 // best.tp
+    for o in rollout.options:
+        assert o.rl_step_s == pytest.approx(o.generate_s + o.reshard_s + o.score_s + o.train_s)
+        assert o.train_s == pytest.approx(2 * 0.01)  # 1 epoch × 2 mini-batches
+    # a device too small for any sampling peak: every layout refused, with why
+    with pytest.raises(AutoshardError, match="no rollout layout fits"):
+        R.co_plan(graph, _cluster(memory_gib=1.5), TrainSpec(global_batch=16, seq_len=24, precision="fp32"), work,
+                  solve=solve)
+
+
+def test_plan_file_round_trips_the_rollout_and_omits_it_when_absent(tiny):
+    _, graph = tiny
+    plan = _plan(graph, Mesh(dp_shard=4), step_time_s=0.01)
+    assert "rollout" not in plan.to_dict()  # plans without RL layouts keep their bytes
+    with_r = R.with_rollout(graph, _cluster(), plan, 2, R.RolloutWorkload(sequences=8, prompt_len=4, response_len=4))
+    again = Plan.from_json(with_r.to_json())
+    assert again == with_r and again.rollout[0].tp == 2 and again.rollout[0].dp == 2
+    assert "rollout tp=2 × 2 groups" in str(again) and "predicted RL step" in str(again)
+    with pytest.raises(PlanError, match="world size"):
+        dataclasses.replace(plan, rollout=(RolloutPlan(tp=2, dp=3),))
+
+
+def test_cli_rollout_tp_must_be_auto_or_a_power_of_two():
+    import argparse
+
+    from autoshard.cli_ppo import _rollout_tp
+
+    assert _rollout_tp("auto") == "auto" and _rollout_tp("4") == 4
+    with pytest.raises(argparse.ArgumentTypeError):
+        _rollout_tp("3")
