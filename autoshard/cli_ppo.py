@@ -277,7 +277,8 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
     if workload is not None and rollout_cache:  # the co-search prices a KV-cached rollout, which pp > 1 lacks yet
         mesh["pp"] = 1
     constraints = Constraints(pin=pins, mesh=mesh)
-    train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision)
+    # PPO's programs run eager (ppo_program.build_engines): priced so
+    train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision, compiled=False)
     if workload is None or not rollout_cache:
         return solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
     import functools
@@ -286,7 +287,7 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
 
     # an RL optimizer step: one mini-batch of the sampled sequences, prompt + response long
     train = TrainSpec(global_batch=max(1, workload.sequences // workload.mini_batches), seq_len=workload.seq_len,
-                      precision=precision)
+                      precision=precision, compiled=False)
     search = functools.partial(solve, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
     if rollout_tp != "auto":
         return rollout.with_rollout(graph, cluster, search(graph, cluster, train, constraints=constraints),

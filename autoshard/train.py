@@ -178,6 +178,9 @@ class TrainSpec:
     grad_clip: float | None = 1.0
     precision: str = "bf16"
     comm_precision: str = "exact"
+    compiled: bool = True
+    """Whether the runtime compiles the plan where it can (a GPU, ep = cp = 1); False prices the eager program,
+    as PPO runs its programs (``runtime/ppo_program.build_engines``)."""
 
     def __post_init__(self) -> None:
         for name in ("global_batch", "seq_len"):

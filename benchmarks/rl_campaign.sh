@@ -27,6 +27,7 @@ RESHARD="${RESHARD-llama:1.3b}"
 LIMIT="${LIMIT:-300}"
 mkdir -p "$OUT" "$WORK"
 source "$ROOT/benchmarks/gpu_env.sh"
+export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # PPO's shapes vary per step
 left() { echo $((BUDGET_S - SECONDS)); }
 
 N="$(nvidia-smi -L 2>/dev/null | wc -l)"
@@ -82,3 +83,5 @@ for model in $RESHARD; do
 done
 "$PYTHON" benchmarks/rl_summary.py "$OUT" > "$OUT/summary.md" 2> "$OUT/summary.err"
 cat "$OUT/summary.md"
+# one archive of everything (metrics, plans, logs, calibration) beside the summary
+tar czf "$WORK/campaign.tgz" -C "$OUT" . && find "$OUT" -type f ! -name summary.md -delete && mv "$WORK/campaign.tgz" "$OUT/"

@@ -78,9 +78,9 @@ broadcast from the last stage. pp > 1 gets no KV-cached rollout replica
 here: rollout recomputes each prefix through that forward.
 
 Partial: scoring and rollout forwards with pp > 1 are serial (one stage busy
-at a time) and broadcast full logits; with pp = 1 the plan's
-``num_micro_batches`` is not used (PPO micro-batches itself,
-``PPOConfig.micro_batch``).
+at a time) and broadcast full logits. With pp = 1, PPO micro-batches itself
+(``PPOConfig.micro_batch``): the plan's micro-batch when the plan was searched
+for the RL workload (it has a rollout section), else the whole mini-batch.
 
 The worker entry point ``python -m autoshard.runtime.ppo_program`` (started by
 ``autoshard ppo`` through torchrun, ``autoshard/cli_ppo.py``) joins the
@@ -442,9 +442,11 @@ def build_engines(
     return policy, reference
 
 
-def ppo_config(run: PPORun, dp: int, max_new_tokens: int, sampling: Any = None) -> Any:
+def ppo_config(run: PPORun, dp: int, max_new_tokens: int, sampling: Any = None, plan: Any = None) -> Any:
     """The reference run's ``PPOConfig`` with ``run.global_batch`` split over ``dp`` ranks and ``run.rl``'s
-    options; ``sampling`` (default: ``max_new_tokens`` at temperature 1) from ``rl_options.build_task``."""
+    options; ``sampling`` (default: ``max_new_tokens`` at temperature 1) from ``rl_options.build_task``.
+    A ``plan`` searched for this RL workload (one with a rollout section, ``search/rollout.py``) sets the
+    micro-batch to the one it was priced and fitted with, when that divides a rank's mini-batch."""
     from autoshard.runtime.ppo import PPOConfig
     from autoshard.runtime.rl_options import rl_config_fields
     from autoshard.runtime.rollout import SamplingConfig
@@ -454,8 +456,12 @@ def ppo_config(run: PPORun, dp: int, max_new_tokens: int, sampling: Any = None) 
             f"global batch {run.global_batch} is not divisible by the plan's dp={dp}; "
             f"use a multiple of {dp} (--batch)"
         )
+    micro_batch = None
+    if plan is not None and plan.rollout and plan.mesh.pp == 1:
+        rows = run.global_batch // dp // max(run.mini_batches, 1)
+        micro_batch = plan.schedule.micro_batch if rows and rows % plan.schedule.micro_batch == 0 else None
     return PPOConfig(
-        rollout_batch=run.global_batch // dp, mini_batches=run.mini_batches, kl_coef=run.kl_coef,
+        rollout_batch=run.global_batch // dp, mini_batches=run.mini_batches, kl_coef=run.kl_coef, micro_batch=micro_batch,
         sampling=sampling or SamplingConfig(max_new_tokens=max_new_tokens), seed=run.seed, **rl_config_fields(run.rl),
     )
 
@@ -499,7 +505,7 @@ def sharded_trainer(
         module, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device, rollout_cache=run.rollout_cache,
         weights=policy_model.weights, vocab_size=task_vocab_size(task), reference_model=reference_model,
     )
-    config = ppo_config(run, policy.dp.world_size, sampling.max_new_tokens, sampling)
+    config = ppo_config(run, policy.dp.world_size, sampling.max_new_tokens, sampling, plan)
     flops_per_token = 6.0 * sum(p.numel() for p in module.parameters())
     return PPOTrainer(
         policy, reference, task, config, flops_per_token=flops_per_token, peak_flops=_replica_peak_flops(plan),

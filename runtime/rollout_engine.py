@@ -56,6 +56,8 @@ sampling, one gathered parameter during the reshard (priced in
 
 from __future__ import annotations
 
+import logging
+import os
 from typing import Any
 
 import torch
@@ -66,6 +68,8 @@ from autoshard.passes.context import ParamPlacement, RankContext, chunk_size, co
 from autoshard.runtime import collectives
 from autoshard.runtime.rollout import Rollout, SamplingConfig, generate
 from autoshard.runtime.rollout_tp import build_sharded_replica, new_cache, rollout_refusal
+
+log = logging.getLogger(__name__)
 
 
 def unshard(local: torch.Tensor, placement: ParamPlacement, ctx: RankContext, *, keep_tp: bool = False) -> torch.Tensor:
@@ -129,7 +133,8 @@ class RolloutEngine:
     """
 
     def __init__(self, program: Any, replica: nn.Module, *, tp: int = 1, group: str | None = None,
-                 dims: dict[str, int | None] | None = None, model: nn.Module | None = None) -> None:
+                 dims: dict[str, int | None] | None = None, model: nn.Module | None = None,
+                 graphs: bool | None = None) -> None:
         self.program, self.replica, self.tp, self.group = program, replica, tp, group
         self.model = model if model is not None else replica
         self._targets = dict(replica.named_parameters())
@@ -146,6 +151,10 @@ class RolloutEngine:
         self.synced_version: int | None = None
         self.syncs = 0
         self.bytes_received = 0
+        on_gpu = torch.device(ctx.device).type == "cuda"
+        self.graphs = on_gpu and os.environ.get("AUTOSHARD_ROLLOUT_GRAPHS", "1") != "0" if graphs is None else graphs
+        self._cache: Any = None  # the cache of the last (batch, length), kept so its decode graph can replay
+        self._graph: Any = None
 
     @classmethod
     def for_program(cls, program: Any, model: nn.Module, tp: int | None = None) -> "RolloutEngine":
@@ -212,13 +221,36 @@ class RolloutEngine:
         return full.narrow(dim, self.rank_in_group * size, size)
 
     def forward(self, tokens: torch.Tensor, cache: Any, start_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """tokens [B, S] at positions start_pos.. → (logits [B, S, V], values [B, S]) through the replica."""
-        return self.replica(tokens.to(self.program.ctx.device), cache=cache, start_pos=start_pos)
+        """tokens [B, S] at positions start_pos.. → (logits [B, S, V], values [B, S]) through the replica; one-token
+        steps on a GPU replay the captured decode step (``runtime/rollout_graph.py``)."""
+        tokens = tokens.to(self.program.ctx.device)
+        if self.graphs and cache is not None and cache is self._cache and tokens.shape[1] == 1:
+            graph = self._decode_graph(tokens.shape[0])
+            if graph is not None:
+                return graph.run(tokens, start_pos)
+        return self.replica(tokens, cache=cache, start_pos=start_pos)
+
+    def _decode_graph(self, batch: int) -> Any:
+        """The decode graph of the current cache, captured at its first step; None (eager) if capture fails."""
+        if self._graph is None or self._graph.cache is not self._cache:
+            from autoshard.runtime.rollout_graph import DecodeGraph
+
+            try:
+                self._graph = DecodeGraph(self.replica, self._cache, batch, self.program.ctx.device)
+            except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, say why once
+                log.warning("rollout: decoding eagerly, the CUDA graph capture failed: %s", str(err).splitlines()[0])
+                self.graphs, self._graph = False, None
+        return self._graph
 
     def new_cache(self, batch: int, max_len: int) -> Any:
-        """An empty KV cache of the replica (its local key/value heads) for ``batch`` sequences of ``max_len``."""
+        """An empty KV cache of the replica (its local key/value heads) for ``batch`` sequences of ``max_len``;
+        with decode graphs, the same cache for the same shape (its stale entries are masked and overwritten)."""
         ctx = self.program.ctx
-        return new_cache(self.model, self.tp, batch, max_len, device=ctx.device, dtype=ctx.compute_dtype)
+        cache = self._cache
+        if not self.graphs or cache is None or cache.max_len != max_len or cache.keys[0].shape[0] != batch:
+            cache = new_cache(self.model, self.tp, batch, max_len, device=ctx.device, dtype=ctx.compute_dtype)
+        self._cache = cache if self.graphs else None
+        return cache
 
     @torch.no_grad()
     def generate(self, sampler: Any, prompts: torch.Tensor, sampling: SamplingConfig, *, eos_id: int, pad_id: int,

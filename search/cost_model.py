@@ -287,14 +287,14 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
     if shape_key not in memo:
         sh = layer_terms.sharding(layer, strategy, mesh, schedule, train.seq_len)
         memo[shape_key] = (sh, layer_terms.compute_terms(layer, strategy, sh, cluster, train,
-                                                         layer_terms.runs_compiled(mesh, cluster)),
+                                                         layer_terms.runs_compiled(mesh, cluster, train)),
                            layer_terms.critical_terms(layer, strategy, sh, mesh, cluster, sizes.param))
     sh, compute, critical = memo[shape_key]
     group_key = ("groups", strategy.state, strategy.tp, strategy.ep)
     if group_key not in memo:
         memo[group_key] = layer_terms.param_groups(layer, strategy, mesh)
     groups = memo[group_key]
-    form = layer_terms.layer_form(layer, strategy, mesh, schedule, cluster)
+    form = layer_terms.layer_form(layer, strategy, mesh, schedule, cluster, train)
     dp = layer_terms.dp_terms(layer, strategy, form, groups, mesh, cluster, schedule, sizes, compute)
     optimizer_key = ("optimizer", strategy.state, strategy.tp, strategy.ep)
     if optimizer_key not in memo:
@@ -311,7 +311,7 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
         memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form,
                                         schedule.bucket_bytes, cluster.runs_on_cpu,
-                                        layer_terms.runs_compiled(mesh, cluster)),
+                                        layer_terms.runs_compiled(mesh, cluster, train)),
         detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,
@@ -349,7 +349,7 @@ def lower_bound_step_time(graph: ModelGraph, mesh: Mesh, cluster: Cluster, train
     """
     peak, eff = layer_terms.peak_flops(cluster, train), layer_terms.matmul_efficiency(cluster)
     attn_eff, hbm = layer_terms.attention_efficiency(cluster), layer_terms.hbm_bandwidth(cluster)
-    compiled = layer_terms.runs_compiled(mesh, cluster)  # fused elementwise traffic
+    compiled = layer_terms.runs_compiled(mesh, cluster, train)  # fused elementwise traffic
     overhead = (1.0 + layer_terms.BACKWARD_KERNEL_FACTOR) * layer_terms.kernel_overhead_s(cluster)
     loss = layer_terms.loss_form(compiled)
     loss_bytes = loss.fwd_bytes + loss.bwd_bytes
@@ -424,7 +424,7 @@ def plan_layer_costs(graph: ModelGraph, plan: Plan, cluster: Cluster, train: Tra
         layer_cost(layer, s, plan.mesh, cluster, train, plan.schedule, region_entry=entry)
         for layer, s, entry in zip(graph.layers, strategies, entries)
     ]
-    scale = compiled_activation_scale(graph, plan, cluster)
+    scale = compiled_activation_scale(graph, plan, cluster) if train.compiled else 1.0
     if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks (not fewer gathered weights)
         costs = [replace(c, memory=replace(c.memory, activations=(c.memory.activations - c.memory.kept_gathered) * scale
                                            + c.memory.kept_gathered))

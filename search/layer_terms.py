@@ -432,9 +432,10 @@ def _quant_kernel_time(group: ParamGroup, strategy: LayerStrategy, cluster: Clus
 
 
 def layer_form(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, schedule: Schedule,
-               cluster: Cluster) -> DataParallelForm:
+               cluster: Cluster, train: TrainSpec | None = None) -> DataParallelForm:
     """The declared data-parallel form of ``layer`` (``autoshard/data_parallel.py``) on a plan for ``cluster``."""
-    return data_parallel_form(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster), layer.kind)
+    return data_parallel_form(strategy, mesh, schedule.num_micro_batches, runs_compiled(mesh, cluster, train),
+                              layer.kind)
 
 
 def dp_terms(layer: LayerInfo, strategy: LayerStrategy, form: DataParallelForm, groups: list[ParamGroup],
@@ -500,10 +501,11 @@ def optimizer_terms(layer: LayerInfo, groups: list[ParamGroup], strategy: LayerS
     return terms
 
 
-def runs_compiled(mesh: Mesh, cluster: Cluster) -> bool:
+def runs_compiled(mesh: Mesh, cluster: Cluster, train: TrainSpec | None = None) -> bool:
     """Whether the runtime compiles a plan on ``mesh`` made for ``cluster``: on a GPU cluster when
-    ep = cp = 1 (``Plan.compilable``), never on CPU ranks."""
-    return mesh.ep == 1 and mesh.cp == 1 and not cluster.runs_on_cpu
+    ep = cp = 1 (``Plan.compilable``), never on CPU ranks, nor for a ``train`` whose runtime runs eager
+    (``TrainSpec.compiled``: PPO's programs)."""
+    return mesh.ep == 1 and mesh.cp == 1 and not cluster.runs_on_cpu and (train is None or train.compiled)
 
 
 def memory_state(strategy: LayerStrategy, form: DataParallelForm) -> str:

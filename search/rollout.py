@@ -46,6 +46,7 @@ the plan (``RolloutPlan.options``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -56,8 +57,11 @@ from autoshard.plan import Plan, RolloutOption, RolloutPlan
 from autoshard.search import comm, layer_terms
 from autoshard.train import TrainSpec
 
-SAMPLING_KERNELS = 12
-"""Kernels of one sampling step outside the model (temperature, log-softmax, top-p, multinomial, gather, cat)."""
+SAMPLING_KERNELS = 22
+"""Eager ops of one step of ``runtime/rollout.generate``'s loop outside the model (counted: the graph's input
+copies and replay, temperature, log-softmax, multinomial, masks, gather, isin, cat, the all-done check)."""
+GRAPH_KERNEL_S = 2.5e-6
+"""Seconds per kernel of a replayed CUDA graph (launch gaps; ``calibration["graph_kernel_s"]`` when measured)."""
 SHARDED_ROLES = {"column": 0, "row": 1, "vocab": 0}  # as runtime/rollout_tp.SHARD_DIM
 BYTES = {"fp32": 4, "bf16": 2}
 
@@ -154,10 +158,64 @@ def group_batch(plan: Plan, r: int, sequences: int) -> float:
     return distinct * sequences / mesh.dp
 
 
+@functools.lru_cache(maxsize=32)
+def _counted_decode_ops(model_name: str) -> float | None:
+    """Ops of one decode step of the reference model ``model_name`` (the step ``runtime/rollout_graph.py``
+    captures), counted on ``meta`` with one and two blocks: stem + L · block. None for other models."""
+    try:
+        import torch
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        from autoshard.models import build, config_for
+
+        layers = config_for(model_name).num_layers
+    except Exception:  # noqa: BLE001 - not a reference model: the training forward's kernel count instead
+        return None
+
+    class _Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket not in _view_ops():
+                self.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for blocks in (1, 2):
+        model = build(model_name, device="meta", num_layers=blocks, max_seq_len=16).eval()
+        cache = model.new_cache(1, 16)
+        with torch.no_grad(), _Count() as count:
+            model(torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=cache,
+                  start_pos=torch.tensor(4, device="meta"))
+        counts.append(count.ops)
+    per_block = counts[1] - counts[0]
+    return float(counts[0] - per_block + layers * per_block)
+
+
+def decode_ops(graph: ModelGraph) -> float:
+    """Kernels of one decode step of the policy: counted for a reference model, else its layers' forward kernels."""
+    counted = _counted_decode_ops(graph.model_name)
+    return counted if counted is not None else sum(layer_terms.forward_kernels(layer) for layer in graph.layers)
+
+
+@functools.cache
+def _view_ops() -> frozenset:
+    """Ops that launch no kernel (views, aliases), not counted."""
+    import torch
+
+    aten = torch.ops.aten
+    return frozenset(getattr(aten, name) for name in (
+        "view", "_unsafe_view", "t", "transpose", "expand", "slice", "select", "unsqueeze", "squeeze", "split",
+        "detach", "alias", "as_strided", "_reshape_alias", "reshape", "permute", "split_with_sizes", "lift_fresh",
+        "unbind"))
+
+
 def _forward_s(graph: ModelGraph, cluster: Cluster, r: int, batch: float, tokens_per_seq: float, context: float,
-               train: TrainSpec, p: int) -> dict[str, float]:
-    """One forward of ``batch`` sequences × ``tokens_per_seq`` new tokens at ``context`` on a group of ``r``."""
-    peak, hbm, o = layer_terms.peak_flops(cluster, train), layer_terms.hbm_bandwidth(cluster), layer_terms.kernel_overhead_s(cluster)
+               train: TrainSpec, p: int, kernel_s: float | None = None) -> dict[str, float]:
+    """One forward of ``batch`` sequences × ``tokens_per_seq`` new tokens at ``context`` on a group of ``r``;
+    ``kernel_s`` per kernel (default the eager ``kernel_overhead_s``)."""
+    peak, hbm = layer_terms.peak_flops(cluster, train), layer_terms.hbm_bandwidth(cluster)
+    o = layer_terms.kernel_overhead_s(cluster) if kernel_s is None else kernel_s
     tokens = batch * tokens_per_seq
     gemm = sum(layer.matmul_flops_per_token for layer in graph.layers) * tokens / r
     attn = sum(2.0 * 2.0 * (layer.hidden or 0) * context for layer in _attention_layers(graph)) * tokens / r
@@ -166,7 +224,7 @@ def _forward_s(graph: ModelGraph, cluster: Cluster, r: int, batch: float, tokens
     weights = rollout_weight_bytes(graph, r, p)
     cache = kv_cache_bytes(graph, r, batch, context, p)
     roof = max(gemm / (peak * eff) + attn / (peak * layer_terms.attention_efficiency(cluster)), (weights + cache) / hbm)
-    kernels = (sum(layer_terms.forward_kernels(layer) for layer in graph.layers) + SAMPLING_KERNELS) * o
+    kernels = decode_ops(graph) * o + SAMPLING_KERNELS * layer_terms.kernel_overhead_s(cluster)
     comm_s = 0.0
     if r > 1:
         link = comm.group_link(cluster, r, 1)
@@ -184,7 +242,9 @@ def generate_s(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: Ro
     p = BYTES[plan.precision]
     batch = group_batch(plan, r, work.sequences)
     prefill = _forward_s(graph, cluster, r, batch, work.prompt_len, work.prompt_len, train, p)
-    step = _forward_s(graph, cluster, r, batch, 1, work.prompt_len + work.response_len / 2, train, p)
+    graphs = not cluster.runs_on_cpu  # GPUs replay the captured decode step (runtime/rollout_graph.py)
+    gap = cluster.calibration.get("graph_kernel_s", GRAPH_KERNEL_S) if graphs else None
+    step = _forward_s(graph, cluster, r, batch, 1, work.prompt_len + work.response_len / 2, train, p, gap)
     decode_steps = work.response_len - 1
     prefill_s = sum(prefill.values())
     decode_s = decode_steps * sum(step.values())

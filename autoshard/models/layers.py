@@ -63,9 +63,17 @@ def apply_rope(x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torc
     return (x.float() * cos + rotated.float() * sin).type_as(x)
 
 
-def causal_mask(q_len: int, kv_len: int, offset: int, device: torch.device) -> torch.Tensor:
+def positions(start_pos: int | torch.Tensor, seq_len: int, device: torch.device) -> torch.Tensor:
+    """Positions [S] of ``seq_len`` tokens from ``start_pos`` (an int, or a 0-d device tensor: the static decode
+    step, whose shapes do not depend on the position, as a CUDA graph needs)."""
+    if torch.is_tensor(start_pos):
+        return torch.arange(seq_len, device=device) + start_pos
+    return torch.arange(start_pos, start_pos + seq_len, device=device)
+
+
+def causal_mask(q_len: int, kv_len: int, offset: int | torch.Tensor, device: torch.device) -> torch.Tensor:
     """Boolean [S, L] mask, True where query i (at position offset + i) may see key j (j ≤ offset + i)."""
-    q_pos = torch.arange(offset, offset + q_len, device=device)[:, None]
+    q_pos = positions(offset, q_len, device)[:, None]
     k_pos = torch.arange(kv_len, device=device)[None, :]
     return k_pos <= q_pos
 
@@ -104,9 +112,17 @@ class KVCache:
             )
 
     def update(
-        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int
+        self, layer: int, k: torch.Tensor, v: torch.Tensor, start_pos: int | torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Store k, v [B, g, S, d] at ``start_pos`` of block ``layer``; return keys, values [B, g, L, d]."""
+        """Store k, v [B, g, S, d] at ``start_pos`` of block ``layer``; return keys, values [B, g, L, d].
+
+        A tensor ``start_pos`` (the static decode step): written with ``index_copy_`` and the whole buffer
+        returned (L = max_len; the causal mask hides what was not written yet)."""
+        if torch.is_tensor(start_pos):
+            index = positions(start_pos, k.shape[2], k.device)
+            self.keys[layer].index_copy_(2, index, k)
+            self.values[layer].index_copy_(2, index, v)
+            return self.keys[layer], self.values[layer]
         end = start_pos + k.shape[2]
         self.keys[layer][:, :, start_pos:end] = k
         self.values[layer][:, :, start_pos:end] = v
@@ -154,9 +170,10 @@ class Attention(nn.Module):
         x: torch.Tensor,
         rope: tuple[torch.Tensor, torch.Tensor] | None,
         cache: KVCache | None,
-        start_pos: int,
+        start_pos: int | torch.Tensor,
     ) -> torch.Tensor:
-        """x [B, S, h] → [B, S, h]; with ``cache``, attend over the cached prefix too."""
+        """x [B, S, h] → [B, S, h]; with ``cache``, attend over the cached prefix too (a tensor ``start_pos``:
+        over the whole cache, masked: ``KVCache.update``)."""
         batch, seq, _ = x.shape
         q, k, v = self._heads(self.q, x), self._heads(self.k, x), self._heads(self.v, x)
         if rope is not None:

@@ -32,7 +32,7 @@ from autoshard.errors import ModelError
 from autoshard.graph import TP_ROLES
 from autoshard.init import Constant, InitRule, Normal, init_tensor_
 from autoshard.models.config import GPTConfig, LlamaConfig, MoEConfig
-from autoshard.models.layers import Attention, GeluMLP, KVCache, RMSNorm, SwiGLUMLP, rope_tables
+from autoshard.models.layers import Attention, GeluMLP, KVCache, RMSNorm, SwiGLUMLP, positions, rope_tables
 from autoshard.models.moe import MoE
 
 INIT_STD = 0.02
@@ -138,7 +138,7 @@ class PolicyModel(nn.Module):
         start_pos: int,
         aux_losses: list[torch.Tensor] | None,
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        if cache is not None:
+        if cache is not None and not torch.is_tensor(start_pos):  # a tensor: the static decode step (no sync)
             self._check_positions(cache, start_pos, tokens.shape[1])
         x, rope = self._embed(tokens, start_pos)  # [B, S, h]
         for block in self.blocks:
@@ -213,8 +213,7 @@ class GPTModel(PolicyModel):
         self._finish(config, nn.LayerNorm(h, eps=config.norm_eps))
 
     def _embed(self, tokens: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, Rope | None]:
-        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)  # [S]
-        x = self.embed(tokens) + self.pos_embed(positions)  # [B, S, h]
+        x = self.embed(tokens) + self.pos_embed(positions(start_pos, tokens.shape[1], tokens.device))  # [B, S, h]
         return (self.embed_dropout(x) if self.embed_dropout.p > 0 else x), None
 
 
@@ -240,8 +239,8 @@ class LlamaModel(PolicyModel):
         return SwiGLUMLP(hidden=config.hidden, ffn_hidden=config.ffn_hidden, dropout=config.dropout)
 
     def _embed(self, tokens: torch.Tensor, start_pos: int) -> tuple[torch.Tensor, Rope | None]:
-        positions = torch.arange(start_pos, start_pos + tokens.shape[1], device=tokens.device)  # [S]
-        return self.embed(tokens), rope_tables(positions, self.config.head_dim, self.config.rope_theta)
+        where = positions(start_pos, tokens.shape[1], tokens.device)  # [S]
+        return self.embed(tokens), rope_tables(where, self.config.head_dim, self.config.rope_theta)
 
 
 class MoEModel(LlamaModel):
