@@ -10,7 +10,11 @@ synchronised around each):
 - **kernel overhead**: a chain of ``overhead_ops`` eager ``x.add_(1)`` on a
   4 KiB tensor, synchronised once at the end; ``kernel_overhead_s`` = time /
   ops: what one eager op costs when the device is starved (launch + dispatch),
-  the cost model's per-kernel floor.
+  the cost model's per-kernel floor. On CUDA the same chain captured as a CUDA
+  graph and replayed gives ``graph_kernel_s``, and (over several ranks) 64
+  4 KiB all-reduces captured together give ``graph_collective_s``: what a
+  rollout's captured decode step pays per kernel and per collective
+  (``search/rollout.py``).
 - **GEMM knee**: the matmul sweep runs small sizes too. The cost model's
   small-GEMM law ``e(w) = e_max · w / (w + knee)`` (``w = 2n³``) plus the launch
   floor makes each time affine in the work: ``t = c + s·w`` with ``s = 1 /
@@ -167,6 +171,8 @@ class Calibration:
     overlap_efficiency: float | None = None
     adamw_s_per_param: float | None = None
     adamw_s_per_tensor: float | None = None
+    graph_kernel_s: float | None = None  # per kernel of a replayed CUDA graph (rollout decode, search/rollout.py)
+    graph_collective_s: float | None = None  # per small all-reduce inside a replayed CUDA graph, over the world
     layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
     copy_bytes_per_s: float = 0.0
@@ -181,7 +187,8 @@ class Calibration:
                                "gemm_knee_flops": self.gemm_knee_flops}
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
-        for key in ("attention_efficiency", "overlap_contention", "overlap_efficiency", "adamw_s_per_param", "adamw_s_per_tensor", "layer_times"):
+        for key in ("attention_efficiency", "overlap_contention", "overlap_efficiency", "adamw_s_per_param", "adamw_s_per_tensor",
+                    "graph_kernel_s", "graph_collective_s", "layer_times"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -228,6 +235,51 @@ def measure_kernel_overhead(ops: int, device: torch.device, iters: int) -> float
             x.add_(1.0)
 
     return _median_seconds(chain, iters, device) / ops
+
+
+def _captured(body: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAGraph:
+    """``body`` warmed up on a side stream, then captured as a CUDA graph."""
+    side = torch.cuda.Stream(device=device)
+    side.wait_stream(torch.cuda.current_stream(device))
+    with torch.cuda.stream(side):
+        body()
+    torch.cuda.current_stream(device).wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return graph
+
+
+def measure_graph_kernel(ops: int, device: torch.device, iters: int) -> float | None:
+    """Seconds per kernel of a replayed CUDA graph of ``ops`` tiny in-place adds (None off CUDA): the floor of a
+    captured decode step (``runtime/rollout_graph.py``)."""
+    if device.type != "cuda":
+        return None
+    x = torch.zeros(1024, device=device)
+
+    def chain() -> None:
+        for _ in range(ops):
+            x.add_(1.0)
+
+    return _median_seconds(_captured(chain, device).replay, iters, device) / ops
+
+
+def measure_graph_collective(count: int, device: torch.device, iters: int) -> float | None:
+    """Seconds per 4 KiB all-reduce over the world inside a replayed CUDA graph (the slowest rank's median);
+    None off CUDA, alone, or where NCCL cannot be captured."""
+    if device.type != "cuda" or not dist.is_initialized() or dist.get_world_size() == 1:
+        return None
+    x = torch.zeros(1024, device=device)
+
+    def chain() -> None:
+        for _ in range(count):
+            dist.all_reduce(x)
+
+    try:
+        graph = _captured(chain, device)
+    except RuntimeError:
+        return None
+    return _slowest(_median_seconds(graph.replay, iters, device) / count, device)
 
 
 def fit_gemm_knee(flops_per_s: dict[int, float], peak: float, overhead_s: float) -> float:
@@ -400,12 +452,13 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     matmul = measure_matmul(sizes.matmul_sizes, _DTYPES[dtype], device, sizes.iters)
     step("kernel overhead")
     overhead = measure_kernel_overhead(sizes.overhead_ops, device, sizes.iters)
+    graph_kernel = measure_graph_kernel(sizes.overhead_ops, device, sizes.iters)
     step("HBM copy")
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
     step("attention")
     attention = measure_attention(sizes.attention_shapes, _DTYPES[dtype], device, sizes.iters,
                                   cluster.device.peak_flops[dtype])
-    level = latency = bandwidth = None
+    level = latency = bandwidth = graph_collective = None
     comm: tuple[CommSample, ...] = ()
     overlap: dict[str, float] = {}
     contention = overlap_eff = None
@@ -418,6 +471,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         overlap = measure_overlap(sizes.overlap_gemm, sizes.overlap_gemms, _DTYPES[dtype], device, sizes.iters,
                                   sizes.overlap_base_bytes)
         contention, overlap_eff = fit_overlap(overlap)
+        graph_collective = measure_graph_collective(64, device, sizes.iters)
     step("optimizer")
     per_param, per_tensor = probe_adamw(device, _DTYPES[dtype], big_params=sizes.optimizer_params,
                                         small_tensors=sizes.optimizer_tensors, iters=sizes.iters)
@@ -446,6 +500,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         link_level=level, latency_s=latency, bandwidth=bandwidth,
         overlap_contention=contention, overlap_efficiency=overlap_eff, overlap=overlap,
         adamw_s_per_param=per_param, adamw_s_per_tensor=per_tensor, layer_times=layer_times,
+        graph_kernel_s=graph_kernel, graph_collective_s=graph_collective,
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
 

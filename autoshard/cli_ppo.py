@@ -296,7 +296,8 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
 
 
 def _runtime_pins(cluster: Any) -> dict[str, Any]:
-    pins: dict[str, Any] = {"recompute": "none", "ep": False}
+    # no sequence parallelism: PPO's sequences (prompt + sampled response − 1) have any length, SP needs tp | S
+    pins: dict[str, Any] = {"recompute": "none", "ep": False, "sp": False}
     if cluster.device.name.lower().startswith("cpu"):
         pins.update(weight_comm="bf16", grad_comm="bf16")
     return pins

@@ -66,10 +66,11 @@ _CLUSTER_KINDS = {
 }
 _CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
                      "attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
-                     "layer_times", "plan_residuals")
+                     "graph_kernel_s", "graph_collective_s", "layer_times", "plan_residuals")
 CALIBRATION_KEYS = _CALIBRATION_KEYS  # the top-level keys of a calibration file (cluster_io.file_kind)
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
-_COST_MODEL_KEYS = ("attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor")
+_COST_MODEL_KEYS = ("attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
+                    "graph_kernel_s", "graph_collective_s")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
 COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibration key (search/cost_model.predict)
 # compiled: true when scaled to the compiled step (calibrate --compile), with the factors in
@@ -83,7 +84,8 @@ _COST_MODEL_RANGES = {
     "attention_efficiency": (0.0, 1.0, False), "overlap_efficiency": (0.0, 1.0, False),
     "overlap_contention": (0.0, 1.0, True), "kernel_overhead_s": (0.0, math.inf, True),
     "gemm_knee_flops": (0.0, math.inf, True), "adamw_s_per_param": (0.0, math.inf, True),
-    "adamw_s_per_tensor": (0.0, math.inf, True),
+    "adamw_s_per_tensor": (0.0, math.inf, True), "graph_kernel_s": (0.0, math.inf, True),
+    "graph_collective_s": (0.0, math.inf, True),
 }
 
 

@@ -15,8 +15,15 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
 
       roof     = max(F / (peak · eff(F)), (W_r + KV_r(c)) / hbm)        W_r: weight bytes on a rank,
                                                                           KV_r: cache bytes read
-      kernels  = Σ forward_kernels(layer) · o  + SAMPLING_KERNELS · o   (eager: launch-bound at small b)
+      kernels  = K · g + SAMPLING_KERNELS · o
       comm     = 2·L · AR(b·h·p, r) + AR(b·h·p, r) + AG(b·V·p, r)       (o and down; embedding; head)
+
+  K: the kernels of one decode step (``decode_ops``: counted on ``meta`` for a reference
+  model, else the layers' forward kernels); g: per kernel of a replayed CUDA graph on a
+  GPU (``graph_kernel_s`` calibrated, else ``GRAPH_KERNEL_S``; the decode step is captured,
+  ``runtime/rollout_graph.py``), the eager ``kernel_overhead_s`` o on CPU ranks and for the
+  prefill. In a captured step each collective costs ``graph_collective_s`` (calibrated)
+  instead of the link's α.
 
   F = 2 · (matmul FLOPs per token / r) · tokens + attention FLOPs; eff(F) the GEMM knee.
   R is ``max_new_tokens`` (an upper bound: sequences that stop early shorten it).
@@ -26,9 +33,9 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
   on each group's link; with pp > 1 a broadcast of the slice over the pp group
   (``(pp − 1)·α + slice/β``); plus one copy of the slice through HBM.
 * **score**: the old and the reference log-probs: two forwards of every sequence on
-  the training plan, each ``(compute_s / 3 + exposed_comm_s / 2)`` per optimizer
-  step's worth of sequences (forward ≈ a third of a step's compute; its gathers about
-  half the exposed communication).
+  the training plan, in its micro-batches, each the sum of the layers' forward times
+  (``cost_model.plan_layer_costs``: compute and critical communication), plus about half
+  of a step's exposed data-parallel communication (the forward's gathers) per mini-batch.
 * **train**: ``epochs · mini_batches · step_time_s`` of the training plan.
 
 Memory per rank: the training peak plus the rollout weights ``W_r`` (they stay
@@ -211,9 +218,11 @@ def _view_ops() -> frozenset:
 
 
 def _forward_s(graph: ModelGraph, cluster: Cluster, r: int, batch: float, tokens_per_seq: float, context: float,
-               train: TrainSpec, p: int, kernel_s: float | None = None) -> dict[str, float]:
+               train: TrainSpec, p: int, kernel_s: float | None = None, collective_s: float | None = None
+               ) -> dict[str, float]:
     """One forward of ``batch`` sequences × ``tokens_per_seq`` new tokens at ``context`` on a group of ``r``;
-    ``kernel_s`` per kernel (default the eager ``kernel_overhead_s``)."""
+    ``kernel_s`` per kernel (default the eager ``kernel_overhead_s``), ``collective_s`` per collective in place of
+    the link's α (a captured step's)."""
     peak, hbm = layer_terms.peak_flops(cluster, train), layer_terms.hbm_bandwidth(cluster)
     o = layer_terms.kernel_overhead_s(cluster) if kernel_s is None else kernel_s
     tokens = batch * tokens_per_seq
@@ -228,11 +237,14 @@ def _forward_s(graph: ModelGraph, cluster: Cluster, r: int, batch: float, tokens
     comm_s = 0.0
     if r > 1:
         link = comm.group_link(cluster, r, 1)
+        if collective_s is not None:  # latency measured in a captured graph; the link's bandwidth terms stay
+            link = dataclasses.replace(link, latency=0.0)
         hidden = max((layer.hidden or 0) for layer in graph.layers)
         vocab = max((layer.vocab or 0) for layer in graph.layers)
         row_layers = sum(1 for layer in graph.layers if any(q.tp_role == "row" for q in layer.params))
         act = tokens * hidden * p
         comm_s = (row_layers + 1) * comm.all_reduce_time(act, r, link) + comm.all_gather_time(tokens * vocab * p, r, link)
+        comm_s += (row_layers + 2) * (collective_s or 0.0)
     return {"roof_s": roof, "kernels_s": kernels, "comm_s": comm_s}
 
 
@@ -244,7 +256,8 @@ def generate_s(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: Ro
     prefill = _forward_s(graph, cluster, r, batch, work.prompt_len, work.prompt_len, train, p)
     graphs = not cluster.runs_on_cpu  # GPUs replay the captured decode step (runtime/rollout_graph.py)
     gap = cluster.calibration.get("graph_kernel_s", GRAPH_KERNEL_S) if graphs else None
-    step = _forward_s(graph, cluster, r, batch, 1, work.prompt_len + work.response_len / 2, train, p, gap)
+    in_graph = cluster.calibration.get("graph_collective_s") if graphs else None
+    step = _forward_s(graph, cluster, r, batch, 1, work.prompt_len + work.response_len / 2, train, p, gap, in_graph)
     decode_steps = work.response_len - 1
     prefill_s = sum(prefill.values())
     decode_s = decode_steps * sum(step.values())
@@ -298,11 +311,17 @@ def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int) -> dict[str
     return {"reshard_s": seconds, "reshard_bytes": received, "reshard_transient_bytes": largest, "reshard_plan": text}
 
 
-def score_s(plan: Plan, work: RolloutWorkload) -> float:
-    """Seconds of the scoring forwards (module docstring)."""
-    pred = plan.predictions
-    per_step = pred.compute_s / 3.0 + pred.exposed_comm_s / 2.0
-    return work.forwards * work.mini_batches * per_step
+def score_s(graph: ModelGraph, cluster: Cluster, plan: Plan, work: RolloutWorkload) -> float:
+    """Seconds of the scoring forwards (module docstring): the plan's per-layer forward times of one micro-batch
+    (``cost_model.plan_layer_costs``, the eager program PPO runs), once per micro-batch of each rank's sequences."""
+    from autoshard.search.cost_model import plan_layer_costs
+
+    sched = plan.schedule
+    train = TrainSpec(global_batch=sched.micro_batch * sched.num_micro_batches * plan.mesh.dp, seq_len=plan.seq_len,
+                      precision=plan.precision, compiled=False)
+    forward = sum(cost.fwd_s for cost in plan_layer_costs(graph, plan, cluster, train))
+    chunks = work.sequences / (plan.mesh.dp * plan.schedule.micro_batch)
+    return work.forwards * (chunks * forward + work.mini_batches * plan.predictions.exposed_comm_s / 2.0)
 
 
 def train_s(plan: Plan, work: RolloutWorkload) -> float:
@@ -331,7 +350,7 @@ def price(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: Rollout
     """Every term of one RL step with training ``plan`` and rollout groups of ``r``."""
     gen = generate_s(graph, cluster, plan, r, work)
     sync = reshard(graph, cluster, plan, r)
-    score, train = score_s(plan, work), train_s(plan, work)
+    score, train = score_s(graph, cluster, plan, work), train_s(plan, work)
     p = BYTES[plan.precision]
     weights = rollout_weight_bytes(graph, r, p)
     kv = kv_cache_bytes(graph, r, gen["group_batch"], work.seq_len, p)
