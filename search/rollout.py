@@ -38,8 +38,8 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
   of a step's exposed data-parallel communication (the forward's gathers) per mini-batch.
 * **train**: ``epochs · mini_batches · step_time_s`` of the training plan.
 
-Memory per rank: the training peak plus the rollout weights ``W_r`` (they stay
-between steps) and the frozen KL reference (``reference_bytes``: a second program
+Memory per rank: the training peak plus the rollout weights ``W_r`` and the KV
+cache (both stay between steps: the decode graph reads them at fixed addresses) and the frozen KL reference (``reference_bytes``: a second program
 of the plan, parameters and fp32 masters), and, while sampling, the training
 peak less its activations + ``W_r`` + the reference + the KV cache
 ``2·L·b·(g/r)·(P+R)·d·p`` + the largest gathered parameter. ``co_plan`` searches
@@ -360,7 +360,8 @@ def price(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: Rollout
         tp=r, rl_step_s=gen["generate_s"] + sync["reshard_s"] + score + train, generate_s=gen["generate_s"],
         reshard_s=sync["reshard_s"], reshard_plan=sync["reshard_plan"], score_s=score, train_s=train, train_step_s=plan.predictions.step_time_s,
         reshard_bytes=int(sync["reshard_bytes"]), weights_bytes=int(weights), kv_cache_bytes=int(kv),
-        peak_bytes=int(max(plan.predictions.peak_memory_bytes + weights + ref, sampling)),
+        # the engine keeps its KV cache (and decode graph) between steps: it is there while training too
+        peak_bytes=int(max(plan.predictions.peak_memory_bytes + weights + ref + kv, sampling)),
         training_mesh=_mesh_text(plan),
     )
 
