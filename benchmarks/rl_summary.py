@@ -58,13 +58,13 @@ def main(folder: str) -> int:
     root = Path(folder)
     runs = run_rows(root)
     print("| run | model | GPUs | training | rollout tp | generate m / p | reshard m / p | score m / p | train m / p | "
-          "RL step m / p | error | rollout tok/s |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+          "RL step m / p | error | rollout tok/s | peak GB m / p |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         m, p = r["measured"], r["predicted"]
         cells = " | ".join(f"{m[k]:.3g} / {p[k]:.3g}" for k in ("generate", "reshard", "score", "train", "step"))
         print(f"| {r['run']} | {r['model']} | {r['world']} | {r['training_mesh']} | {r['rollout_tp']} | {cells} | "
-              f"{_err(m['step'], p['step'])} | {r['rollout_tokens_per_s']:,.0f} |")
+              f"{_err(m['step'], p['step'])} | {r['rollout_tokens_per_s']:,.0f} | {r['peak_gb']:.1f} / {r['predicted_peak_gb']:.1f} |")
     floors = [json.loads(line) for line in (root / "floor.jsonl").read_text().splitlines()] if (root / "floor.jsonl").exists() else []
     if floors:
         print("\n| floor: HF generate, 1 GPU | batch | new tokens | tokens/s | best autoshard run | its tokens/s | ratio |")
