@@ -26,10 +26,9 @@ workers, in ``runtime/rl_options.py``; ``docs/ppo.md`` "Your own prompts and rew
 1. the plan: ``--plan`` loads one (checked against the model by the runtime);
    otherwise capture the policy (``ppo_program.load_policy`` on meta) and search it for the
    cluster with what the runtime implements fixed: ``ep = cp = 1`` and
-   ``recompute = none`` everywhere, and ``pp = 1`` while the KV-cached
-   rollout is searched with the plan (pipeline plans train, but get no
-   KV-cached rollout replica yet: ``runtime/ppo_program.py``, note "PPO on
-   pipeline stages"); on a ``cpu`` cluster also unquantized
+   ``recompute = none`` and no sequence parallelism everywhere (pipeline
+   plans train: ``runtime/ppo_program.py``, note "PPO on pipeline stages");
+   on a ``cpu`` cluster also unquantized
    communication (``weight_comm = grad_comm = bf16``, i.e. the compute
    dtype: the quantized paths would run the Triton interpreter there, and
    4-bit gradients of a tiny model are a poor default). Precision
@@ -273,10 +272,7 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
     from autoshard.train import TrainSpec
 
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
-    mesh = {"ep": 1, "cp": 1}
-    if workload is not None and rollout_cache:  # the co-search prices a KV-cached rollout, which pp > 1 lacks yet
-        mesh["pp"] = 1
-    constraints = Constraints(pin=pins, mesh=mesh)
+    constraints = Constraints(pin=pins, mesh={"ep": 1, "cp": 1})
     # PPO's programs run eager (ppo_program.build_engines): priced so
     train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision, compiled=False)
     if workload is None or not rollout_cache:

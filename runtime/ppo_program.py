@@ -74,8 +74,9 @@ mini-batch rows nearest the plan's ``num_micro_batches`` (at least the
 stage count, where one exists; logged when it differs). Old, reference and
 rollout log-probs come from ``forward`` under ``no_grad``: the stages one
 after the other over the whole chunk (no micro-batching), the outputs
-broadcast from the last stage. pp > 1 gets no KV-cached rollout replica
-here: rollout recomputes each prefix through that forward.
+broadcast from the last stage. Rollout samples on its own layout as with
+pp = 1 (``runtime/rollout_engine.py``: the stage owning a parameter cuts
+this rank's slice and broadcasts it over ``pp``).
 
 Partial: scoring and rollout forwards with pp > 1 are serial (one stage busy
 at a time) and broadcast full logits. With pp = 1, PPO micro-batches itself
@@ -429,7 +430,7 @@ def build_engines(
         ref_module, graph, reference_plan, None, train, ctx=policy_program.ctx, weights=ref_weights,
         optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device, compile_graph=False,
     )
-    use_cache = (plan.mesh.pp == 1 if rollout_cache is None else rollout_cache) and policy_program.pipeline is None
+    use_cache = True if rollout_cache is None else rollout_cache  # pp > 1 too: the stages' owners broadcast the reshard
     unsupported = rollout_cache_unsupported(model)
     if use_cache and unsupported:
         log.info("rollout: recomputing prefixes through the program: %s", unsupported)

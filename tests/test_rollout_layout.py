@@ -10,6 +10,7 @@ One spawned job runs every case. For each training plan and each rollout tp:
   log-probs it recorded equal the whole model's log-probs of the drawn tokens
   (the union batch, the group's generator and the local-head KV cache are
   right, not merely self-consistent);
+* with pp = 2 the stage owning a parameter broadcasts each rank's slice over pp;
 * a PPO run whose rollout layout differs from the training plan
   (ZeRO-3 over 4 ranks, rollout tp = 2) trains with a rollout-vs-training
   log-prob gap of numerics only.
@@ -43,7 +44,9 @@ def _plan(graph, mesh: Mesh, state: str, tp_layers: bool) -> Plan:
     def tp(name: str) -> str:
         return "megatron" if tp_layers and name.endswith(("attn", "mlp", "embed", "head")) and name != "value_head" else "none"
 
-    layers = tuple(LayerStrategy(layer=l.name, state=state, tp=tp(l.name)) for l in graph.layers)
+    n = len(graph.layers)  # pp > 1: the first half of the layers on stage 0, the rest on stage 1
+    layers = tuple(LayerStrategy(layer=l.name, state=state, tp=tp(l.name), stage=int(i >= n // 2) if mesh.pp > 1 else 0)
+                   for i, l in enumerate(graph.layers))
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=1),
                 precision="fp32")
 
@@ -72,11 +75,10 @@ def _layouts(rank, world_size, spec, mesh, state, tp_layers, rollouts):
     trainer = sharded_trainer(PPORun(steps=1, global_batch=16), _plan(graph, mesh, state, tp_layers), model=model,
                               graph=graph)
     program = trainer.policy.program
-    full = {fqn: unshard(slot.param, program.param_placements[fqn], program.ctx).clone()
-            for fqn, slot in program.optimizer.slots.items()}
-    whole = _model(spec)
-    whole.load_state_dict(full, strict=False)
-    whole.eval()
+    whole = _model(spec).eval()  # the program was built from these weights (a pipeline stage holds some of them)
+    full = dict(whole.named_parameters())
+    for fqn, slot in program.optimizer.slots.items():  # ... and this rank's shards are theirs
+        assert torch.equal(unshard(slot.param, program.param_placements[fqn], program.ctx), full[fqn]), fqn
     dp = program.ctx.coord("dp")
     prompts = torch.randint(0, VOCAB, (3, 8), generator=torch.Generator().manual_seed(100 + dp))
     out = {}
@@ -123,6 +125,7 @@ CASES = {
     "zero3_dp4": ("llama:tiny", Mesh(dp_shard=4), "zero3", False, (1, 2, 4)),
     "tp2_dp2": ("llama:tiny", Mesh(dp_shard=2, tp=2), "zero3", True, (2, 4, 1)),
     "gpt_ddp4": ("gpt:tiny", Mesh(dp_replicate=4), "replicate", False, (4,)),
+    "pp2_dp2": ("llama:tiny", Mesh(pp=2, dp_shard=2), "zero3", False, (1, 2)),
 }
 
 
