@@ -56,12 +56,14 @@ class PolicyModel:
 
 
 def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, weights: str | None = None, context: int | None = None,
-                vocab_size: int | None = None) -> PolicyModel:
+                vocab_size: int | None = None, on_shards: bool = False) -> PolicyModel:
     """The model ``spec`` names (module docstring), initialised from ``seed`` on ``device``
     (``"meta"``: for capture only). ``weights``: an HF safetensors directory, HF config specs only.
     ``vocab_size``: a reference model's vocabulary (default the tasks' 16; a prompt set's tokenizer
     may need more, ``runtime/rl_data.py``); other models keep their own. ``context``: a reference model's
-    positions (default ``MODEL_MAX_SEQ_LEN``); other models keep their own."""
+    positions (default ``MODEL_MAX_SEQ_LEN``); other models keep their own. ``on_shards``: a reference model
+    is built on ``meta`` and its shards initialised by the program's build (``Initialize(seed)``: the same
+    values as ``init_weights(seed)``), so no rank ever holds the whole model (sharded PPO runs)."""
     from pathlib import Path
 
     from autoshard.errors import ModelError
@@ -74,6 +76,11 @@ def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, wei
         raise ModelError(f"weights {weights!r}: only a Hugging Face config MODEL (a directory or config.json) reads "
                          f"safetensors; {spec!r} builds its own weights (a factory may load them itself)")
     if not is_factory_spec(spec):
+        if on_shards:
+            from autoshard.runtime.materialize import Initialize
+
+            module = build_policy_model(spec, seed, "meta", vocab_size=vocab_size, context=context)
+            return PolicyModel(module, spec, Initialize(seed))
         return PolicyModel(build_policy_model(spec, seed, device, vocab_size=vocab_size, context=context), spec)
     target, _, attr = spec.rpartition(":")
     if target.endswith(".py") or "/" in target:

@@ -490,7 +490,7 @@ def sharded_trainer(
     tokenizer = run_tokenizer(run.data)
     if model is None:
         model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=tokenizer.vocab_size,
-                            context=run.context)
+                            context=run.context, on_shards=True)
     policy_model = model if isinstance(model, PolicyModel) else PolicyModel(model, run.model)
     task, sampling = build_task(run.task, run.data, run.rl, context=policy_context(policy_model.module),
                                 tokenizer=tokenizer)
@@ -616,7 +616,7 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     from autoshard.runtime.rl_options import run_tokenizer
 
     model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=run_tokenizer(run.data).vocab_size,
-                        context=run.context)
+                        context=run.context, on_shards=True)
     graph = graph if graph is not None else capture_policy(model.module, model.name)
     trainer = sharded_trainer(run, plan, model=model, graph=graph, device=device, on_metrics=report)
     unsupported = rollout_cache_unsupported(model.module)
