@@ -204,12 +204,12 @@ def describe_cluster_spec(spec: str) -> Any:
     """What ``autoshard cluster show`` prints for ``spec``: a calibration file's measurements, or the cluster
     (a preset string or a cluster file, with its calibration if it has one)."""
     from autoshard import cluster_io
-    from autoshard.cluster import Cluster
+    from autoshard.cluster import Cluster, describe_calibration_file
 
     if cluster_io.looks_like_file(spec) and Path(spec).is_file():
         data = cluster_io.read_mapping_file(spec)
         if cluster_io.file_kind(data) == "calibration":
-            return cluster_io.describe_calibration_file(spec, data)
+            return describe_calibration_file(spec, data)
     return Cluster.load(spec).describe()
 
 

@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard import cluster_io, cluster_presets, file_io
+from autoshard.cluster_io import CALIBRATION_KEYS, CLUSTER_KINDS, DEVICE_KINDS, LINK_KINDS
 from autoshard.errors import ClusterError
 
 log = logging.getLogger(__name__)
@@ -43,36 +44,12 @@ log = logging.getLogger(__name__)
 DTYPES = ("fp32", "tf32", "fp16", "bf16", "fp8", "int8")
 REQUIRED_DTYPES = ("fp32", "bf16")  # the training precisions (TrainSpec.precision)
 
-_DEVICE_KINDS = {
-    "name": "str",
-    "memory_bytes": "bytes",
-    "peak_flops": "flops_map",
-    "hbm_bandwidth": "bytes/s",
-    "matmul_efficiency": "number",
-    "hbm_efficiency": "number",
-}
-_LINK_KINDS = {"name": "str", "bandwidth": "bytes/s", "latency": "seconds"}
-_CLUSTER_KINDS = {
-    "name": "str",
-    "nodes": "count",
-    "devices_per_node": "count",
-    "device": "device",
-    "intra_node": "link",
-    "inter_node": "link",
-    "host_bandwidth": "bytes/s",
-    "host_memory_bytes": "bytes",
-    "cpu_adam_params_per_s": "number",
-    "calibration": "calibration",
-}
-_CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
-                     "attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
-                     "graph_kernel_s", "graph_collective_s", "layer_times", "plan_residuals")
-CALIBRATION_KEYS = _CALIBRATION_KEYS  # the top-level keys of a calibration file (cluster_io.file_kind)
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
 _COST_MODEL_KEYS = ("attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
                     "graph_kernel_s", "graph_collective_s")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
 COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibration key (search/cost_model.predict)
+LAYER_TIME_KEY_PREFIX = "layer_time"  # flat calibration keys of the probed layer times (layer_time_key)
 # compiled: true when scaled to the compiled step (calibrate --compile), with the factors in
 # compiled_scales (a record; the samples already carry them); compiled_saved_scale: the compiled
 # runtime's block-activation scale (calibrate_probe.compiled_saved_scale)
@@ -416,11 +393,11 @@ class Cluster:
         ``calibration`` (which take the dataclass defaults). Unknown keys are
         errors naming the key and the allowed keys.
         """
-        data = dict(cluster_io.check_keys(data, ("preset", *_CLUSTER_KINDS), "cluster"))
+        data = dict(cluster_io.check_keys(data, ("preset", *CLUSTER_KINDS), "cluster"))
         if "preset" in data:
             data = _on_preset(data)
-        cluster_io.require_keys(data, tuple(_CLUSTER_KINDS)[:7], "cluster")  # name … host_bandwidth
-        fields = {key: _read_field(kind, data[key], key) for key, kind in _CLUSTER_KINDS.items() if key in data}
+        cluster_io.require_keys(data, tuple(CLUSTER_KINDS)[:7], "cluster")  # name … host_bandwidth
+        fields = {key: _read_field(kind, data[key], key) for key, kind in CLUSTER_KINDS.items() if key in data}
         return cls(**fields)
 
     @classmethod
@@ -507,14 +484,14 @@ class Cluster:
             raise ClusterError(source + str(err).replace(_FIX_CLUSTER, _FIX_CALIBRATION)) from err
 
     def _apply_calibration(self, measured: Mapping[str, Any]) -> Cluster:
-        measured = cluster_io.check_keys(dict(measured), _CALIBRATION_KEYS, "calibration")
+        measured = cluster_io.check_keys(dict(measured), CALIBRATION_KEYS, "calibration")
         for key in ("device", "date"):
             if key in measured:
                 _name(f"calibration.{key}", measured[key])
         cluster_presets.check_same_hardware(str(measured.get("device", "")), self.device.name)
         overrides = {
             key: dict(measured[key]) if isinstance(measured[key], Mapping) else measured[key]
-            for key in _CALIBRATION_KEYS[2:]
+            for key in CALIBRATION_KEYS[2:]
             if key in measured
         }
         for link in ("intra_node", "inter_node"):
@@ -542,6 +519,22 @@ def check_calibration(path: str | Path) -> None:
     cpu = Cluster.preset("cpu")
     unmatched = dataclasses.replace(cpu, device=dataclasses.replace(cpu.device, name="calibration check"))
     unmatched.with_calibration(path)
+
+
+def describe_calibration_file(path: str | Path, data: dict[str, Any]) -> Any:
+    """Two-column ``rich`` table of a calibration file for ``autoshard cluster show FILE``: the machine it was
+    measured on, when, and each figure it measured (checked as ``Cluster.with_calibration`` checks it)."""
+    from rich.table import Table
+
+    check_calibration(path)
+    table = Table(title=f"calibration file {Path(path)}", show_header=False)
+    table.add_column("field", style="bold")
+    table.add_column("value")
+    for row in cluster_io.calibration_rows(data):
+        table.add_row(*row)
+    table.add_row("use it", f"--calibration {path} (plan, explain, ppo, run), or 'calibration: {path}' in a "
+                            "cluster file")
+    return table
 
 
 def _maybe(key: str, value: Any) -> dict[str, Any]:
@@ -582,7 +575,7 @@ def _read_field(kind: str, value: Any, where: str) -> Any:
         cluster_io.check_keys(value, DTYPES, where)
         return {dtype: cluster_io.parse_quantity(v, "flop/s", f"{where}.{dtype}") for dtype, v in value.items()}
     if kind in ("device", "link"):
-        kinds, cls = (_DEVICE_KINDS, DeviceSpec) if kind == "device" else (_LINK_KINDS, LinkSpec)
+        kinds, cls = (DEVICE_KINDS, DeviceSpec) if kind == "device" else (LINK_KINDS, LinkSpec)
         cluster_io.check_keys(value, tuple(kinds), where)
         required = tuple(k for k in kinds if k not in ("matmul_efficiency", "hbm_efficiency", "name"))
         cluster_io.require_keys(value, required + (("name",) if kind == "device" else ()), where)
@@ -612,10 +605,13 @@ def _probe_count(value: Any, where: str) -> int:
     return value
 
 
-def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
-    """The model probe of a calibration file as flat ``cluster.calibration`` keys (``search/measured.py``)."""
-    from autoshard.search.measured import sample_key  # search imports this module
+def layer_time_key(signature: str, dtype: str, tp: int, seq_len: int, tokens: int, field: str) -> str:
+    """The flat ``cluster.calibration`` key of one probed number (``search/measured.py`` reads them)."""
+    return f"{LAYER_TIME_KEY_PREFIX}|{signature}|{dtype}|tp={tp}|seq={seq_len}|tokens={tokens}|{field}"
 
+
+def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
+    """The model probe of a calibration file as flat ``cluster.calibration`` keys (``layer_time_key``)."""
     if probe is None:
         return {}
     cluster_io.check_keys(probe, _LAYER_TIMES_KEYS + _LAYER_TIMES_OPTIONAL, "calibration.layer_times")
@@ -642,7 +638,7 @@ def _layer_time_keys(probe: Mapping[str, Any] | None) -> dict[str, float | str]:
             seconds = cluster_io.parse_quantity(sample[field], "seconds", f"{where}.{field}")
             if seconds < 0:
                 raise ClusterError(f"{where}.{field}={sample[field]!r}: must be ≥ 0 seconds; {_FIX_CALIBRATION}")
-            out[sample_key(sample["signature"], probe["dtype"], tp, seq_len, tokens, field)] = seconds
+            out[layer_time_key(sample["signature"], probe["dtype"], tp, seq_len, tokens, field)] = seconds
     return out
 
 

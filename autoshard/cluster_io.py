@@ -45,6 +45,33 @@ _NUMBER = r"[0-9][0-9_]*(?:\.[0-9]*)?(?:[eE][+-]?[0-9]+)?|\.[0-9]+(?:[eE][+-]?[0
 _QUANTITY_RE = re.compile(rf"^\s*(?P<number>{_NUMBER})\s*(?P<unit>[A-Za-zµ/]*)\s*$")
 _SPEC_RE = re.compile(r"^(?P<name>[A-Za-z0-9][A-Za-z0-9._-]*)(?::(?P<nodes>[^x:]*)x(?P<devices>[^x:]*))?$")
 
+# The cluster file's schema: each key and the kind of value it holds (Cluster.from_dict reads by kind).
+DEVICE_KINDS = {
+    "name": "str",
+    "memory_bytes": "bytes",
+    "peak_flops": "flops_map",
+    "hbm_bandwidth": "bytes/s",
+    "matmul_efficiency": "number",
+    "hbm_efficiency": "number",
+}
+LINK_KINDS = {"name": "str", "bandwidth": "bytes/s", "latency": "seconds"}
+CLUSTER_KINDS = {
+    "name": "str",
+    "nodes": "count",
+    "devices_per_node": "count",
+    "device": "device",
+    "intra_node": "link",
+    "inter_node": "link",
+    "host_bandwidth": "bytes/s",
+    "host_memory_bytes": "bytes",
+    "cpu_adam_params_per_s": "number",
+    "calibration": "calibration",
+}
+# the top-level keys of a calibration file (file_kind, Cluster.with_calibration)
+CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
+                    "attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
+                    "graph_kernel_s", "graph_collective_s", "layer_times", "plan_residuals")
+
 _SI = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BIN = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}
 _BYTE_UNITS = {"B": 1.0, **{p + "B": f for p, f in _SI.items() if p != "P"}, **{p + "B": f for p, f in _BIN.items()}}
@@ -248,12 +275,10 @@ def file_kind(data: dict[str, Any]) -> str:
     """What a mapping read from a file is: ``"plan"``; ``"calibration"`` (a key only ``autoshard cluster
     calibrate`` writes, such as ``matmul_efficiency`` at the top, and no key only cluster files have); else
     ``"cluster"``. A damaged file keeps its kind, so its own reader names what is wrong."""
-    from autoshard.cluster import _CLUSTER_KINDS, CALIBRATION_KEYS
-
     if data.get("format") == "autoshard.plan":
         return "plan"
     shared = {"device", "intra_node", "inter_node"}
-    cluster_only = ({"preset", *_CLUSTER_KINDS} - shared) & set(data)
+    cluster_only = ({"preset", *CLUSTER_KINDS} - shared) & set(data)
     if not cluster_only and (set(CALIBRATION_KEYS) - shared) & set(data):
         return "calibration"
     return "cluster"
@@ -313,24 +338,6 @@ def format_seconds(seconds: float) -> str:
         if abs(seconds) >= scale:
             return f"{seconds / scale:.3g} {unit}"
     return f"{seconds / 1e-12:.3g} ps" if seconds else "0 s"
-
-
-def describe_calibration_file(path: str | Path, data: dict[str, Any]) -> Table:
-    """Two-column ``rich`` table of a calibration file for ``autoshard cluster show FILE``: the machine it was
-    measured on, when, and each figure it measured (checked as ``Cluster.with_calibration`` checks it)."""
-    from rich.table import Table
-
-    from autoshard.cluster import check_calibration
-
-    check_calibration(path)
-    table = Table(title=f"calibration file {Path(path)}", show_header=False)
-    table.add_column("field", style="bold")
-    table.add_column("value")
-    for row in calibration_rows(data):
-        table.add_row(*row)
-    table.add_row("use it", f"--calibration {path} (plan, explain, ppo, run), or 'calibration: {path}' in a "
-                            "cluster file")
-    return table
 
 
 def _link(link: LinkSpec) -> str:

@@ -85,6 +85,7 @@ from typing import Any, ClassVar
 from autoshard import file_io
 from autoshard._plan_schema import PlanFieldError, Record, at_least, choice, decode, encode, join_path, transient
 from autoshard.errors import PlanError
+from autoshard.plan_format import format_plan, plan_to_rich
 from autoshard.train import OPTIMIZERS, PRECISIONS
 
 PLAN_VERSION = 1
@@ -560,14 +561,10 @@ class Plan(Record):
 
     # ------------------------------------------------------------ human forms
     def __str__(self) -> str:
-        from autoshard.plan_format import format_plan
-
         return format_plan(self)
 
     def to_rich(self, *, fold: bool = True) -> Any:
         """A ``rich`` renderable of the plan (header + per-layer table) for the CLI."""
-        from autoshard.plan_format import plan_to_rich
-
         return plan_to_rich(self, fold=fold)
 
 

@@ -33,9 +33,10 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from autoshard.plan import LayerStrategy, Plan
+if TYPE_CHECKING:  # annotations only: plan.py imports this module for ``str(plan)``
+    from autoshard.plan import LayerStrategy, Plan
 
 HEADERS = ("layer", "strategy", "state", "tp", "sp", "ep", "recompute", "weight", "grad", "stage")
 

@@ -6,7 +6,7 @@ PyTorch runs at 10 % MFU the time of norms, RoPE, casts, attention and the loss
 is set by kernel efficiency and dispatch, not by peak FLOP/s. The calibration
 probe times each distinct layer of the model (forward, and forward + backward)
 at a few micro-batch sizes and tp shards; ``Cluster.with_calibration`` keeps the
-samples in ``cluster.calibration`` under flat keys::
+samples in ``cluster.calibration`` under flat keys (``sample_key``, defined with ``Cluster``)::
 
     layer_time|<signature>|<dtype>|tp=<t>|seq=<s>|tokens=<T>|fwd_s     seconds
     layer_time|<signature>|<dtype>|tp=<t>|seq=<s>|tokens=<T>|bwd_s     seconds
@@ -35,10 +35,11 @@ import hashlib
 import json
 from dataclasses import dataclass
 
+from autoshard.cluster import LAYER_TIME_KEY_PREFIX as KEY_PREFIX
 from autoshard.cluster import Cluster
+from autoshard.cluster import layer_time_key as sample_key  # the key format is the cluster file's
 from autoshard.graph import LayerInfo
 
-KEY_PREFIX = "layer_time"
 _META = ("num_heads", "num_kv_heads", "num_experts", "top_k", "hidden", "ffn_hidden", "vocab")
 
 
@@ -54,11 +55,6 @@ def layer_signature(layer: LayerInfo) -> str:
     if layer.saved_interior_per_token_seq > 0:  # an explicit (math) attention keeps its scores: not SDPA's kernel
         blob["scores_saved"] = True
     return f"{layer.kind}:{hashlib.sha256(json.dumps(blob, sort_keys=True).encode()).hexdigest()[:10]}"
-
-
-def sample_key(signature: str, dtype: str, tp: int, seq_len: int, tokens: int, field: str) -> str:
-    """The flat ``cluster.calibration`` key of one probed number (module docstring)."""
-    return f"{KEY_PREFIX}|{signature}|{dtype}|tp={tp}|seq={seq_len}|tokens={tokens}|{field}"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.runtime.tasks import EOS_ID, CharTask, TaskError, encode, exact_match
+from autoshard.runtime.tasks._base import EOS_ID, CharTask, TaskError, encode, exact_match
 from autoshard.runtime.tasks._numbers import from_digits, to_digits
 
 _PLUS_ID, _EQUALS_ID = encode("+")[0], encode("=")[0]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.runtime.tasks import EOS_ID, CharTask, TaskError, encode, position_matches
+from autoshard.runtime.tasks._base import EOS_ID, CharTask, TaskError, encode, position_matches
 from autoshard.runtime.tasks._numbers import from_digits, to_digits, with_separator
 
 _COMMA_ID = encode(",")[0]

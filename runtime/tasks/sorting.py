@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from autoshard.runtime.tasks import EOS_ID, CharTask, TaskError, encode, position_matches
+from autoshard.runtime.tasks._base import EOS_ID, CharTask, TaskError, encode, position_matches
 from autoshard.runtime.tasks._numbers import DIGIT0_ID
 
 _COLON_ID = encode(":")[0]
