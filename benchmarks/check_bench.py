@@ -1,13 +1,15 @@
 """Property benchmark of ``autoshard check``: random models, clusters and pins; every searched plan is checked.
 
-Each case draws a reference family (``autoshard.models.FAMILIES``) at a small random size, a cluster
-of 1–512 nodes × 1–8 H100s, a global batch and sometimes a pinned layer strategy; the search
-(``autoshard.search.solve``) returns a plan and ``runtime/check.check_plan`` builds its roles (at most
-``--max-roles`` each) under the fake process group. Written: per case the plan's mesh, the roles
-built, the seconds, whether the collectives matched and the worst memory error; totals; to
-``benchmarks/results/check_cpu_<date>.json``.
+Each case draws a reference family (``autoshard.models.FAMILIES``) at a small random size, built in
+bf16 as the CLI builds it (capture prices activations in the dtype it sees), a cluster of 1–512 nodes
+(log-uniform, so node counts such as 3, 48 or 280 come up) × 1–8 H100s, a global batch and sometimes a
+pinned layer strategy; the search (``autoshard.search.solve``, ``--search-s``) returns a plan and
+``runtime/check.check_plan`` builds its roles (at most ``--max-roles`` each) under the fake process
+group. Written: per case the plan's mesh, the roles built, the seconds, whether the collectives matched
+and the worst memory error; totals (``passed``: collectives match and memory within tolerance); to
+``--out`` (the campaign folder ``benchmarks/results/check_property_cpu_<date>/``).
 
-    .venv/bin/python benchmarks/check_bench.py --cases 12 --max-roles 4 --budget-s 540
+    .venv/bin/python benchmarks/check_bench.py --cases 200 --max-roles 2 --budget-s 1500
 """
 
 from __future__ import annotations
@@ -18,6 +20,8 @@ import random
 import time
 from pathlib import Path
 
+import torch
+
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 from autoshard.models import FAMILIES, build
@@ -27,6 +31,11 @@ from autoshard.search import solve
 from autoshard.search.space import Constraints
 from autoshard.train import TrainSpec
 
+try:
+    from benchmarks.check_scales import cpu_name
+except ImportError:  # run as a script: benchmarks/ is the script's folder
+    from check_scales import cpu_name
+
 STATES = ("replicate", "zero1", "zero2", "zero3")
 
 
@@ -34,17 +43,17 @@ def random_case(rng: random.Random) -> dict:
     """One case: model spec and overrides, cluster, train step and pins (drawn from ``rng``)."""
     family = rng.choice(sorted(FAMILIES))
     overrides = {"hidden": rng.choice((64, 128)), "num_layers": rng.choice((2, 3, 4)), "num_heads": 4}
-    nodes = rng.choice((1, 1, 2, 4, 16, 64, 512))
-    devices = rng.choice((1, 2, 4, 8))
+    nodes = min(512, int(round(2 ** rng.uniform(0, 9))))  # 1–512, log-uniform
+    devices = rng.randint(1, 8)
     world = nodes * devices
     return {"spec": f"{family}:tiny", "overrides": overrides, "cluster": f"h100-sxm:{nodes}x{devices}",
             "global_batch": world * rng.choice((1, 2)), "seq_len": rng.choice((16, 32)),
             "pin": rng.choice((None, "state", "recompute"))}
 
 
-def run_case(case: dict, rng: random.Random, max_roles: int) -> dict:
-    """Search the case's plan and check it; the row written to the results."""
-    model = build(case["spec"], device="meta", **case["overrides"])
+def run_case(case: dict, rng: random.Random, max_roles: int, search_s: float = 20.0) -> dict:
+    """Search the case's plan (``search_s`` seconds at most) and check it; the row written to the results."""
+    model = build(case["spec"], device="meta", dtype=torch.bfloat16, **case["overrides"])
     graph = capture(model, seq_lens=(8, 16))
     train = TrainSpec(global_batch=case["global_batch"], seq_len=case["seq_len"], precision="bf16")
     pin = {}
@@ -55,7 +64,7 @@ def run_case(case: dict, rng: random.Random, max_roles: int) -> dict:
     cluster = Cluster.parse(case["cluster"])
     row = {**case, "pins": pin}
     try:
-        plan = solve(graph, cluster, train, constraints=Constraints(pin=pin), time_limit_s=20)
+        plan = solve(graph, cluster, train, constraints=Constraints(pin=pin), time_limit_s=search_s)
     except AutoshardError as err:  # an infeasible draw is not a check
         return {**row, "searched": False, "error": str(err)[:200]}
     start = time.perf_counter()
@@ -75,20 +84,23 @@ def main() -> None:
     parser.add_argument("--max-roles", type=int, default=4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--budget-s", type=float, default=540.0, help="stop drawing cases after this many seconds")
-    parser.add_argument("--out", type=Path, default=Path("benchmarks/results/check_cpu_2026-11-27.json"))
+    parser.add_argument("--search-s", type=float, default=20.0, help="search time limit per case, seconds")
+    parser.add_argument("--out", type=Path,
+                        default=Path("benchmarks/results/check_property_cpu_2026-11-27/check_property.json"))
     args = parser.parse_args()
     rng = random.Random(args.seed)
     rows, start = [], time.perf_counter()
     for i in range(args.cases):
         if time.perf_counter() - start > args.budget_s:
             break
-        row = run_case(random_case(rng), rng, args.max_roles)
+        row = run_case(random_case(rng), rng, args.max_roles, args.search_s)
         rows.append(row)
         print(i, json.dumps(row), flush=True)
     checked = [r for r in rows if r["searched"]]
     summary = {
-        "device": "cpu (2 cores, shared)", "seed": args.seed, "max_roles": args.max_roles,
-        "cases": len(rows), "plans_checked": len(checked),
+        "device": cpu_name(), "torch": torch.__version__, "seed": args.seed, "max_roles": args.max_roles,
+        "search_s": args.search_s, "cases": len(rows), "plans_checked": len(checked),
+        "passed": sum(r["collectives_match"] and r["memory_within_tolerance"] for r in checked),
         "collectives_match": sum(r["collectives_match"] for r in checked),
         "memory_within_tolerance": sum(r["memory_within_tolerance"] for r in checked),
         "roles_built": sum(r["roles_built"] for r in checked),

@@ -124,7 +124,8 @@ def plan_roles(graph: ModelGraph, mesh: Mesh) -> list[Role]:
 
 def select_roles(roles: Sequence[Role], mesh: Mesh, max_roles: int, seed: int = 0) -> list[Role]:
     """``roles`` when there are at most ``max_roles``; else the corners (first and last pp, cp and tp
-    coordinate, every dp class) and a seeded sample of the rest, ``max_roles`` in all, in key order."""
+    coordinate, every dp class; the first and last stage of dp class 0 first) and a seeded sample of the
+    rest, ``max_roles`` in all, in key order."""
     if len(roles) <= max_roles:
         return list(roles)
 
@@ -132,7 +133,10 @@ def select_roles(roles: Sequence[Role], mesh: Mesh, max_roles: int, seed: int = 
         pp, cp, tp, _ = role.key
         return pp in (0, mesh.pp - 1) and cp in (0, mesh.cp - 1) and tp in (0, mesh.tp - 1)
 
-    corners = [r for r in roles if corner(r)][:max_roles]
+    # by dp class, then tp, cp and stage: a small max_roles still takes the first and the last stage (the
+    # embedding's and the head's, where a pipeline's memory differs most) before the other corners
+    corners = sorted((r for r in roles if corner(r)), key=lambda r: (r.key[3], r.key[2], r.key[1], r.key[0]))
+    corners = corners[:max_roles]
     rest = [r for r in roles if not corner(r)]
     chosen = corners + random.Random(seed).sample(rest, min(len(rest), max_roles - len(corners)))
     return sorted(chosen, key=lambda r: r.key)

@@ -23,6 +23,15 @@ send/recv, the peer's coordinate on the group's axis. Ops that move nothing
 (the forward of Megatron's ``f`` and of ``scatter_to_sp``, the wait of an
 asynchronous gather) are not collectives here; their backward ops are.
 
+Kernels: on the meta device ``scaled_dot_product_attention`` takes the math path (its
+``_fused_sdp_choice`` is 0 there), which materialises the fp32 ``[b, a, s, s]`` scores,
+their softmax and its gradient, where the CPU (``_scaled_dot_product_flash_attention_for_cpu``)
+and CUDA (flash) run a fused kernel that saves only ``out`` and the fp32 log-sum-exp. At
+``s = 4096`` that is 16 GiB a tensor for a Llama-70B layer at tp 2, 8 sequences: the trace
+would report a peak no device has. ``route_device_kernels`` points the built program's SDPA nodes at
+the flash op on meta tensors, as capture measures saved activations (``passes/_capture_saved.
+GpuKernelProfile``), so the trace and the cost model see the kernel a device runs.
+
 A meta tensor has no values: ``aten._local_scalar_dense`` (``float(t)``,
 ``t.item()``, ``t.tolist()``) answers 1 (1.0 for floating dtypes), so a
 training step runs to its end; a data-dependent size (expert routing without
@@ -136,6 +145,34 @@ class Trace(LiveBytes):
         self.collectives.append(Issued(kind, axis, None if kind in _UNSIZED else nbytes, peer))
 
 
+SDPA = torch.ops.aten.scaled_dot_product_attention.default
+
+
+def device_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
+    """``aten.scaled_dot_product_attention`` as a CPU or CUDA device runs it: on meta tensors the fused (flash)
+    op, elsewhere the op itself (module docstring, Kernels)."""
+    from autoshard.passes._capture_saved import _fused_sdpa
+
+    return _fused_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
+
+
+def route_device_kernels(module: torch.nn.Module) -> int:
+    """Point every ``aten.scaled_dot_product_attention`` node of the graph modules under ``module`` (checkpoint
+    regions included) at ``device_sdpa``; the number of nodes changed. A function mode cannot do it: it is
+    off while ``loss.backward()`` runs, where full recompute re-runs the forward."""
+    changed = 0
+    for sub in module.modules():
+        if not isinstance(sub, torch.fx.GraphModule):
+            continue
+        nodes = [n for n in sub.graph.nodes if n.op == "call_function" and n.target is SDPA]
+        for node in nodes:
+            node.target = device_sdpa
+        if nodes:
+            sub.recompile()
+            changed += len(nodes)
+    return changed
+
+
 def _group_name(value) -> str | None:
     """The group name a collective's argument designates: a name string or a ``ProcessGroup`` script object."""
     if isinstance(value, str):
@@ -156,4 +193,4 @@ def axis_of_groups(group_names: dict[str, str]) -> dict[str, str]:
     return out
 
 
-__all__ = ["AXIS_PREFERENCE", "Issued", "KINDS", "Trace", "axis_of_groups", "format_bytes"]
+__all__ = ["AXIS_PREFERENCE", "Issued", "KINDS", "Trace", "axis_of_groups", "device_sdpa", "format_bytes", "route_device_kernels"]

@@ -62,7 +62,12 @@ while the device copies are meta.
   ``sqrt(v)`` of every master, +10% on a one-rank MoE step); on meta it takes the fused kernel, as on
   the CPU and CUDA;
 - the initializer's workspace: it was added for the peak rank's largest region (on a pipeline, possibly
-  another stage's, smaller than the first stage's embedding), now for the plan's largest.
+  another stage's, smaller than the first stage's embedding), now for the plan's largest;
+- attention: on meta, ``scaled_dot_product_attention`` takes the math path and materialises the fp32
+  ``[b, a, s, s]`` scores, their softmax and its gradient (16 GiB a tensor for a Llama-70B layer at tp 2,
+  8 × 4096 tokens: +226% on a two-layer cut of that plan), where a CPU or CUDA device runs a fused
+  kernel; the built program's SDPA nodes now run the flash op on meta (``_check_trace.
+  route_device_kernels``), as capture measures saved activations.
 
 **Known overrun, not a trace artefact** (left: the cost model's change and its gloo proof did not fit
 the time). Data-parallel gradient buckets span layers (``runtime/_buckets.assign``: consecutive
@@ -75,7 +80,10 @@ layers) step 14.3 MiB traced, 13.4 MiB predicted (+6.9%): two all-reduce outputs
 against a predicted ``step_transient`` of 0.38 MiB. The live-memory tests use 1 MiB buckets, one per
 layer group, where the per-layer price holds. The fix is a rank-level ``step_transient`` from the
 bucket assignment (and dropping ``reduced`` before the next bucket), proven by a gloo case with
-25 MiB buckets in ``tests/test_live_memory_mixed.py``.
+25 MiB buckets in ``tests/test_live_memory_mixed.py``. At published scales (a rank holds tens of GiB)
+it is under 0.1% (``benchmarks/results/check_scales_cpu_2026-11-27``). Also unpriced, and seen only on
+tiny models (``benchmarks/results/check_property_cpu_2026-11-27``): one op's backward working set (an
+RMSNorm's fp32 copies of its input) and a full-recompute region's activations recreated in its backward.
 
 Exit of ``autoshard check``: 0 when every role's collectives match and no
 role overflows; 1 with the first mismatch in one line; 2 for a plan file
@@ -100,7 +108,7 @@ from autoshard.graph import ModelGraph
 from autoshard.passes.context import RankContext, coords_of
 from autoshard.plan import Plan
 from autoshard.runtime._check_match import Role, RoleIndex, first_mismatch, plan_roles, select_roles
-from autoshard.runtime._check_trace import Issued, Trace, axis_of_groups, format_bytes
+from autoshard.runtime._check_trace import Issued, Trace, axis_of_groups, format_bytes, route_device_kernels
 from autoshard.train import TrainSpec
 
 TOLERANCE = 0.05
@@ -265,6 +273,7 @@ def _run_role(plan: Plan, model: nn.Module, graph: ModelGraph, train: TrainSpec,
             del gm
         build_bytes, issued = trace.peak, list(trace.collectives)
         tokens = torch.zeros((train.global_batch // mesh.dp, train.seq_len), dtype=torch.long, device="meta")
+        route_device_kernels(program.gm)  # SDPA as a device runs it (_check_trace, Kernels)
         with trace:
             program.step(tokens, loss_fn)  # the first step creates the optimizer state
             gc.collect()

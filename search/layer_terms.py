@@ -539,21 +539,26 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     # ZeRO-1/2 gathered in the forward graph: held as the dim-0 shard; the gathered parameters are kept
     # from the layer's forward to its backward, saved tensors like its activations (autoshard/data_parallel.py)
     kept = form.gathered == "kept"
-    for group in groups:
+    # per parameter: its local shard as held (a gathered-in-forward ZeRO-1/2 layer: ZeRO-3's), as the buckets hold it
+    regions = build_regions(layer, replace(strategy, state="zero3") if form.build == "shard" else strategy, mesh)
+    padded = _padded_dim0_psi(layer, strategy, mesh, groups, regions) if state == "zero3" or kept else None
+    for index, group in enumerate(groups):
         degree = _shard_degree(group, strategy.state)
-        group_states = replace(model_state_memory(group.psi, state, degree, sizes),
-                               buffers=backward_buffer_bytes(form.backward, group.psi, sizes))
+        # dim-0 shards: the first rank holds ⌈d₀/N⌉ rows of each parameter and gathers N of them (padded); ZeRO-3
+        # keeps its gradient and optimizer shards at that shape too, ZeRO-1/2 as flat chunks (ψ/N)
+        dim0 = padded[index] if padded is not None and degree > 1 else group.psi
+        psi = dim0 if state == "zero3" else group.psi
+        group_states = replace(model_state_memory(psi, state, degree, sizes),
+                               buffers=backward_buffer_bytes(form.backward, dim0, sizes))
         if kept:
-            gathered = group_states.params
+            gathered = sizes.param * dim0
             group_states = replace(group_states, params=gathered / degree, activations=gathered, kept_gathered=gathered)
         if host_is_device:
             group_states = replace(group_states, optimizer=group_states.optimizer + group_states.host, host=0.0)
         states = states + group_states + MemoryBreakdown(
-            step_grads=step_grad_bytes(work.grad, group.psi, degree) if on_device else 0.0)
+            step_grads=step_grad_bytes(work.grad, psi, degree) if on_device else 0.0)
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
-    # per parameter: its local shard as held (a gathered-in-forward ZeRO-1/2 layer: ZeRO-3's), as the buckets hold it
-    regions = build_regions(layer, replace(strategy, state="zero3") if form.build == "shard" else strategy, mesh)
     # quantized wires are reduced one parameter at a time (qgZ), not in buckets; their own transients are not priced
     pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions],
                            0 if strategy.grad_comm in _QUANTIZED else bucket_bytes)
@@ -563,6 +568,22 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     return states + MemoryBreakdown(activations=acts + gathered_inputs + loss_bytes(layer, sh, compiled),
                                     kept_gathered=gathered_inputs,
                                     build_transient=build_transient_bytes(regions), step_transient=pack)
+
+
+def _padded_dim0_psi(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, groups: list[ParamGroup],
+                     regions: list[int]) -> list[float]:
+    """Per group of ``param_groups``: ``N · Σ ⌈d₀/N⌉·d₁·…`` over its parameters (``regions``: each one's
+    dim-0 chunk on the first rank, ``build_regions``), the elements a rank's dim-0 shards stand for.
+
+    ZeRO-3 (and ZeRO-1/2 gathered in the forward) cut each parameter's dim 0 by ``torch.chunk``: the first
+    rank holds ``⌈d₀/N⌉`` rows, not ``d₀/N``, and the all-gather moves ``N`` such chunks. Where ``d₀ ≫ N``
+    the two agree; where ``d₀`` is near or below ``N`` (4 experts over 17 ranks: one whole expert on the
+    first rank, 4.25 × ψ/N, and a gathered buffer of 17 experts) ``ψ/N`` under-prices the rank."""
+    expert_group = bool(strategy.ep and mesh.ep > 1 and len(groups) > 1)
+    chunks = [0.0] * len(groups)
+    for param, elements in zip(layer.params, regions):
+        chunks[len(groups) - 1 if expert_group and param.tp_role == "expert" else 0] += elements
+    return [group.shard_group[0] * chunk for group, chunk in zip(groups, chunks)]
 
 
 def build_regions(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh) -> list[int]:

@@ -90,15 +90,18 @@ def test_build_transient_combines_by_max():
 # bf16 AdamW: p = 2, K = 12 (ZeRO Table 1); the transient is 8 B per element of the largest region.
 PSI = 90_497
 PSI_TP2 = 4096 + 2 * (64 + 6144 + 64 + 12_288) + 64 + 4096 + 65  # 45 441: vocab/column/row halved
+PSI_DIM0 = (PSI - 65) // 2 + 65  # 45 281: the first of 2 ranks' dim-0 chunks (search/layer_terms._padded_dim0_psi)
 HAND = {
     # dp 2: every layer holds the whole parameter; largest region 8192 → 65 536 B
     "replicate": 2 * PSI + 12 * PSI + 8 * 8192,  # 1 332 494
     # two micro-batches: optimizer states halved, whole parameters held: 789 512
     "zero1": 2 * PSI + 12 * PSI // 2 + 8 * 8192,
-    # one micro-batch on a GPU: gathered in the compiled forward, held (and built) as ZeRO-3's shards
-    "zero1_gathered": 2 * PSI // 2 + 12 * PSI // 2 + 8 * 4096,  # 666 247
-    # params and states halved; regions are dim-0 chunks: embed/head/gate/up (64, 64), down (32, 128): 4096
-    "zero3": 2 * PSI // 2 + 12 * PSI // 2 + 8 * 4096,  # 666 247
+    # one micro-batch on a GPU: gathered in the compiled forward, held (and built) as ZeRO-3's dim-0 shards
+    # (flat optimizer chunks); the first rank's shards: half of every even dim 0, and the whole value head
+    # ((1, 64) and (1,): torch.chunk gives rank 0 the one row): (PSI − 65)/2 + 65 = 45 281 elements
+    "zero1_gathered": 2 * PSI_DIM0 + 12 * PSI // 2 + 8 * 4096,  # 666 312
+    # params and states as those dim-0 shards; regions are dim-0 chunks: embed/head/gate/up (64, 64), down (32, 128)
+    "zero3": 2 * PSI_DIM0 + 12 * PSI_DIM0 + 8 * 4096,  # 666 702
     # tp 2: the local parameters of 45 441 elements; largest region 4096 (gate (64, 64), down (64, 64), embed)
     "tp2": 2 * PSI_TP2 + 12 * PSI_TP2 + 8 * 4096,  # 668 942
 }
