@@ -67,6 +67,7 @@ from torch import nn
 from autoshard.passes.context import ParamPlacement, RankContext, chunk_size, coords_of
 from autoshard.runtime import collectives
 from autoshard.runtime.rollout import Rollout, SamplingConfig, generate
+from autoshard.runtime.rollout_graph import DecodeGraph
 from autoshard.runtime.rollout_tp import build_sharded_replica, new_cache, rollout_refusal
 
 log = logging.getLogger(__name__)
@@ -233,8 +234,6 @@ class RolloutEngine:
     def _decode_graph(self, batch: int) -> Any:
         """The decode graph of the current cache, captured at its first step; None (eager) if capture fails."""
         if self._graph is None or self._graph.cache is not self._cache:
-            from autoshard.runtime.rollout_graph import DecodeGraph
-
             try:
                 self._graph = DecodeGraph(self.replica, self._cache, batch, self.program.ctx.device)
             except Exception as err:  # noqa: BLE001 - any capture failure: decode eagerly, say why once

@@ -62,6 +62,8 @@ from autoshard.errors import AutoshardError
 from autoshard.graph import LayerInfo, ModelGraph, ParamInfo
 from autoshard.plan import Plan, RolloutOption, RolloutPlan
 from autoshard.search import comm, layer_terms
+from autoshard.search.cost_model import plan_layer_costs
+from autoshard.search.space import Constraints
 from autoshard.train import TrainSpec
 
 SAMPLING_KERNELS = 22
@@ -314,8 +316,6 @@ def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int) -> dict[str
 def score_s(graph: ModelGraph, cluster: Cluster, plan: Plan, work: RolloutWorkload) -> float:
     """Seconds of the scoring forwards (module docstring): the plan's per-layer forward times of one micro-batch
     (``cost_model.plan_layer_costs``, the eager program PPO runs), once per micro-batch of each rank's sequences."""
-    from autoshard.search.cost_model import plan_layer_costs
-
     sched = plan.schedule
     train = TrainSpec(global_batch=sched.micro_batch * sched.num_micro_batches * plan.mesh.dp, seq_len=plan.seq_len,
                       precision=plan.precision, compiled=False)
@@ -383,8 +383,6 @@ def co_plan(graph: ModelGraph, cluster: Cluster, train: TrainSpec, work: Rollout
     it is called once per rollout degree with that degree's weights reserved. Returns the chosen
     training plan with its ``rollout`` section (every option considered, the infeasible ones with why).
     """
-    from autoshard.search.space import Constraints
-
     constraints = constraints or Constraints()
     usable = layer_terms.usable_memory_bytes(cluster)
     limit = constraints.max_memory_bytes or cluster.device.memory_bytes
