@@ -56,7 +56,10 @@ Per layer (``admissible_strategies``), for one mesh:
       runtime would run it, replicated, on the sequence chunks (an attention
       would see only this rank's chunk; ``model_parallel`` declares no
       collectives for its column / row parameters left unsplit).
-    * ``ep = True`` iff the layer is MoE and ``mesh.ep > 1`` (same reasoning as tp).
+    * ``ep = True`` iff the layer is MoE and ``mesh.ep > 1`` (same reasoning as tp). Such a layer is
+      offered ``state = "replicate"`` and ``tp = "none"`` only (``ep_runs/state``): the runtime builds
+      expert parallelism with whole expert states on every rank of an expert's data-parallel group
+      (``passes/context._expert_dim``); sharding them over that group is not built, so it is not priced.
     * ``state``: all of ``STATES`` when ``dp > 1`` and the layer has parameters;
       ``replicate`` / ``offload`` when ``dp = 1`` (sharding over one rank is
       replication); ``replicate`` only for a layer without parameters.
@@ -344,6 +347,8 @@ def admissible_strategies(layer: LayerInfo, mesh: Mesh, pin: Mapping[str, Any] |
     tp = "megatron" if mesh.tp > 1 and tp_runs(layer) else "none"
     ep = mesh.ep > 1 and layer.kind == "moe"
     states = STATES if mesh.dp > 1 and has_params else (("replicate", "offload") if has_params else ("replicate",))
+    if ep:  # ep_runs/state
+        tp, states = "none", ("replicate",)
     pin = dict(pin or {})
     if not offload and pin.get("state") != "offload":
         states = tuple(s for s in states if s != "offload")

@@ -344,10 +344,17 @@ def test_textbook_layer_too_large_for_one_gpu_uses_tp_inside_node():
 
 
 def test_textbook_moe_uses_expert_parallelism():
-    graph = synthetic_graph(dataclasses.replace(MIXTRAL_8X7B, num_blocks=4))
-    plan = solve(graph, synthetic_cluster("h100-sxm", 2), TrainSpec(global_batch=128, seq_len=4096))
+    # 16 Mixtral blocks on 8 H100: without EP the experts' bf16 weights alone (~45 GB) need ZeRO-3, which
+    # gathers every expert again each micro-batch; EP holds one expert per rank (whole states, the form the
+    # runtime builds: ep_runs/state) and moves tokens instead.
+    graph = synthetic_graph(dataclasses.replace(MIXTRAL_8X7B, num_blocks=16))
+    cluster, train = synthetic_cluster("h100-sxm", 1), TrainSpec(global_batch=128, seq_len=4096)
+    plan = solve(graph, cluster, train)
     assert plan.mesh.ep > 1
-    assert {s.ep for s in _blocks(plan, ".mlp")} == {True}
+    assert {(s.ep, s.state, s.tp) for s in _blocks(plan, ".mlp")} == {(True, "replicate", "none")}
+    without = solve(graph, cluster, train, constraints=Constraints(mesh={"ep": 1}))
+    assert {s.state for s in _blocks(without, ".mlp")} == {"zero3"}
+    assert without.predictions.step_time_s > plan.predictions.step_time_s
 
 
 def test_textbook_slow_inter_node_links_avoid_cross_node_traffic():
