@@ -40,6 +40,33 @@ LAYER_KINDS = ("embedding", "norm", "attention", "mlp", "moe", "head", "value_he
 #   replicate: never split by tp (norms, router, value head)
 TP_ROLES = ("column", "row", "vocab", "expert", "replicate")
 
+ROLLOUT_SHARD_DIM = {"column": 0, "row": 1, "vocab": 0}
+"""The dimension a rollout shard of degree r splits, per TP role (absent: replicated). One table for the
+layout ``runtime/rollout_tp.py`` builds and the one ``search/rollout.py`` prices."""
+
+
+def rollout_shard_dim(role: str, shape: tuple[int, ...], r: int) -> int | None:
+    """The dimension a ``role`` parameter of ``shape`` is split along on ``r`` rollout ranks, or None
+    (r = 1, a replicated role, or a row linear's bias, added once after the all-reduce). Divisibility
+    is the caller's: the runtime replicates an uneven vocabulary and refuses anything else uneven."""
+    dim = ROLLOUT_SHARD_DIM.get(role)
+    if r == 1 or dim is None or len(shape) <= dim or (role == "row" and len(shape) == 1):
+        return None
+    return dim
+
+
+def rollout_split_refusal(r: int, widths: list[tuple[str, int | None, str]], *, experts: bool) -> str | None:
+    """Why a policy cannot roll out on groups of ``r``, or None: expert weights are not split for rollout,
+    and r must divide every width (name, count, where: attention heads, key/value heads, MLP width)."""
+    if r == 1:
+        return None
+    if experts:
+        return "expert parameters are not split for rollout (MoE policies roll out with tp=1)"
+    for name, count, where in widths:
+        if count and count % r:
+            return f"rollout tp={r} does not divide the {name} ({count}){where}"
+    return None
+
 
 @dataclass(frozen=True)
 class ParamInfo:

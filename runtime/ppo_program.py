@@ -6,8 +6,8 @@
 | member | over the program |
 | --- | --- |
 | ``forward(tokens)`` | ``Program.forward`` (ZeRO-3 gathers, Megatron TP with all-gathered logits): (logits [B, S, V], values [B, S]) on every rank of the tp group; under ``no_grad`` the ZeRO-3 re-gather records are dropped at once; with pp > 1 only under ``no_grad`` (the stages in order, outputs broadcast to the pp group) |
-| ``forward(tokens, cache=, start_pos=)``, ``new_cache`` | with a ``RolloutEngine`` (default for the policy): KV-cached sampling on an eager full replica, synced from the program's shards once per step (``runtime/rollout_engine.py``); without one (``rollout_cache=False``, the reference): ``new_cache`` is None and rollout recomputes the prefix each decode step through the program |
-| ``sync_rollout_weights()`` | copy the current weights into the replica (collective; no-op when already fresh); ``PPOTrainer`` times it as the ``weight_sync`` phase |
+| ``forward(tokens, cache=, start_pos=)``, ``new_cache`` | with a ``RolloutEngine`` (default for the policy): KV-cached sampling on the rollout layout (groups of r ranks, each a Megatron shard of degree r; r = 1 a whole copy), resharded from the program's shards once per step (``runtime/rollout_engine.py``); without one (``rollout_cache=False``, the reference): ``new_cache`` is None and rollout recomputes the prefix each decode step through the program |
+| ``sync_rollout_weights()`` | reshard the current weights onto the rollout layout (collective; no-op when already fresh); ``PPOTrainer`` times it as the ``weight_sync`` phase |
 | ``backward(loss)`` | ``(D · loss).backward()`` with D = dp size, then the re-gather cache reset |
 | ``pipelined``, ``accumulate(tokens, loss_fn, stats)`` | pp > 1: forward and backward of a whole mini-batch through the plan's schedule (note: PPO on pipeline stages) |
 | ``step()`` | ``ShardedOptimizer.step()``: gradient sync over dp, global-norm clip, update, write back |
@@ -48,12 +48,15 @@ program build would remove it).
 
 [Note: the rollout engine]
 The policy engine owns a ``RolloutEngine`` unless built with
-``rollout_cache=False``: a full eager replica of the model in the compute
-dtype, fed by an all-gather of the program's shards whenever the weights
-changed (``_weights_version`` counts optimizer steps and state loads). The
-log-probs PPO trains on still come from the program (``_score``), so the
-replica only decides which tokens are drawn; ``mismatch/logp_*`` measures the
-gap. Memory: one unsharded replica per rank (``rollout_engine`` docstring).
+``rollout_cache=False``: the policy on its own layout in the compute dtype
+(groups of r ranks, a Megatron shard of degree r each; r from the plan's
+rollout section, else the plan's tp), fed by a reshard of the program's
+shards whenever the weights changed (``_weights_version`` counts optimizer
+steps and state loads). The log-probs PPO trains on still come from the
+program (``_score``), so the rollout copy only decides which tokens are
+drawn; ``mismatch/logp_*`` measures the gap. Memory: 1/r of the compute-dtype
+model per rank plus the KV cache (``rollout_engine`` docstring), priced by
+``search/rollout.py``.
 
 Which models a run takes (reference, factory, Hugging Face config), their initial weights, vocabulary
 and rollout: ``runtime/ppo_policy.py``.
@@ -172,7 +175,7 @@ class ProgramEngine:
         """tokens [B, S] → (logits [B, S, V], values [B, S]), identical on every rank of a tp group.
 
         With ``cache`` (from ``new_cache``) the tokens sit at positions
-        ``start_pos``.. and run through the rollout replica (no autograd);
+        ``start_pos``.. and run through the rollout layout (no autograd);
         without it, through the sharded program.
         """
         if cache is not None or start_pos:
@@ -202,9 +205,9 @@ class ProgramEngine:
         return (logits[..., : self.vocab_size] if width > self.vocab_size else logits), values
 
     def new_cache(self, batch: int, max_len: int) -> Any:
-        """The rollout replica's KV cache (syncing its weights first when stale), or None without a rollout engine.
+        """The rollout layout's KV cache (resharding its weights first when stale), or None without a rollout engine.
 
-        Collective when the replica is stale: every rank calls it together (rollout does).
+        Collective when the rollout weights are stale: every rank calls it together (rollout does).
         """
         if self.rollout is None:
             return None
@@ -212,7 +215,7 @@ class ProgramEngine:
         return self.rollout.new_cache(batch, max_len)
 
     def sync_rollout_weights(self) -> None:
-        """Copy the program's current weights into the rollout replica (collective; no-op when fresh or absent)."""
+        """Reshard the program's current weights onto the rollout layout (collective; no-op when fresh or absent)."""
         if self.rollout is not None:
             self.rollout.sync(self._weights_version)
 
@@ -374,8 +377,8 @@ class PPORun:
     rollout_cache: bool = True
     context: int | None = None
     """A reference model's positions (prompt + response); None: ``MODEL_MAX_SEQ_LEN`` (32, what the tasks need)."""
-    """Sample from a KV-cached full replica synced from the shards each step (``runtime/rollout_engine.py``);
-    False: recompute every prefix through the sharded program (no replica memory)."""
+    """Sample on the KV-cached rollout layout resharded from the training shards each step
+    (``runtime/rollout_engine.py``); False: recompute every prefix through the sharded program (no rollout copy)."""
     data: Any = None
     """User prompts and reward (``runtime/rl_options.PromptSource``) instead of ``task``."""
     rl: RLOptions = field(default_factory=RLOptions)
@@ -724,7 +727,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-live", action="store_true")
     parser.add_argument("--profile", action="store_true", help="record one step's Chrome trace per rank next to --metrics")
     parser.add_argument("--no-rollout-cache", action="store_true",
-                        help="sample by recomputing prefixes through the sharded program (no full replica per rank)")
+                        help="sample by recomputing prefixes through the sharded program (no rollout copy of the weights)")
     add_rl_arguments(parser)
 
 

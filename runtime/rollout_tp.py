@@ -34,11 +34,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from autoshard.errors import AutoshardError
+from autoshard.graph import rollout_shard_dim, rollout_split_refusal
 from autoshard.models.layers import KVCache
 from autoshard.runtime import collectives
 
-SHARD_DIM = {"column": 0, "row": 1, "vocab": 0}
-"""The dimension a rollout shard splits, per TP role (absent: replicated)."""
 
 
 class RolloutLayoutError(AutoshardError):
@@ -46,31 +45,23 @@ class RolloutLayoutError(AutoshardError):
 
 
 def rollout_refusal(model: nn.Module, tp: int) -> str | None:
-    """Why ``model`` cannot roll out on ``tp`` ranks per group, or None (module docstring: divisibility)."""
+    """Why ``model`` cannot roll out on ``tp`` ranks per group, or None (module docstring: divisibility;
+    the rule is ``graph.rollout_split_refusal``, which the search applies to the traced graph)."""
     if tp == 1:
         return None
     config = getattr(model, "config", None)
     roles = model.tp_roles() if hasattr(model, "tp_roles") else None
     if config is None or roles is None:
         return "the policy has no tp_roles(): only the reference models' layers are split for rollout"
-    if "expert" in roles.values():
-        return "expert parameters are not split for rollout (MoE policies roll out with tp=1)"
     heads, kv = config.num_heads, getattr(config, "num_kv_heads", None) or config.num_heads
-    ffn = config.ffn_hidden
-    for name, count in (("attention heads", heads), ("key/value heads", kv), ("MLP width", ffn)):
-        if count % tp:
-            return f"rollout tp={tp} does not divide the {name} ({count})"
-    return None
+    widths = [("attention heads", heads, ""), ("key/value heads", kv, ""), ("MLP width", config.ffn_hidden, "")]
+    return rollout_split_refusal(tp, widths, experts="expert" in roles.values())
 
 
 def shard_dim(role: str, shape: tuple[int, ...], tp: int) -> int | None:
     """The dimension a parameter of ``role`` and ``shape`` is split along on ``tp`` rollout ranks, or None."""
-    dim = SHARD_DIM.get(role)
-    if tp == 1 or dim is None or len(shape) <= dim:
-        return None
-    if role == "row" and len(shape) == 1:  # a row linear's bias: added once, after the all-reduce
-        return None
-    if shape[dim] % tp:
+    dim = rollout_shard_dim(role, shape, tp)
+    if dim is not None and shape[dim] % tp:
         if role == "vocab":
             return None  # replicated vocabulary (module docstring)
         raise RolloutLayoutError(f"rollout tp={tp} does not divide dim {dim} of a {role} parameter {shape}")
@@ -193,5 +184,5 @@ def new_cache(model: nn.Module, tp: int, batch: int, max_len: int, *, device: An
                    head_dim=cfg.head_dim, device=device, dtype=dtype)
 
 
-__all__ = ["RolloutLayoutError", "SHARD_DIM", "build_sharded_replica", "local_shape", "new_cache",
+__all__ = ["RolloutLayoutError", "build_sharded_replica", "local_shape", "new_cache",
            "rollout_refusal", "shard_dim"]

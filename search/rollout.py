@@ -59,7 +59,7 @@ from typing import Any, Callable
 
 from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
-from autoshard.graph import LayerInfo, ModelGraph, ParamInfo
+from autoshard.graph import ROLLOUT_SHARD_DIM, LayerInfo, ModelGraph, ParamInfo, rollout_shard_dim, rollout_split_refusal
 from autoshard.plan import Plan, RolloutOption, RolloutPlan
 from autoshard.search import comm, layer_terms
 from autoshard.search.cost_model import plan_layer_costs
@@ -71,7 +71,6 @@ SAMPLING_KERNELS = 22
 copies and replay, temperature, log-softmax, multinomial, masks, gather, isin, cat, the all-done check)."""
 GRAPH_KERNEL_S = 2.5e-6
 """Seconds per kernel of a replayed CUDA graph (launch gaps; ``calibration["graph_kernel_s"]`` when measured)."""
-SHARDED_ROLES = {"column": 0, "row": 1, "vocab": 0}  # as runtime/rollout_tp.SHARD_DIM
 BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -100,19 +99,17 @@ class RolloutWorkload:
 
 
 def rollout_refusal(graph: ModelGraph, r: int) -> str | None:
-    """Why the policy cannot roll out on groups of ``r`` (``runtime/rollout_tp.rollout_refusal``), or None."""
-    if r == 1:
-        return None
+    """Why the policy cannot roll out on groups of ``r`` (the rule ``runtime/rollout_tp.rollout_refusal`` applies
+    to a model: ``graph.rollout_split_refusal``), or None."""
+    experts = any(layer.kind == "moe" or any(p.tp_role == "expert" for p in layer.params) for layer in graph.layers)
+    widths = []
     for layer in graph.layers:
-        if layer.kind == "moe" or any(p.tp_role == "expert" for p in layer.params):
-            return "expert parameters are not split for rollout (MoE policies roll out with tp=1)"
         if layer.kind == "attention":
-            for name, count in (("heads", layer.num_heads), ("key/value heads", layer.num_kv_heads)):
-                if count and count % r:
-                    return f"rollout tp={r} does not divide the {name} ({count}) of {layer.name}"
-        if layer.ffn_hidden and layer.kind == "mlp" and layer.ffn_hidden % r:
-            return f"rollout tp={r} does not divide the MLP width ({layer.ffn_hidden}) of {layer.name}"
-    return None
+            widths += [("heads", layer.num_heads, f" of {layer.name}"),
+                       ("key/value heads", layer.num_kv_heads, f" of {layer.name}")]
+        if layer.kind == "mlp":
+            widths.append(("MLP width", layer.ffn_hidden, f" of {layer.name}"))
+    return rollout_split_refusal(r, widths, experts=experts)
 
 
 def rollout_degrees(graph: ModelGraph, cluster: Cluster, stage_ranks: int) -> list[int]:
@@ -126,11 +123,8 @@ def rollout_degrees(graph: ModelGraph, cluster: Cluster, stage_ranks: int) -> li
 
 
 def _shard_dim(param: ParamInfo, r: int) -> int | None:
-    dim = SHARDED_ROLES.get(param.tp_role)
-    shape = param.global_shape
-    if r == 1 or dim is None or len(shape) <= dim or (param.tp_role == "row" and len(shape) == 1):
-        return None
-    return None if shape[dim] % r else dim
+    dim = rollout_shard_dim(param.tp_role, param.global_shape, r)
+    return None if dim is None or param.global_shape[dim] % r else dim
 
 
 def _params(graph: ModelGraph) -> list[tuple[LayerInfo, ParamInfo]]:
@@ -281,13 +275,13 @@ def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int) -> dict[str
     for layer, param in _params(graph):
         s = strategies[layer.name]
         e = param.numel * p
-        tp = mesh.tp if s.tp == "megatron" and mesh.tp > 1 and param.tp_role in SHARDED_ROLES else 1
+        tp = mesh.tp if s.tp == "megatron" and mesh.tp > 1 and param.tp_role in ROLLOUT_SHARD_DIM else 1
         ep = mesh.ep if s.ep and param.tp_role == "expert" else 1
         zero = mesh.dp_shard if s.state == "zero3" and mesh.dp_shard > 1 else 1
         if param.tp_role == "expert":
             zero = max(1, zero // ep) if zero > 1 else 1
         rdim = _shard_dim(param, r)
-        tdim = SHARDED_ROLES.get(param.tp_role) if tp > 1 else None
+        tdim = ROLLOUT_SHARD_DIM.get(param.tp_role) if tp > 1 else None
         skip_tp = keep_tp and tp > 1 and tdim == rdim
         size = e / (tp * zero * ep)
         gathered = False
