@@ -181,8 +181,10 @@ def _with_compiled_activations(graph: ModelGraph, model: torch.nn.Module, cluste
     ``predict``'s caveats then say."""
     if cluster.runs_on_cpu:
         return graph
+    from autoshard.passes.compiled_saved import with_compiled_saved_scale
+
     try:
-        return graph.with_compiled_saved_scale(model, train.seq_len)
+        return with_compiled_saved_scale(graph, model, train.seq_len)
     except CaptureError as err:
         log.warning("autoshard.compile: %s; compiled plans' activations are priced as eager", err)
         return graph

@@ -320,6 +320,8 @@ def with_compiled_activations(spec: str, graph: Any, cluster: Any, train: Any, s
     from autoshard.models import build
     from autoshard.models.source import is_factory_spec, is_hf_config_spec, load_model
 
+    from autoshard.passes.compiled_saved import with_compiled_saved_scale
+
     with stages.stage("compiled", f"compiled activations of {spec} (AOT trace on meta)"):
         try:
             if is_factory_spec(spec) or is_hf_config_spec(spec):  # the user's model, whole
@@ -327,7 +329,7 @@ def with_compiled_activations(spec: str, graph: Any, cluster: Any, train: Any, s
             else:
                 depth = {"num_layers": COMPILED_SCALE_BLOCKS} if _blocks(graph) > COMPILED_SCALE_BLOCKS else {}
                 model = build(spec, device="meta", dtype=torch.bfloat16, **depth)
-            return graph.with_compiled_saved_scale(model, train.seq_len)
+            return with_compiled_saved_scale(graph, model, train.seq_len)
         except CaptureError:
             return graph
 

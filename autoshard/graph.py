@@ -182,7 +182,7 @@ class ModelGraph:
     capture_seq_lens: tuple[int, ...] = ()
     dynamic_dims: tuple[str, ...] = ()  # input dims exported dynamic: "batch", "seq"
     # block activations a compiled step saves / what eager autograd saves (passes/compiled_saved.py);
-    # None until measured (``with_compiled_saved_scale``)
+    # None until measured (``passes.compiled_saved.with_compiled_saved_scale``)
     compiled_saved_scale: float | None = None
 
     def __iter__(self) -> Iterator[LayerInfo]:
@@ -217,12 +217,6 @@ class ModelGraph:
 
     def to_dict(self) -> dict:
         return asdict(self)
-
-    def with_compiled_saved_scale(self, model: Any, seq_len: int, micro_batch: int = 1) -> ModelGraph:
-        """This graph with ``compiled_saved_scale`` measured on ``model`` (``passes/compiled_saved.py``)."""
-        from autoshard.passes.compiled_saved import compiled_saved_scale
-
-        return replace(self, compiled_saved_scale=compiled_saved_scale(model, self, seq_len, micro_batch))
 
     def fingerprint(self) -> str:
         """Stable hash of structure and shapes (not of costs or weights)."""

@@ -3,7 +3,7 @@
 ``autoshard/data_parallel.py`` declares a layer's data-parallel collectives; this module declares
 the others, as the runtime runs them (``passes/insert_collectives.py``, ``passes/_expert_parallel.py``,
 ``runtime/pipeline.py``, ``runtime/program.py``, ``runtime/optimizer.py``,
-``runtime/quantized_collectives.py``). Two readers:
+``kernels/quantized_collectives.py``). Two readers:
 
 - the cost model prices them (``search/layer_terms.critical_terms``: TP/SP/EP/CP per micro-batch on
   the critical path; ``search/cost_model.boundary_send_s``: the stage boundary;
@@ -48,7 +48,7 @@ Notes, each what the runtime does:
   (``search/memory.sp_gathered_input_bytes``; the memory campaign in
   ``benchmarks/results/memory_h200_2026-11-27`` found them live at the step's peak).
 * Every TP/SP/EP collective is a node of the per-rank graph (``in_graph``) and synchronous
-  (``runtime/collectives.py``, note "synchronous kernels"): on the critical path, hidden under
+  (``kernels/collectives.py``, note "synchronous kernels"): on the critical path, hidden under
   nothing. SP's parameter all-reduces run once per parameter per micro-batch (each use of a
   replicated parameter on sequence chunks is wrapped in ``copy_to_tp``), not once per step.
 * The head's logits are all-gathered (``gather_logits``) before the user's loss; there is no

@@ -166,7 +166,7 @@ class TrainSpec:
         baseline would (``precision``'s dtype), and the search never picks a quantized wire
         (qwZ int8/fp8 weight gathers, qgZ int8/int4 gradient reductions) unless a pin asks for one;
         ``auto``: the search may choose them where they are faster (lossy: see
-        ``runtime/quantized_collectives.py`` for the error bounds).
+        ``kernels/quantized_collectives.py`` for the error bounds).
     """
 
     global_batch: int

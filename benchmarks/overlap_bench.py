@@ -139,7 +139,7 @@ def intersection_length(a, b) -> float:
 
 GATHER_OPS = ("autoshard::all_gather_start", "autoshard::all_gather")
 WAIT_OPS = ("autoshard::all_gather_wait",)
-# dispatcher ops are "cpu_op"; the eager fast path (runtime/collectives.py) names its calls with
+# dispatcher ops are "cpu_op"; the eager fast path (kernels/collectives.py) names its calls with
 # record_function, which traces as "user_annotation"
 HOST_CATS = ("cpu_op", "user_annotation")
 
@@ -233,7 +233,7 @@ def _mode(args, graph, spec, device, prefetch: int, batches, trace_dir: str, bac
     import torch.distributed as dist
 
     from autoshard.plan import Mesh
-    from autoshard.runtime import async_collectives
+    from autoshard.kernels import async_collectives
     from benchmarks.baselines.autoshard_trainer import AutoshardTrainer, uniform_plan
     from benchmarks.baselines.common import measure, reset_memory
 

@@ -201,7 +201,7 @@ def _capture(spec: RunSpec, cache_dir: Path | None = None, compiled: bool = Fals
     """The captured graph of ``spec``'s model; cached per (model, seq, dtype) for repeated ``main`` calls,
     and in ``cache_dir`` (``--graph-cache``) across processes. ``compiled`` (plans for a GPU cluster, where
     the runtime compiles): the graph also carries the compiled step's block-activation scale
-    (``ModelGraph.with_compiled_saved_scale``, traced on meta: seconds per model)."""
+    (``passes.compiled_saved.with_compiled_saved_scale``, traced on meta: seconds per model)."""
     key = (spec.model, spec.seq_len, spec.compute_dtype, tuple(sorted(spec.model_overrides.items())), compiled)
     if cache_dir is None:
         return _capture_cached(*key)
@@ -244,7 +244,9 @@ def _capture_cached(model: str, seq_len: int, dtype: torch.dtype, overrides: tup
 
         meta = build(model, device="meta", dtype=dtype, **dict(overrides))
     graph = capture(meta, name=model, seq_lens=seq_lens)
-    return graph.with_compiled_saved_scale(meta, seq_len) if compiled else graph
+    from autoshard.passes.compiled_saved import with_compiled_saved_scale
+
+    return with_compiled_saved_scale(graph, meta, seq_len) if compiled else graph
 
 
 def hf_available() -> bool:

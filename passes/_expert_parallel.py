@@ -40,7 +40,7 @@ from torch import fx
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import tag
 from autoshard.passes.context import RankContext
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 
 aten = torch.ops.aten
 _THROUGH = (aten.transpose.int, aten.t.default, aten.view.default, aten.permute.default, aten.reshape.default)

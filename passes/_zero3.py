@@ -17,7 +17,7 @@ pad/split/narrow backward routes each parameter's gradient to its own shard.
 Quantized communication (set by the ``quantize_comm`` pass through
 ``GatherSpec.qdtype`` / ``grad_comm``; both "none" by default): the gather
 becomes ``autoshard::quantized_all_gather`` of the same ``(L,)`` copy-in
-(``runtime/quantized_collectives.py``): the local ``flat_local`` is quantized
+(``kernels/quantized_collectives.py``): the local ``flat_local`` is quantized
 (int8 / fp8) with one scale per ``block`` elements, the ``uint8`` rows (payload
 and scales) are all-gathered once, and dequantization writes the compute dtype
 directly. Its backward reduce-scatters the ``(n·L,)`` gradient per
@@ -56,7 +56,7 @@ backward (``Regather.reset``), before clipping reads a gradient. Same values.
 [Note: compiled gather]
 Under ``torch.compile`` (the program is compiled: ``RankContext.compiled``)
 ``forward`` takes neither fused Function nor hook: it traces copy-in, the
-functional all-gather of ``runtime/traced_collectives.py`` and the copy-out as
+functional all-gather of ``kernels/traced_collectives.py`` and the copy-out as
 plain graph nodes, so AOT autograd puts the gather in the forward graph and its
 reduce-scatter in the backward graph, where inductor schedules both. With
 ``reshard_after_forward`` (the default: ZeRO-3 keeps no full weight between
@@ -81,7 +81,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from autoshard.runtime import async_collectives, collectives, quantized_collectives, traced_collectives
+from autoshard.kernels import async_collectives, collectives, quantized_collectives, traced_collectives
 
 
 @dataclass(frozen=True)
@@ -259,7 +259,7 @@ class Zero3Gather(nn.Module):
         self.spec = spec
         self.on_gather = on_gather
         # compiled HSDP: (group, ranks) whose all-reduce follows the backward's reduce-scatter in the graph
-        # (runtime/traced_collectives.py note "HSDP in the graph"); eager and quantized ignore it
+        # (kernels/traced_collectives.py note "HSDP in the graph"); eager and quantized ignore it
         self.replicate = replicate
         self.grad_sink: GradSink | None = None  # set by schedule_overlap: backward reduce-scatters go asynchronous
         self.reshard_after_forward = True  # compiled: re-gather in backward rather than keep (note "compiled gather")

@@ -32,6 +32,7 @@ Cost: one AOT trace of the whole model on meta tensors (about 10 s for a 1.3B, 2
 
 from __future__ import annotations
 
+import dataclasses
 import re
 from typing import Any, Callable
 
@@ -151,4 +152,9 @@ def compiled_saved_scale(model: nn.Module, graph: ModelGraph, seq_len: int, micr
     return min(min_cut / default, 1.0)
 
 
-__all__ = ["compiled_saved_scale", "saved_by_layer"]
+def with_compiled_saved_scale(graph: ModelGraph, model: nn.Module, seq_len: int, micro_batch: int = 1) -> ModelGraph:
+    """``graph`` with ``compiled_saved_scale`` measured on ``model`` (``compiled_saved_scale``)."""
+    return dataclasses.replace(graph, compiled_saved_scale=compiled_saved_scale(model, graph, seq_len, micro_batch))
+
+
+__all__ = ["compiled_saved_scale", "saved_by_layer", "with_compiled_saved_scale"]

@@ -122,7 +122,7 @@ from autoshard.passes._zero3 import GatherSpec, Zero3Gather
 from autoshard.passes.context import RankContext
 from autoshard.passes.shard_parameters import PROJECTIONS, RESHAPES
 from autoshard.plan import Plan
-from autoshard.runtime import collectives, traced_collectives
+from autoshard.kernels import collectives, traced_collectives
 
 NAME = "insert_collectives"
 aten = torch.ops.aten
@@ -211,7 +211,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
 class GradSync(nn.Module):
     """Graph module: a parameter, unchanged; its gradient all-reduced (mean over dp) in backward.
 
-    ``runtime/traced_collectives.py`` note "gradient sync". The collective is looked up at
+    ``kernels/traced_collectives.py`` note "gradient sync". The collective is looked up at
     construction (the group is live), not while ``torch.compile`` traces.
     """
 

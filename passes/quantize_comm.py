@@ -59,7 +59,7 @@ from autoshard.plan import LayerStrategy, Plan
 
 NAME = "quantize_comm"
 
-# plan vocabulary → op vocabulary of runtime/quantized_collectives.py ("none" = unquantized, own dtype)
+# plan vocabulary → op vocabulary of kernels/quantized_collectives.py ("none" = unquantized, own dtype)
 WEIGHT_QDTYPE = {"bf16": "none", "int8": "int8", "fp8": "fp8"}
 GRAD_WIRE = {"bf16": "none", "fp32": "fp32", "int8": "int8", "int4": "int4"}
 QUANTIZED_GRAD_STATES = ("zero2", "zero3", "offload")

@@ -7,7 +7,7 @@ call nodes exist for ZeRO-3 layers; a ``Regather`` may be installed);
 
 * each top-level ``Zero3Gather`` call of a layer whose communication is not
   quantized becomes two call nodes: ``GatherStart`` (copy-in + async
-  ``autoshard::all_gather_start``, ``runtime/async_collectives.py``) and
+  ``autoshard::all_gather_start``, ``kernels/async_collectives.py``) and
   ``GatherWait`` (``autoshard::all_gather_wait`` + copy-out, at the old node's
   place: the first use). The parameters' ``getitem`` nodes read the wait;
 * the start of the k-th such gather of a pipeline stage (graph order) is placed
@@ -105,7 +105,7 @@ class GatherWait(nn.Module):
 # [Note: compiled programs]
 # A program run through ``torch.compile`` (``ctx.compiled``) keeps its gathers blocking at first use
 # in the FX graph: the compiled gather is the functional all-gather of
-# ``runtime/traced_collectives.py``, whose start inductor issues asynchronously and whose wait it
+# ``kernels/traced_collectives.py``, whose start inductor issues asynchronously and whose wait it
 # places itself. Moving it here would be undone by AOT autograd's re-tracing. Instead this pass
 # records, in ``gm.meta["autoshard"]["compile_options"]``, the inductor passes that overlap them,
 # chosen from the plan (``compile_options``); ``Program`` compiles with them. Modes:

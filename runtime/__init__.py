@@ -1,7 +1,7 @@
 """Runtime: mesh and process groups, per-rank program, sharded optimizer (``build_program``).
 
-``build_program``, ``Program`` and ``StepResult`` are imported lazily: the passes
-import ``autoshard.runtime.collectives``, and the program imports the passes.
+``build_program``, ``Program`` and ``StepResult`` are imported lazily: importing one runtime
+module (the launcher, checkpoints, metrics) does not load the passes and the program behind them.
 """
 
 _LAZY = {"Program", "StepResult", "build_program", "compile_allowed"}

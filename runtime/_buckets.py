@@ -43,7 +43,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from autoshard.runtime import async_collectives, collectives
+from autoshard.kernels import async_collectives, collectives
 
 BUCKETED_WIRES = ("none", "fp32")
 

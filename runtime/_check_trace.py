@@ -6,9 +6,9 @@ as the dispatcher sees it:
 
 | op namespace | seen as | group from |
 | --- | --- | --- |
-| ``autoshard::`` (``runtime/collectives.py``, ``async_collectives.py``, ``quantized_collectives.py``) | the op, forward and backward (under a dispatch mode the eager fast path is off, so every call dispatches) | its group-name argument |
+| ``autoshard::`` (``kernels/collectives.py``, ``async_collectives.py``, ``quantized_collectives.py``) | the op, forward and backward (under a dispatch mode the eager fast path is off, so every call dispatches) | its group-name argument |
 | ``c10d::`` (``torch.distributed`` calls: pipeline send/recv, broadcast) | the op | its ``ProcessGroup`` argument |
-| ``_c10d_functional::`` (compiled forms, ``runtime/traced_collectives.py``) | the op | its group-name argument |
+| ``_c10d_functional::`` (compiled forms, ``kernels/traced_collectives.py``) | the op | its group-name argument |
 
 On meta tensors a custom op runs its fake kernel, so an ``autoshard::`` op is
 recorded once, at its own level (it issues no ``c10d::`` op underneath).

@@ -16,7 +16,7 @@ per-rank losses):
 
 In-graph sync: a compiled program with one micro-batch on one stage all-reduces (mean over dp)
 the gradients of its replicate / zero1 / zero2 parameters (unquantized wire) in its backward
-graph, where they overlap the rest of the backward (``runtime/traced_collectives.py`` note
+graph, where they overlap the rest of the backward (``kernels/traced_collectives.py`` note
 "gradient sync"); those slots take the gradient as reduced (flat slots keep their chunk) and
 join no bucket. Same values as the reduce-scatter / all-reduce after backward.
 
@@ -113,8 +113,9 @@ from torch import nn
 
 from autoshard.errors import AutoshardError
 from autoshard.passes.context import ParamPlacement, RankContext
-from autoshard.runtime import _buckets, collectives
-from autoshard.runtime.quantized_collectives import all_reduce_grad, reduce_scatter_grad
+from autoshard.kernels import collectives
+from autoshard.runtime import _buckets
+from autoshard.kernels.quantized_collectives import all_reduce_grad, reduce_scatter_grad
 from autoshard.train import AdamW, LRSchedule, TrainSpec
 
 FLAT_STATES = ("zero1", "zero2", "offload")

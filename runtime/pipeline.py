@@ -67,7 +67,7 @@ from autoshard.errors import PlanError
 from autoshard.passes.context import RankContext
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Schedule
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 
 SCHEDULES = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved_1f1b": ScheduleInterleaved1F1B}
 # torch >= 2.12 can skip merging the last stage's outputs, which a training step does not use.

@@ -106,7 +106,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from autoshard.errors import AutoshardError, PlanError
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 from autoshard.runtime.ppo_engine import EngineError
 from autoshard.runtime.ppo_policy import (  # noqa: F401  (re-exported: the run's model)
     MODEL_MAX_SEQ_LEN,

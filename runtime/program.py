@@ -75,7 +75,7 @@ from autoshard.passes.context import ParamPlacement, RankContext
 from autoshard.passes.schedule_overlap import compile_options
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
 from autoshard.runtime.compiled_loss import LossCompiler, compiles_loss
 from autoshard.runtime.inductor_fallback import overlap_on, overlap_safe_backend

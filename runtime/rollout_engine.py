@@ -65,7 +65,7 @@ import torch.distributed as dist
 from torch import nn
 
 from autoshard.passes.context import ParamPlacement, RankContext, chunk_size, coords_of
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 from autoshard.runtime.rollout import Rollout, SamplingConfig, generate
 from autoshard.runtime.rollout_graph import DecodeGraph
 from autoshard.runtime.rollout_tp import build_sharded_replica, new_cache, rollout_refusal

@@ -36,7 +36,7 @@ from torch import nn
 from autoshard.errors import AutoshardError
 from autoshard.graph import rollout_shard_dim, rollout_split_refusal
 from autoshard.models.layers import KVCache
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 
 
 

@@ -9,7 +9,7 @@ predicted step. The step recorded is the run's second (``profiled_step``): the f
 step records that one.
 
 Activities: the CPU always (ATen ops, autoshard's collectives under ``autoshard::<name>``,
-``runtime/collectives.py``), CUDA kernels too on a GPU rank. Nothing is recorded outside that step.
+``kernels/collectives.py``), CUDA kernels too on a GPU rank. Nothing is recorded outside that step.
 """
 
 from __future__ import annotations

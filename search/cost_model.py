@@ -457,7 +457,7 @@ def pricing_caveats(graph: ModelGraph, cluster: Cluster) -> tuple[str, ...]:
                    "(`autoshard cluster calibrate` measures them)")
     if not cluster.runs_on_cpu and graph.compiled_saved_scale is None and \
             calibration.get("layer_times.model") != graph.model_name:
-        out.append("compiled activations not measured for this model (ModelGraph.with_compiled_saved_scale): "
+        out.append("compiled activations not measured for this model (passes.compiled_saved.with_compiled_saved_scale): "
                    "a compiled plan's block activations are priced as eager autograd saves them")
     measured_on = calibration.get("layer_times.model")
     if measured_on is not None and measured_on != graph.model_name:

@@ -10,7 +10,7 @@ Three tiers of distributed tests (DESIGN.md, "Tests"), one entry point each:
 | ``run_nccl(fn, n)`` | n | n real, one GPU each | yes (NCCL) | GPU tests only (marker ``gpu``); skips without n GPUs |
 
 Only this file imports ``torch.testing._internal`` and ``torch.distributed._local_tensor``
-for tests: when they move, only this file changes. (``runtime/collectives.py``
+for tests: when they move, only this file changes. (``kernels/collectives.py``
 registers its ops' ``LocalTensorMode`` rules itself, guarded.) Test modules
 import it as ``from _harness import run_gloo``: pytest's default ``prepend``
 import mode puts ``tests/`` on ``sys.path``; keep ``tests/`` free of an

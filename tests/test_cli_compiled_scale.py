@@ -16,6 +16,7 @@ from autoshard.cli import main
 from autoshard.cluster import Cluster
 from autoshard.models import build
 from autoshard.passes.capture import capture_reference
+from autoshard.passes.compiled_saved import with_compiled_saved_scale
 from autoshard.plan import Plan
 from autoshard.search.cost_model import predict
 from autoshard.train import TrainSpec
@@ -49,7 +50,7 @@ def test_gpu_plan_measures_compiled_activations(capsys, tmp_path, monkeypatch):
     # the printed memory is predict's with the whole model's scale (the traced blocks stand for all)
     plan = Plan.load(gpu)
     graph = capture_reference("llama:tiny")
-    whole = graph.with_compiled_saved_scale(build("llama:tiny", device="meta", dtype=torch.bfloat16), 128)
+    whole = with_compiled_saved_scale(graph, build("llama:tiny", device="meta", dtype=torch.bfloat16), 128)
     expected = predict(whole, plan, Cluster.load("h100-sxm:1x2"), TrainSpec(global_batch=16, seq_len=128))
     assert json.loads(gpu.read_text())["predictions"]["peak_memory_bytes"] == expected.peak_memory_bytes
 
@@ -74,6 +75,6 @@ def test_deep_models_trace_a_few_blocks_that_stand_for_all(monkeypatch):
         out = cli_search.with_compiled_activations("llama:125m", graph, Cluster.load("h100-sxm:1x2"),
                                                    TrainSpec(global_batch=2, seq_len=32), stages)
     assert calls.get("num_layers") == cli_search.COMPILED_SCALE_BLOCKS < 12
-    whole = graph.with_compiled_saved_scale(original("llama:125m", device="meta", dtype=torch.bfloat16), 32)
+    whole = with_compiled_saved_scale(graph, original("llama:125m", device="meta", dtype=torch.bfloat16), 32)
     assert abs(out.compiled_saved_scale - whole.compiled_saved_scale) < 0.02, (out.compiled_saved_scale,
                                                                                 whole.compiled_saved_scale)

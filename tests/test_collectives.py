@@ -1,4 +1,4 @@
-"""Tests of runtime/collectives.py: the ``autoshard::`` collective custom ops.
+"""Tests of kernels/collectives.py: the ``autoshard::`` collective custom ops.
 
 In-process, under a fake process group: argument checks, shapes through
 ``torch.export`` (dynamic dims too), and the backward op of every op traced by
@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 
 from _harness import fake_world, local_ranks, run_gloo_cases
 from autoshard.errors import AutoshardError
-from autoshard.runtime import collectives as C
+from autoshard.kernels import collectives as C
 
 # float64 for the op-level cases (any convention error is O(1)); float32 for the
 # Megatron MLPs, compared to the unsharded MLP at rtol 1e-5 (atol covers
@@ -280,12 +280,12 @@ def case_opcheck(rank, world_size):
 def case_eager_fast_path(rank, world_size):
     """The public wrappers' eager fast path vs the torch.library dispatch: same values and gradients, and which ran.
 
-    runtime/collectives.py note "eager fast path": plain tensors with nothing tracing take
+    kernels/collectives.py note "eager fast path": plain tensors with nothing tracing take
     ``_Direct``; under a dispatch mode the same wrapper goes through ``torch.ops.autoshard``.
     """
     from torch.utils._python_dispatch import TorchDispatchMode
 
-    from autoshard.runtime import async_collectives as A
+    from autoshard.kernels import async_collectives as A
 
     class Passthrough(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
@@ -315,7 +315,7 @@ def case_eager_fast_path(rank, world_size):
             checks[f"{name}[{i}]"] = (a, b)
         checks[f"{name}.grad"] = (fast_grad, slow_grad)
         paths[name] = (fast_node, slow_node)
-    # the asynchronous reduce-scatter of backward (runtime/async_collectives.py note "async reduce-scatter")
+    # the asynchronous reduce-scatter of backward (kernels/async_collectives.py note "async reduce-scatter")
     flat = _randn(200 + rank, world_size * 6)
     for op in ("avg", "sum"):
         handle = A.reduce_scatter_start(flat, C.group_name_of(None), op)

@@ -202,7 +202,7 @@ def test_world2_compiled_matches_eager_and_single_device(results2, references, n
     _check(results2, references, CASES_2, name, backend)
 
 
-# TP + SP: every SP collective goes through runtime/collectives.py ``call``, whose ``eager_context``
+# TP + SP: every SP collective goes through kernels/collectives.py ``call``, whose ``eager_context``
 # asks ``torch._C._len_torch_dispatch_stack()`` before ``torch.compiler.is_compiling()``; dynamo
 # cannot trace the former (it returns a non-tensor) and breaks the graph at each SP collective.
 _UNPLANNED_BREAKS: set[str] = set()

@@ -169,7 +169,7 @@ def _issued(rank, world_size, case: Case):
     """Collectives of the second step: {kind: [count, bytes]}, {group name: count}, and this rank's view."""
     from torch.profiler import ProfilerActivity, profile
 
-    from autoshard.runtime.collectives import _group
+    from autoshard.kernels.collectives import _group
 
     program = build_program(_model(case.model), _graph(case.model), case.plan(), None,
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
@@ -365,7 +365,7 @@ def test_mixed_plans_issue_the_declared_collectives_world4(issued4, name):
 def test_quantized_rows_match_the_kernels_layout():
     """``quantized_row_bytes`` is the row the runtime moves: the block ``block_for`` picks, the layout's bytes."""
     from autoshard.kernels.layout import QuantLayout
-    from autoshard.runtime.quantized_collectives import block_for
+    from autoshard.kernels.quantized_collectives import block_for
 
     for wire in ("int8", "fp8", "int4"):
         for shard in (1, 63, 64, 65, 100, 1000, 4096, 8320, 12288, 100_000):

@@ -731,12 +731,13 @@ def test_compiled_saved_scale_is_measured_for_any_model_and_read_by_predict():
 
     from autoshard.models import build
     from autoshard.passes import capture
+    from autoshard.passes.compiled_saved import with_compiled_saved_scale
     from autoshard.plan import LayerStrategy, Mesh, Plan
     from autoshard.search.cost_model import compiled_activation_scale
 
     model = build("llama:tiny", device="meta", dtype=torch.bfloat16)
     graph = capture(model, seq_lens=(32, 64))
-    measured = graph.with_compiled_saved_scale(model, seq_len=64)
+    measured = with_compiled_saved_scale(graph, model, seq_len=64)
     assert 0.3 < measured.compiled_saved_scale < 0.95
     plan = Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=2),
                 layers=tuple(LayerStrategy(layer=l.name) for l in graph.layers))

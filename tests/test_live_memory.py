@@ -34,6 +34,7 @@ from _runtime_cases import loss_fn
 from autoshard.cluster import Cluster
 from autoshard.models import build
 from autoshard.passes import capture
+from autoshard.passes.compiled_saved import with_compiled_saved_scale
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime import build_program
 from autoshard.runtime.live_bytes import LiveBytes
@@ -104,7 +105,7 @@ def _measure(rank, world_size, state, micro_batches, compiled, mesh, graph):
 def _compiled_graph():
     """The graph as ``autoshard.compile`` prices it for a GPU cluster: with the compiled step's activation
     scale (``passes/compiled_saved.py``)."""
-    return _graph().with_compiled_saved_scale(build(SPEC, device="meta", **MODEL), SEQ)
+    return with_compiled_saved_scale(_graph(), build(SPEC, device="meta", **MODEL), SEQ)
 
 
 def _predicted(state: str, micro_batches: int, compiled: bool, mesh: Mesh) -> dict[str, float]:

@@ -1,4 +1,4 @@
-"""Async all-gather ops (runtime/async_collectives.py) and the ``schedule_overlap`` pass.
+"""Async all-gather ops (kernels/async_collectives.py) and the ``schedule_overlap`` pass.
 
 One spawned gloo job (world 2) runs every multi-process case: the start/wait
 ops against the blocking ``autoshard::all_gather`` (values and gradients,
@@ -29,9 +29,9 @@ from autoshard.models import build
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.passes.schedule_overlap import LIGHT_FRACTION, GatherStart, GatherWait, prefetch_anchors
 from autoshard.plan import Mesh, Plan
-from autoshard.runtime import async_collectives as A
+from autoshard.kernels import async_collectives as A
 from autoshard.runtime import build_program
-from autoshard.runtime import collectives as C
+from autoshard.kernels import collectives as C
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.train import TrainSpec
 

@@ -32,7 +32,7 @@ import torch
 from _harness import run_gloo_cases
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime.ppo_program import PPORun, build_policy_model, capture_policy, reseed, sharded_trainer, train_loop
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 from autoshard.runtime.rollout import SamplingConfig
 
 STEPS = 3

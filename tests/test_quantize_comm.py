@@ -46,10 +46,10 @@ from autoshard.passes import quantize_comm
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.runtime import build_program
-from autoshard.runtime import async_collectives
-from autoshard.runtime import collectives as collectives_module
+from autoshard.kernels import async_collectives
+from autoshard.kernels import collectives as collectives_module
 from autoshard.runtime.optimizer import OptimizerConfig
-from autoshard.runtime.quantized_collectives import block_for
+from autoshard.kernels.quantized_collectives import block_for
 from autoshard.train import TrainSpec
 
 GPT, LLAMA = "gpt:tiny", "llama:tiny"

@@ -25,7 +25,7 @@ import torch
 
 from _harness import run_gloo_cases
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 from autoshard.runtime.ppo_program import PPORun, capture_policy, sharded_trainer, train_loop
 from autoshard.runtime.rollout import SamplingConfig
 

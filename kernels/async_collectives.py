@@ -1,6 +1,6 @@
 """Asynchronous all-gather: ``autoshard::all_gather_start`` + ``autoshard::all_gather_wait``.
 
-The blocking ``autoshard::all_gather`` (``runtime/collectives.py``) returns only
+The blocking ``autoshard::all_gather`` (``kernels/collectives.py``) returns only
 when the data has arrived, so nothing can run beside it. These two ops split it
 so that a graph can issue the collective early and wait only where the result
 is first used (the ``schedule_overlap`` pass does so for ZeRO-3 gathers):
@@ -67,8 +67,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from autoshard.runtime import collectives as _collectives
-from autoshard.runtime.collectives import CollectiveError, group_name_of
+from autoshard.kernels import collectives as _collectives
+from autoshard.kernels.collectives import CollectiveError, group_name_of
 
 _all_gather_single = _collectives._all_gather_single
 

@@ -43,7 +43,7 @@ here and raise in backward. The group size ``n`` divides every split dimension.
 The eager kernels call plain, blocking ``torch.distributed`` collectives: simple
 and correct on gloo and NCCL. Overlap uses separate ops: the asynchronous
 ``autoshard::all_gather_start`` / ``autoshard::all_gather_wait`` pair
-(``runtime/async_collectives.py``), which the ``schedule_overlap`` pass puts in
+(``kernels/async_collectives.py``), which the ``schedule_overlap`` pass puts in
 place of ZeRO-3 forward gathers; the ops here keep their signatures. Every op returns a new
 tensor (custom ops may not alias their inputs), so ``copy_to_tp`` copies.
 

@@ -4,7 +4,7 @@
 Inductor schedules only its own collective ops, ``torch.ops._c10d_functional.*``:
 it issues them asynchronously, waits at first use, and its passes bucket and
 reorder them for overlap (``passes/schedule_overlap.py`` turns those on from
-the plan). The ``autoshard::`` ops (``runtime/collectives.py``) are opaque
+the plan). The ``autoshard::`` ops (``kernels/collectives.py``) are opaque
 blocking calls to it. So a compiled program (``RankContext.compiled``) traces
 its ZeRO-3 gathers through ``traced_all_gather`` below: forward an
 ``all_gather_into_tensor`` + ``wait_tensor``, backward a
@@ -50,7 +50,7 @@ from dataclasses import dataclass
 from torch import Tensor
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
-from autoshard.runtime.collectives import _group
+from autoshard.kernels.collectives import _group
 
 _functional = torch.ops._c10d_functional
 

@@ -46,7 +46,7 @@ from autoshard.kernels import DEFAULT_BLOCK, QFORMATS
 from autoshard.kernels.layout import SCALE_BYTES
 from autoshard.kernels.comm import quantized_all_gather as _qwz_gather
 from autoshard.kernels.comm import quantized_reduce_scatter as _qgz_scatter
-from autoshard.runtime import collectives
+from autoshard.kernels import collectives
 
 try:
     from torch.distributed.distributed_c10d import _resolve_process_group
