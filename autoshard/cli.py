@@ -58,6 +58,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Sequence
 
+from autoshard.cli_args import positive_int as _positive_int
+from autoshard.cli_args import print_json
 from autoshard.errors import AutoshardError
 from autoshard.quiet_warnings import filter_third_party_warnings
 
@@ -131,15 +133,6 @@ def _format_count(n: int) -> str:
 
 def _args_json(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", action="store_true", help="print one JSON document on stdout instead of the table")
-
-
-def print_json(data: Any) -> None:
-    """Write ``data`` (or JSON text, written as is) to stdout: the whole output of a ``--json`` command."""
-    import json
-
-    text = data if isinstance(data, str) else json.dumps(data, indent=2, sort_keys=True, allow_nan=False) + "\n"
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def _cmd_models(args: argparse.Namespace, console: Any) -> int:
@@ -325,13 +318,13 @@ def _cmd_report(args: argparse.Namespace, console: Any) -> int:
 
 
 def _args_check(parser: argparse.ArgumentParser) -> None:
-    from autoshard.runtime.check import add_check_arguments
+    from autoshard.check import add_check_arguments
 
     add_check_arguments(parser)
 
 
 def _cmd_check(args: argparse.Namespace, console: Any) -> int:
-    from autoshard.runtime.check import cmd_check
+    from autoshard.check import cmd_check
 
     return cmd_check(args, console)
 
@@ -425,16 +418,6 @@ def _print_text(console: Any, value: Any) -> None:
         console.print(value, markup=False, highlight=False, soft_wrap=True)
     else:
         console.print(value)
-
-
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not an integer; give a positive integer") from None
-    if value <= 0:
-        raise argparse.ArgumentTypeError(f"{value} must be a positive integer")
-    return value
 
 
 def _output_path(text: str) -> Path:

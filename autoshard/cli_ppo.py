@@ -55,7 +55,7 @@ workers, in ``runtime/rl_options.py``; ``docs/ppo.md`` "Your own prompts and rew
    terminal's stderr.
 
 ``autoshard plot METRICS.jsonl -o curves.png`` draws the curves of a metrics
-file (``autoshard/plot.py``).
+file (``runtime/plot.py``).
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from pathlib import Path
 from typing import Any
 
 from autoshard import file_io
-from autoshard.cli import _positive_int  # one parser for positive-int flags across the CLI
+from autoshard.cli_args import positive_int as _positive_int  # one parser for positive-int flags across the CLI
 from autoshard.errors import AutoshardError
 
 DEFAULT_STEPS = 150
@@ -126,15 +126,15 @@ def _rollout_tp(text: str) -> str | int:
 
 
 def add_plot_command_arguments(parser: argparse.ArgumentParser) -> None:
-    """Arguments of ``autoshard plot`` (``autoshard/plot.py``)."""
-    from autoshard.plot import add_plot_arguments
+    """Arguments of ``autoshard plot`` (``runtime/plot.py``)."""
+    from autoshard.runtime.plot import add_plot_arguments
 
     add_plot_arguments(parser)
 
 
 def cmd_plot(args: argparse.Namespace, console: Any) -> int:
     """``autoshard plot METRICS.jsonl [-o OUT.png]``."""
-    from autoshard.plot import plot_main
+    from autoshard.runtime.plot import plot_main
 
     return plot_main(args)
 
@@ -142,22 +142,21 @@ def cmd_plot(args: argparse.Namespace, console: Any) -> int:
 def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     """``autoshard ppo``: plan (search or load), then train here or through torchrun (module docstring)."""
     from autoshard.cli_search import load_cluster, reference_spec
-    from autoshard.runtime import rl_options
+    from autoshard.runtime import rl_data, rl_options
     from autoshard.runtime.ppo_program import capture_policy, check_policy_vocab, load_policy, policy_context
 
     _check_flags(args)
     data, options = rl_options.source_from_args(args), rl_options.options_from_args(args)
     if data is None:  # a built-in task: its name is refused before the policy is built
-        from autoshard.runtime.ppo_program import TASK_PRESETS
-        from autoshard.runtime.tasks import get_task
+        from autoshard.runtime.tasks import TASK_PRESETS, get_task
 
         get_task(args.task, **TASK_PRESETS.get(args.task, {}))
-    tokenizer = rl_options.run_tokenizer(data)
+    tokenizer = rl_data.run_tokenizer(data)
     policy = load_policy(reference_spec(args.model), args.seed, "meta", weights=_text(args.weights), context=args.context,
                          vocab_size=tokenizer.vocab_size)
     # TaskError naming the tasks, a bad prompt file or reward, before any search
-    task, sampling = rl_options.build_task(args.task, data, options, context=policy_context(policy.module),
-                                           tokenizer=tokenizer)
+    task, sampling = rl_data.build_task(args.task, data, options, context=policy_context(policy.module),
+                                       tokenizer=tokenizer)
     check_policy_vocab(policy.module, policy.name, task)
     spec = policy.name  # file paths made absolute: the workers and plans name the model alike
     cluster = load_cluster(args.cluster, args.calibration)

@@ -473,7 +473,7 @@ def _search(request: PlanRequest, graph: Any, cluster: Any, train: Any, old: Any
 def _report(console: Any, request: PlanRequest, plan: Any, old: Any, seconds: Mapping[str, float],
             cluster: Any) -> None:
     if request.json:  # one JSON document on stdout: the plan as its file holds it
-        from autoshard.cli import print_json
+        from autoshard.cli_args import print_json
 
         if request.output is not None:
             plan.save(request.output)

@@ -142,7 +142,7 @@ def ppo_step(console: Console, steps: int, out: Path) -> TrainResult:
 
 
 def _single_process(console: Console, steps: int, out: Path) -> tuple[Path, Path]:
-    from autoshard.plot import plot_metrics
+    from autoshard.runtime.plot import plot_metrics
     from autoshard.runtime.ppo_demo import run_demo
 
     metrics = out / "metrics_single_process.jsonl"

@@ -112,7 +112,7 @@ def _plan(run: Any, cluster: str, plan: Any) -> tuple[Any, Any]:
     from autoshard.cli_search import load_cluster
     from autoshard.plan import Plan
     from autoshard.runtime.ppo_program import capture_policy, load_policy, policy_context, rollout_cache_unsupported
-    from autoshard.runtime.rl_options import build_task, run_tokenizer
+    from autoshard.runtime.rl_data import build_task, run_tokenizer
 
     tokenizer = run_tokenizer(run.data)
     policy = load_policy(run.model, run.seed, "meta", vocab_size=tokenizer.vocab_size, context=run.context)

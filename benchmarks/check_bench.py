@@ -4,7 +4,7 @@ Each case draws a reference family (``autoshard.models.FAMILIES``) at a small ra
 bf16 as the CLI builds it (capture prices activations in the dtype it sees), a cluster of 1–512 nodes
 (log-uniform, so node counts such as 3, 48 or 280 come up) × 1–8 H100s, a global batch and sometimes a
 pinned layer strategy; the search (``autoshard.search.solve``, ``--search-s``) returns a plan and
-``runtime/check.check_plan`` builds its roles (at most ``--max-roles`` each) under the fake process
+``autoshard/check.check_plan`` builds its roles (at most ``--max-roles`` each) under the fake process
 group. Written: per case the plan's mesh, the roles built, the seconds, whether the collectives matched
 and the worst memory error; totals (``passed``: collectives match and memory within tolerance); to
 ``--out`` (the campaign folder ``benchmarks/results/check_property_cpu_<date>/``).
@@ -26,7 +26,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 from autoshard.models import FAMILIES, build
 from autoshard.passes import capture
-from autoshard.runtime.check import check_plan
+from autoshard.check import check_plan
 from autoshard.search import solve
 from autoshard.search.space import Constraints
 from autoshard.train import TrainSpec

@@ -21,7 +21,7 @@ first run of Llama-70B at 1024 × 4096 was searched to pp 4 with 256 micro-batch
 rate measured below, tens of minutes a role on this CPU); the memory peak does not grow with them (one micro-batch's activations per stage,
 the schedule's in-flight count on a pipeline).
 
-Per case: the search (``autoshard.search.solve``, ``--time-limit`` s), then ``runtime/check.check_plan``
+Per case: the search (``autoshard.search.solve``, ``--time-limit`` s), then ``autoshard/check.check_plan``
 with at most ``--max-roles`` roles (beyond that the first and last pipeline stage's corner roles, then a
 seeded sample: ``_check_match.select_roles``). Written per case to ``<out>/rows/<case>.json`` (so cases can
 run in separate processes) and merged into ``<out>/check_scales.json``: model, cluster, plan mesh and
@@ -48,7 +48,7 @@ from autoshard.cluster import Cluster
 from autoshard.errors import AutoshardError
 from autoshard.models import build
 from autoshard.passes import capture
-from autoshard.runtime.check import TOLERANCE, check_plan
+from autoshard.check import TOLERANCE, check_plan
 from autoshard.search import solve
 from autoshard.train import TrainSpec
 

@@ -1,4 +1,4 @@
-"""Rank roles of a mesh and the matching of their collectives, for ``runtime/check.py``. Pure functions.
+"""Rank roles of a mesh and the matching of their collectives, for ``autoshard/check.py``. Pure functions.
 
 [Note: roles]
 Two ranks with the same *role* build the same program up to the names of their

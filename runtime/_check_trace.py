@@ -1,4 +1,4 @@
-"""What one rank's program issues and holds under fake tensors: the dispatch mode of ``runtime/check.py``.
+"""What one rank's program issues and holds under fake tensors: the dispatch mode of ``autoshard/check.py``.
 
 ``Trace`` is a ``LiveBytes`` (``runtime/live_bytes.py``) that counts meta
 storages and, beside the bytes, records every collective the program issues,

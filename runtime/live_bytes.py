@@ -20,7 +20,7 @@ allocate their buffers without dispatching, so an inductor graph is seen only
 through the ops it calls.
 
 Meta tensors are not counted unless ``count_meta=True``: a program built on
-the meta device (``runtime/check.py``) has only meta storages, whose
+the meta device (``autoshard/check.py``) has only meta storages, whose
 ``nbytes`` are the bytes the same tensors would take on a device.
 """
 

@@ -566,7 +566,7 @@ def update_kind(cfg: OptimizerConfig, masters: list[torch.Tensor]) -> str:
     if cfg.name != "adamw" or not masters:
         return "foreach"
     device = masters[0].device
-    if device.type not in ("cuda", "cpu", "meta"):  # meta: a program built to be checked (runtime/check.py)
+    if device.type not in ("cuda", "cpu", "meta"):  # meta: a program built to be checked (autoshard/check.py)
         return "foreach"
     ok = all(m.device == device and m.dtype in (torch.float32, torch.bfloat16, torch.float16) for m in masters)
     return "fused" if ok else "foreach"

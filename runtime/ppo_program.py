@@ -334,7 +334,6 @@ class ProgramEngine:
 
 # --------------------------------------------------------------------------- building a sharded PPO run
 
-TASK_PRESETS: dict[str, dict[str, Any]] = {"arithmetic": {"max_step": 1}}  # ppo_demo's reference task
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -347,7 +346,7 @@ class PPORun:
     weights: str | None = None
     """Hugging Face safetensors directory the initial weights come from (HF config models only)."""
     task: str = "arithmetic"
-    """Task name (``runtime/tasks``); ``TASK_PRESETS`` holds its options."""
+    """Task name (``runtime/tasks``); ``tasks.TASK_PRESETS`` holds its options."""
     steps: int = 150
     """PPO steps to run in total (a resumed run continues up to this count)."""
     seed: int = 0
@@ -448,7 +447,7 @@ def build_engines(
 
 def ppo_config(run: PPORun, dp: int, max_new_tokens: int, sampling: Any = None, plan: Any = None) -> Any:
     """The reference run's ``PPOConfig`` with ``run.global_batch`` split over ``dp`` ranks and ``run.rl``'s
-    options; ``sampling`` (default: ``max_new_tokens`` at temperature 1) from ``rl_options.build_task``.
+    options; ``sampling`` (default: ``max_new_tokens`` at temperature 1) from ``rl_data.build_task``.
     A ``plan`` searched for this RL workload (one with a rollout section, ``search/rollout.py``) sets the
     micro-batch to the one it was priced and fitted with, when that divides a rank's mini-batch."""
     from autoshard.runtime.ppo import PPOConfig
@@ -487,7 +486,7 @@ def sharded_trainer(
     ``graph`` (default: captured from it) is what ``plan`` was searched against.
     """
     from autoshard.runtime.ppo import PPOTrainer
-    from autoshard.runtime.rl_options import build_task, run_tokenizer
+    from autoshard.runtime.rl_data import build_task, run_tokenizer
     from autoshard.runtime.tasks import task_vocab_size
 
     tokenizer = run_tokenizer(run.data)
@@ -616,7 +615,7 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
                                      "world_size": plan.mesh.world_size,
                                      "mesh": str(plan.mesh), "schedule": str(plan.schedule),
                                      "precision": plan.precision, "global_batch": run.global_batch})
-    from autoshard.runtime.rl_options import run_tokenizer
+    from autoshard.runtime.rl_data import run_tokenizer
 
     model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=run_tokenizer(run.data).vocab_size,
                         context=run.context, on_shards=True)
@@ -649,7 +648,7 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     if run.checkpoint:
         save_ppo(run.checkpoint, trainer, graph)
     if rank == 0 and run.plot:
-        from autoshard.plot import plot_metrics
+        from autoshard.runtime.plot import plot_metrics
 
         print(f"training curves: {plot_metrics(run.metrics, run.plot)}")
     return history
@@ -768,7 +767,6 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
 
 __all__ = [
     "MODEL_MAX_SEQ_LEN",
-    "TASK_PRESETS",
     "GroupReducer",
     "PPORun",
     "PolicyModel",

@@ -398,7 +398,7 @@ def build_program(
     ``inputs``: the model's tensor inputs (``autoshard.passes.capture.bind_example`` of the example inputs,
     as ``compile`` passes them; [Note: model inputs]); ``None`` = the tokens alone.
     ``exported``: the model's export for this rank's device and dtype (``export_model``), which the
-    passes rewrite in place; ``None`` = export here (``runtime/check.py`` passes copies of one export
+    passes rewrite in place; ``None`` = export here (``autoshard/check.py`` passes copies of one export
     to build many ranks of a plan in one process).
     """
     precision = train.precision if train is not None else plan.precision

@@ -44,6 +44,7 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 from autoshard.errors import AutoshardError
+from autoshard.runtime.rl_options import DEFAULT_PROMPT_NEW_TOKENS, PromptSource, RLOptions
 from autoshard.runtime.rl_options import LONG_PROMPT_CHOICES as LONG_PROMPTS
 
 
@@ -293,6 +294,35 @@ class PromptTask:
         return torch.tensor(values, dtype=torch.float32, device=responses.device), None
 
 
+def run_tokenizer(data: PromptSource | None) -> Any:
+    """The run's tokenizer: the prompt source's, else the tasks' characters."""
+    return as_tokenizer(None if data is None else data.tokenizer)
+
+
+def build_task(task_name: str, data: PromptSource | None, options: RLOptions, *, context: int,
+               tokenizer: Any = None) -> tuple[Any, Any]:
+    """(the ``Task`` to train on, its ``SamplingConfig``): ``data``'s prompts and reward, else ``task_name``.
+
+    ``context`` is the policy's longest sequence; a prompt set gets ``context − max_new_tokens`` as its budget.
+    """
+    from autoshard.runtime.rl_reward import resolve_reward
+    from autoshard.runtime.rollout import SamplingConfig
+
+    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(data)
+    if data is None:
+        from autoshard.runtime.tasks import TASK_PRESETS, get_task
+
+        task = get_task(task_name, **TASK_PRESETS.get(task_name, {}))
+        new_tokens = options.max_new_tokens or task.max_response_len
+    else:
+        new_tokens = options.max_new_tokens or DEFAULT_PROMPT_NEW_TOKENS
+        task = PromptTask(load_prompts(data.prompts), tokenizer, resolve_reward(data.reward), budget=context - new_tokens,
+                          max_new_tokens=new_tokens, long_prompts=data.long_prompts)
+    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=options.temperature, top_p=options.top_p,
+                              stop_ids=encode_stops(tokenizer, options.stop))
+    return task, sampling
+
+
 __all__ = [
     "LONG_PROMPTS",
     "ByteTokenizer",
@@ -303,6 +333,8 @@ __all__ = [
     "PromptTask",
     "Tokenizer",
     "as_tokenizer",
+    "build_task",
     "encode_stops",
     "load_prompts",
+    "run_tokenizer",
 ]

@@ -90,39 +90,6 @@ def rl_config_fields(options: RLOptions) -> dict[str, Any]:
                 entropy_coef=options.entropy_coef, clip=options.clip)
 
 
-def run_tokenizer(data: PromptSource | None) -> Any:
-    """The run's tokenizer: the prompt source's, else the tasks' characters."""
-    from autoshard.runtime.rl_data import as_tokenizer
-
-    return as_tokenizer(None if data is None else data.tokenizer)
-
-
-def build_task(task_name: str, data: PromptSource | None, options: RLOptions, *, context: int,
-               tokenizer: Any = None) -> tuple[Any, Any]:
-    """(the ``Task`` to train on, its ``SamplingConfig``): ``data``'s prompts and reward, else ``task_name``.
-
-    ``context`` is the policy's longest sequence; a prompt set gets ``context − max_new_tokens`` as its budget.
-    """
-    from autoshard.runtime.rl_data import PromptTask, encode_stops, load_prompts
-    from autoshard.runtime.rl_reward import resolve_reward
-    from autoshard.runtime.rollout import SamplingConfig
-
-    tokenizer = tokenizer if tokenizer is not None else run_tokenizer(data)
-    if data is None:
-        from autoshard.runtime.ppo_program import TASK_PRESETS
-        from autoshard.runtime.tasks import get_task
-
-        task = get_task(task_name, **TASK_PRESETS.get(task_name, {}))
-        new_tokens = options.max_new_tokens or task.max_response_len
-    else:
-        new_tokens = options.max_new_tokens or DEFAULT_PROMPT_NEW_TOKENS
-        task = PromptTask(load_prompts(data.prompts), tokenizer, resolve_reward(data.reward), budget=context - new_tokens,
-                          max_new_tokens=new_tokens, long_prompts=data.long_prompts)
-    sampling = SamplingConfig(max_new_tokens=new_tokens, temperature=options.temperature, top_p=options.top_p,
-                              stop_ids=encode_stops(tokenizer, options.stop))
-    return task, sampling
-
-
 # --------------------------------------------------------------------------- flags (CLI and workers)
 
 
@@ -203,10 +170,8 @@ __all__ = [
     "PromptSource",
     "RLOptions",
     "add_rl_arguments",
-    "build_task",
     "options_from_args",
     "rl_config_fields",
     "rl_worker_flags",
-    "run_tokenizer",
     "source_from_args",
 ]

@@ -1,10 +1,10 @@
-"""``autoshard check`` (``runtime/check.py``): every rank role of a plan built at its world size in one process.
+"""``autoshard check`` (``autoshard/check.py``): every rank role of a plan built at its world size in one process.
 
 Unit tests of the matching (``runtime/_check_match.py``) on hand-made records, one of them deliberately
 mismatched per kind of error; role enumeration; the memory-overflow rule; one plan built and matched end to
 end; and a bounded property sample: random reference models, clusters (1–512 nodes × 1–8 devices) and pins,
 every plan the search returns issues matching collectives on every group and holds no more than the cost
-model predicts (within ``check.TOLERANCE``; ``runtime/check.py`` lists the one known overrun, gradient buckets
+model predicts (within ``check.TOLERANCE``; ``autoshard/check.py`` lists the one known overrun, gradient buckets
 spanning layers, which this sample does not draw). ``benchmarks/check_bench.py`` runs a larger sample.
 """
 
@@ -104,7 +104,7 @@ def test_groups_and_roles():
 
 
 def test_memory_overflow_rule():
-    from autoshard.runtime.check import RoleResult, _memory_overflow
+    from autoshard.check import RoleResult, _memory_overflow
 
     role = plan_roles(NO_PARAMS, Mesh())[0]
     fits = RoleResult(role, "rank 0", 3, 100, 1040, 100, 1000, 0.0)
@@ -127,7 +127,7 @@ def tiny():
 
 def test_zero3_plan_matches_and_fits(tiny):
     from autoshard.plan import LayerStrategy, Plan, Schedule
-    from autoshard.runtime.check import check_plan
+    from autoshard.check import check_plan
     from autoshard.train import TrainSpec
 
     model, graph = tiny
@@ -164,7 +164,7 @@ def test_meta_attention_runs_the_device_kernel(tiny, monkeypatch):
 
     from autoshard.plan import LayerStrategy, Plan, Schedule
     from autoshard.runtime._check_trace import SDPA, device_sdpa, route_device_kernels
-    from autoshard.runtime.check import check_plan
+    from autoshard.check import check_plan
     from autoshard.train import TrainSpec
 
     model, graph = tiny
@@ -182,7 +182,7 @@ def test_meta_attention_runs_the_device_kernel(tiny, monkeypatch):
     train = TrainSpec(global_batch=16, seq_len=128, precision="bf16")
     report = check_plan(plan, model, graph, train, max_roles=1)
     assert report.ok, report.table()
-    from autoshard.runtime import check
+    from autoshard import check
 
     monkeypatch.setattr(check, "route_device_kernels", lambda module: 0)  # the math path's scores: an overflow
     math = check_plan(plan, model, graph, train, max_roles=1)

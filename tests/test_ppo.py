@@ -226,7 +226,7 @@ def test_nan_rewards_stop_training():
 
 
 def test_step_metrics_jsonl_and_plot(tmp_path):
-    from autoshard.plot import plot_main, plot_metrics
+    from autoshard.runtime.plot import plot_main, plot_metrics
 
     path = tmp_path / "m.jsonl"
     with MetricsWriter(path) as writer:

@@ -170,7 +170,7 @@ def test_cli_report_refusals_are_one_line(tmp_path, capsys):
 
 
 def test_plot_title_smoothing_and_band(tmp_path):
-    from autoshard.plot import ema, min_max_band, plot_main, run_title
+    from autoshard.runtime.plot import ema, min_max_band, plot_main, run_title
     from autoshard.runtime.metrics import write_run_info
 
     assert ema([1.0, 1.0, 1.0], 0.9) == pytest.approx([1.0, 1.0, 1.0])  # debiased: no pull towards 0

@@ -50,6 +50,11 @@ from autoshard.runtime.tasks.arithmetic import ArithmeticTask
 from autoshard.runtime.tasks.sorting import SortingTask
 
 
+TASK_PRESETS: dict[str, dict[str, object]] = {"arithmetic": {"max_step": 1}}
+"""Options a run gives a task by default (``autoshard ppo --task NAME``): the demo's arithmetic task at its
+reference difficulty."""
+
+
 def _registry() -> dict[str, Callable[..., CharTask]]:
     return {"arithmetic": ArithmeticTask, "sorting": SortingTask, "addition": AdditionTask}
 
@@ -73,6 +78,7 @@ def get_task(name: str, **options: object) -> CharTask:
 __all__ = [
     "EOS",
     "EOS_ID",
+    "TASK_PRESETS",
     "PAD",
     "PAD_ID",
     "VOCAB",
