@@ -307,7 +307,16 @@ def _full_region_nodes(graph: fx.Graph, layers: list[str], layer_nodes: dict) ->
     order = list(graph.nodes)
     index = {n: i for i, n in enumerate(order)}
     first, last = min(index[n] for n in members), max(index[n] for n in members)
-    return [n for n in order[first : last + 1] if n.op in ("call_function", "call_module")]
+    return [n for n in order[first : last + 1] if n.op in ("call_function", "call_module") and not _shape_arithmetic(n)]
+
+
+def _shape_arithmetic(node: fx.Node) -> bool:
+    """A scalar computed from scalars alone (``s0 * s1`` of the inputs' sizes): it stays outside the region,
+    where any later layer, and any pipeline stage, computes it again instead of receiving it from the
+    region (a SymInt is no tensor a stage could send: ``split_pipeline``)."""
+    if isinstance(node.meta.get("val"), torch.Tensor) or "val" not in node.meta:
+        return False
+    return all(not isinstance(a.meta.get("val"), torch.Tensor) and "val" in a.meta for a in node.all_input_nodes)
 
 
 def _outline(gm: fx.GraphModule, nodes: list[fx.Node], name: str, wrapper, **kwargs) -> None:

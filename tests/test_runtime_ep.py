@@ -39,9 +39,14 @@ def _graph(kind):
     return capture(_model(kind), seq_lens=(8, 16))
 
 
+def _stage(layer: str, mesh: Mesh) -> int:
+    """pp = 2: block 1 and the tail on the second stage."""
+    return int(mesh.pp > 1 and (layer.startswith("blocks.1") or not layer.startswith(("embed", "blocks.0"))))
+
+
 def _plan(kind, mesh, choose):
     graph = _graph(kind)
-    layers = tuple(LayerStrategy(layer=l.name, **choose(l.name)) for l in graph.layers)
+    layers = tuple(LayerStrategy(layer=l.name, stage=_stage(l.name, mesh), **choose(l.name)) for l in graph.layers)
     micro = 4 // mesh.dp  # 2 rows per forward on every rank (batch 8 = dp × micro × 2), as the reference's chunks
     return Plan(model_name=graph.model_name, mesh=mesh, layers=layers, schedule=Schedule(num_micro_batches=micro))
 
@@ -58,9 +63,16 @@ def _ep_moe_zero_rest(layer):
     return {"ep": True} if layer.endswith("moe") else {"state": "zero3" if layer.endswith("attn") else "zero2"}
 
 
+def _recompute_moe(layer):
+    return {"recompute": "full" if layer.endswith(("moe", "attn")) else "none"}
+
+
 CASES_2 = {
     "ep2_dropless": ("dropless", Mesh(dp_shard=2, ep=2), _ep_moe),
     "ep2_capacity": ("capacity", Mesh(dp_shard=2, ep=2), _ep_moe),
+    # MoE layers recomputed on two pipeline stages: the routing's shape arithmetic (a SymInt) stays outside the
+    # checkpoint regions, where the second stage computes it again (passes/recompute.py, _shape_arithmetic)
+    "pp2_recompute_capacity": ("capacity", Mesh(pp=2), _recompute_moe),
 }
 CASES_4 = {
     "ep2_dp4_dropless": ("dropless", Mesh(dp_shard=4, ep=2), _ep_moe_zero_rest),  # edp = 2
@@ -96,7 +108,10 @@ def _reference(kind):
 
 
 def _full_params(results, mesh):
-    """Full parameters: tp pieces and ZeRO-3 chunks as in _runtime_cases, expert shards concatenated over ep."""
+    """Full parameters: tp pieces and ZeRO-3 chunks as in _runtime_cases, expert shards concatenated over ep;
+    pp > 1 (whole parameters): each stage's own."""
+    if mesh.pp > 1:
+        return {fqn: value for r in results for fqn, value in r["shards"].items()}
     full = {}
     for fqn, p in results[0]["placements"].items():
         def piece(tp_rank, ep_rank):
@@ -140,7 +155,9 @@ def _check(results, reference, mesh):
     ref_losses, ref_params = reference
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=1e-6)
-    for fqn, value in _full_params(results, mesh).items():
+    full = _full_params(results, mesh)
+    assert set(full) == set(ref_params)
+    for fqn, value in full.items():
         torch.testing.assert_close(value, ref_params[fqn], rtol=1e-5, atol=1e-6, msg=lambda m: f"{fqn}: {m}")
 
 
