@@ -78,6 +78,7 @@ from autoshard.plan import Plan
 from autoshard.kernels import collectives
 from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
 from autoshard.runtime.compiled_loss import LossCompiler, compiles_loss
+from autoshard.runtime.export_cache import cached_export
 from autoshard.runtime.inductor_fallback import overlap_on, overlap_safe_backend
 from autoshard.runtime.pipeline import PipelineEngine
 from autoshard.runtime.materialize import Wanted, bind_source, fill, meta_twin
@@ -541,9 +542,12 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: Model
     twin = meta_twin(model).to(ctx.compute_dtype)
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
     args, kwargs, shapes = inputs.export_call(2, seq)
-    with registering_output_dataclasses(twin):  # a graph captured in another process: register them here too
-        exported = torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False)
-    gm = exported.module()
+
+    def export() -> torch.fx.GraphModule:
+        with registering_output_dataclasses(twin):  # a graph captured in another process: register them here too
+            return torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False).module()
+
+    gm = cached_export(twin, args, kwargs, shapes, export)  # one export per model structure per process
     retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
     gm.meta[META_KEY] = {"params": owners}

@@ -1,0 +1,51 @@
+"""``runtime/export_cache.py``: a model structure is exported once per process, and a hit is the same graph."""
+
+from __future__ import annotations
+
+import torch
+
+from _harness import fake_world
+from _runtime_cases import graph_of
+from autoshard.models import build
+from autoshard.plan import Mesh
+from autoshard.runtime import export_cache
+from autoshard.runtime.mesh import build_rank_context
+from autoshard.runtime.program import export_model
+
+
+def _code(spec: str, dtype=torch.float32, model=None) -> str:
+    ctx, _ = build_rank_context(Mesh(dp_shard=2), compute_dtype=dtype)
+    gm = export_model(model if model is not None else build(spec), graph_of(spec), ctx)
+    return gm.code
+
+
+def test_second_export_of_a_structure_is_a_copy_of_the_first(monkeypatch):
+    export_cache.clear()
+    with fake_world(2):
+        first = _code("llama:tiny")
+        assert (export_cache.stats.misses, export_cache.stats.hits) == (1, 0)
+        again = _code("llama:tiny")  # a fresh model of the same structure: other weights, same graph
+        assert (export_cache.stats.misses, export_cache.stats.hits) == (1, 1)
+        assert again == first
+        # another dtype, another family: exported afresh, and the graph differs
+        half = _code("llama:tiny", torch.bfloat16)
+        gpt = _code("gpt:tiny")
+        assert export_cache.stats.misses == 3 and half != first and gpt != first
+        # off by environment: exported afresh, the same graph as the cached one
+        monkeypatch.setenv(export_cache.ENV, "0")
+        assert _code("llama:tiny") == first
+        assert export_cache.stats.uncached == 1 and export_cache.stats.hits == 1
+
+
+def test_a_changed_attribute_or_unpicklable_model_is_not_a_hit():
+    export_cache.clear()
+    with fake_world(2):
+        _code("llama:tiny")
+        model = build("llama:tiny")
+        model.blocks[0].attn.num_heads_note = 3  # any attribute of any module is part of the key
+        _code("llama:tiny", model=model)
+        assert (export_cache.stats.misses, export_cache.stats.hits) == (2, 0)
+        model.blocks[0].mlp.register_forward_hook(lambda *a: None)  # a lambda does not pickle
+        _code("llama:tiny", model=model)
+        assert export_cache.stats.uncached == 1
+    export_cache.clear()
