@@ -539,7 +539,16 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: Model
     ``.to(x.dtype)``). It also bakes in the device (factory calls, metadata checks), which
     ``retarget_device`` points at the rank's device.
     """
-    twin = meta_twin(model).to(ctx.compute_dtype)
+    gm = _exported_graph(model, ctx.compute_dtype, inputs)
+    retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
+    owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
+    gm.meta[META_KEY] = {"params": owners}
+    return gm
+
+
+def _exported_graph(model: nn.Module, compute_dtype: torch.dtype, inputs: ModelInputs) -> torch.fx.GraphModule:
+    """The export of ``_export`` before its retargeting, once per model structure per process (``export_cache``)."""
+    twin = meta_twin(model).to(compute_dtype)
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
     args, kwargs, shapes = inputs.export_call(2, seq)
 
@@ -547,11 +556,13 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: Model
         with registering_output_dataclasses(twin):  # a graph captured in another process: register them here too
             return torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False).module()
 
-    gm = cached_export(twin, args, kwargs, shapes, export)  # one export per model structure per process
-    retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
-    owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
-    gm.meta[META_KEY] = {"params": owners}
-    return gm
+    return cached_export(twin, args, kwargs, shapes, export)
+
+
+def prime_export_cache(model: nn.Module, compute_dtype: torch.dtype = torch.float32) -> None:
+    """Export ``model`` (token inputs) into this process's export cache, so that programs of it built here,
+    or in processes forked from here, skip the export (``runtime/export_cache.py``)."""
+    _exported_graph(model, compute_dtype, ModelInputs.tokens_only(model))
 
 
 def export_model(model: nn.Module, graph: ModelGraph, ctx: RankContext,
@@ -579,4 +590,4 @@ def _program_buffers(gm: torch.fx.GraphModule | PipelineSplit) -> dict[str, torc
     return out
 
 
-__all__ = ["Program", "StepResult", "build_program", "compile_allowed"]
+__all__ = ["Program", "StepResult", "build_program", "compile_allowed", "prime_export_cache"]

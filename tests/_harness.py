@@ -38,7 +38,10 @@ single op (no intra-op threads yet, no process group, no CUDA). A fresh
 ``spawn`` paid that import in every rank of every job (about 2.5 s of CPU each,
 more than most cases) and the interpreter's teardown after it (seconds for a
 process that compiled graphs); a forked rank leaves with ``os._exit`` once
-multiprocessing has flushed its queue, as fork children do. What ``spawn``
+multiprocessing has flushed its queue, as fork children do. The server also
+exports the reference models most jobs build (``_export_warm``), so a rank's
+``build_program`` of them copies that graph instead of running ``torch.export``
+(``runtime/export_cache.py``; ~90% of a tiny model's build). What ``spawn``
 gave a child fresh is handed over per job instead: ``sys.path``, the
 environment (``OMP_NUM_THREADS=1`` among it) and ``fn`` pickled by the parent.
 
@@ -232,16 +235,22 @@ def _worker(rank, world_size, backend, init_file, timeout_s, results, parent, jo
 
 @contextlib.contextmanager
 def _single_threaded_children() -> Iterator[None]:
-    """Children inherit ``OMP_NUM_THREADS=1`` (read when they import torch)."""
-    old = os.environ.get("OMP_NUM_THREADS")
-    os.environ["OMP_NUM_THREADS"] = "1"
+    """Children inherit ``OMP_NUM_THREADS=1`` (read when they import torch), and the forkserver this
+    folder on ``PYTHONPATH``: Python 3.11's forkserver ignores the parent's ``sys.path``, and its
+    preload skips a module it cannot import (``_harness``, ``_export_warm``) without a word."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    path = os.environ.get("PYTHONPATH")
+    changes = {"OMP_NUM_THREADS": "1", "PYTHONPATH": here if not path else f"{here}{os.pathsep}{path}"}
+    old = {name: os.environ.get(name) for name in changes}
+    os.environ.update(changes)
     try:
         yield
     finally:
-        if old is None:
-            del os.environ["OMP_NUM_THREADS"]
-        else:
-            os.environ["OMP_NUM_THREADS"] = old
+        for name, value in old.items():
+            if value is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = value
 
 
 def _raise_rank_error(text: str, blob: bytes | None) -> None:
@@ -304,7 +313,7 @@ def _stop(procs, *, graceful: bool) -> None:
 
 # What the forkserver imports once for every rank (note "forkserver"): an import that fails is skipped.
 _PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "autoshard.models", "autoshard.passes",
-            "autoshard.runtime", "autoshard.search.cost_model", "_harness"]
+            "autoshard.runtime", "autoshard.search.cost_model", "_harness", "_export_warm"]
 
 
 def _context():

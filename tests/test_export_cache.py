@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from _harness import fake_world
+from _harness import fake_world, run_gloo
 from _runtime_cases import graph_of
 from autoshard.models import build
 from autoshard.plan import Mesh
@@ -49,3 +50,21 @@ def test_a_changed_attribute_or_unpicklable_model_is_not_a_hit():
         _code("llama:tiny", model=model)
         assert export_cache.stats.uncached == 1
     export_cache.clear()
+
+
+def _first_build_stats(rank, world_size):
+    from _runtime_cases import make_plan
+    from autoshard.runtime import build_program
+    from autoshard.train import TrainSpec
+
+    before = (export_cache.stats.hits, export_cache.stats.misses)
+    plan = make_plan("llama:tiny", Mesh(dp_shard=2), lambda _layer: {"state": "zero3"})
+    build_program(build("llama:tiny"), graph_of("llama:tiny"), plan, None, TrainSpec(global_batch=8, seq_len=8))
+    return before, (export_cache.stats.hits, export_cache.stats.misses)
+
+
+@pytest.mark.slow
+def test_gloo_ranks_find_the_reference_models_exported_by_the_server():
+    """``tests/_export_warm.py`` exports llama:tiny in the forkserver: a rank's first build is a cache hit."""
+    for before, after in run_gloo(_first_build_stats, 2):
+        assert before[1] == after[1] and after[0] == before[0] + 1
