@@ -12,7 +12,9 @@
 # Every run: bf16, the bytes tokenizer (258 ids), PROMPT-byte prompts, NEW new tokens, BATCH sequences per RL
 # step, STEPS steps (the first is warm-up), reward benchmarks/rl_bench.py:length_reward.
 # Files: $OUT/<run>.jsonl (metrics), <run>.plan.json (plan with its rollout section), logs, cal.json,
-# floor.jsonl, reshard.jsonl; benchmarks/rl_summary.py $OUT prints the table.
+# floor.jsonl, reshard.jsonl; benchmarks/rl_summary.py $OUT prints the table. PROFILE=1: every run records its
+# second step (--profile) and benchmarks/trace_phases.py writes <run>.phases.md (per phase: compute,
+# collectives and idle device time, top CPU ops); the traces themselves are not kept (size).
 set -u
 ROOT="$(pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -49,7 +51,11 @@ ppo() {  # ppo NAME GPUS MODEL RTP
   CUDA_VISIBLE_DEVICES="$2" timeout "$lim" "$PYTHON" -m autoshard ppo "$3" --cluster "$OUT/cluster_x$n.json" \
     --calibration "$OUT/cal.json" --precision bf16 --prompts "$WORK/prompts.jsonl" --tokenizer bytes --context $((PROMPT + NEW)) \
     --reward "$ROOT/benchmarks/rl_bench.py:length_reward" --max-new-tokens "$NEW" --batch "$BATCH" \
-    --steps "$STEPS" --rollout-tp "$4" --metrics "$OUT/$1.jsonl" -q > "$OUT/$1.log" 2>&1
+    --steps "$STEPS" --rollout-tp "$4" --metrics "$OUT/$1.jsonl" ${PROFILE:+--profile} -q > "$OUT/$1.log" 2>&1
+  if [[ -n "${PROFILE:-}" ]]; then
+    "$PYTHON" benchmarks/trace_phases.py "$OUT/$1".rank*.trace.json > "$OUT/$1.phases.md" 2>&1
+    rm -f "$OUT/$1".rank*.trace.json
+  fi
   echo "=== $1 rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/$1.log" | cut -c1-200)"
 }
 

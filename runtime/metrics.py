@@ -47,12 +47,14 @@ class PhaseTimer:
 
     @contextlib.contextmanager
     def phase(self, name: str) -> Iterator[None]:
-        """Time the body; on GPU, synchronise first and last so kernels are counted in their phase."""
+        """Time the body; on GPU, synchronise first and last so kernels are counted in their phase. A
+        profiler trace marks it ``ppo::<name>`` (``benchmarks/trace_phases.py`` sums each phase's kernels)."""
         if self._sync:
             torch.cuda.synchronize()
         start = time.perf_counter()
         try:
-            yield
+            with torch.profiler.record_function(f"ppo::{name}"):  # the phase in a --profile trace
+                yield
         finally:
             if self._sync:
                 torch.cuda.synchronize()
