@@ -8,6 +8,7 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from autoshard.passes.context import pass_state
 from autoshard.plan import Plan
 
 META_KEY = "autoshard"  # the one node.meta / gm.meta key the passes write (STYLE.md)
@@ -52,8 +53,9 @@ def rebuild(gm: fx.GraphModule, graph: fx.Graph, replace: dict | None = None) ->
             root[node.target] = replace[node.target] if node.target in replace else _fetch(gm, node.target)
     out = fx.GraphModule(root, graph, class_name=type(gm).__name__)
     out.meta = copy.copy(getattr(gm, "meta", {}))
-    out.meta[META_KEY] = dict(out.meta.get(META_KEY, {}))
-    extra = out.meta[META_KEY].get("regather")  # referenced by the runtime, not by a node
+    state = pass_state(gm).copy()
+    out.meta[META_KEY] = state
+    extra = state.regather  # referenced by the runtime, not by a node
     if extra and extra not in root:
         out.add_submodule(extra, replace.get(extra, gm.get_submodule(extra)))
     return out

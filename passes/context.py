@@ -49,7 +49,9 @@ ZeRO-3 on dim 0 as usual.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed.tensor import Replicate, Shard
@@ -344,6 +346,46 @@ def _expert_dim(fqn: str, global_shape: tuple[int, ...], tp_role: str, strategy:
     return 0
 
 
+@dataclass
+class PassState:
+    """What the passes hand each other and the runtime, one typed field per fact (``gm.meta["autoshard"]``
+    of a program's graph module; ``pass_state``). Each pass returns a new module with a copy of its
+    input's state (``_graph_utils.rebuild``) and sets the fields it owns:
+
+    | field | set by | read by |
+    | --- | --- | --- |
+    | ``params``: fqn → (layer, tp role) | the export (``runtime/program._export``) | ``shard_parameters``, ``insert_collectives`` |
+    | ``placements``: fqn → ``ParamPlacement`` | ``shard_parameters`` (a pipeline rank's own: ``split_pipeline``) | ``insert_collectives``, ``quantize_comm``, the runtime |
+    | ``grads_reduced_in_graph``: fqns | ``insert_collectives`` | the optimizer (no second reduction) |
+    | ``regather``: submodule name | ``recompute`` (eager ZeRO-3 re-gathers) | ``schedule_overlap``, ``split_pipeline``, the runtime |
+    | ``compile_options``: inductor options | ``schedule_overlap`` | the runtime's ``torch.compile`` |
+    | ``grad_comm``: fqn → wire dtype | ``quantize_comm`` | the optimizer's gradient syncs |
+    | ``quantize_comm``: layer → record | ``quantize_comm`` | reports |
+    | ``pipeline``: ``PipelineLayout`` | ``split_pipeline`` | ``runtime/pipeline.py`` |
+    """
+
+    params: dict[str, tuple[str, str]] = field(default_factory=dict)
+    placements: dict[str, ParamPlacement] | None = None
+    grads_reduced_in_graph: tuple[str, ...] = ()
+    regather: str | None = None
+    compile_options: dict | None = None
+    grad_comm: dict[str, str] | None = None
+    quantize_comm: dict[str, dict] | None = None
+    pipeline: Any = None  # passes/split_pipeline.PipelineLayout (that module imports this one)
+
+    def copy(self) -> PassState:
+        """A shallow copy for a pass's output module (the mappings are replaced, never mutated in place)."""
+        return dataclasses.replace(self)
+
+
+def pass_state(gm: torch.nn.Module) -> PassState:
+    """The ``PassState`` of a program's module (``gm.meta["autoshard"]``); a module the export did not make
+    (a pipeline stage, a bare graph in a test) has an empty one."""
+    meta = getattr(gm, "meta", None)
+    state = meta.get("autoshard") if isinstance(meta, dict) else None
+    return state if isinstance(state, PassState) else PassState()
+
+
 def autoshard_meta(pass_name: str, why: str, **extra) -> dict:
     """The ``node.meta["autoshard"]`` record of a node a pass inserted or moved."""
     return {"pass": pass_name, "why": why, **extra}
@@ -353,11 +395,13 @@ __all__ = [
     "MESH_ORDER",
     "TP_ROLE_DIM",
     "ParamPlacement",
+    "PassState",
     "RankContext",
     "TpLayout",
     "autoshard_meta",
     "chunk_or_empty",
     "chunk_size",
     "coords_of",
+    "pass_state",
     "placement_for",
 ]

@@ -1,6 +1,6 @@
 """Pass ``insert_collectives``: make the sharded graph compute the unsharded model again.
 
-Pre-conditions: ``shard_parameters`` ran (``gm.meta["autoshard"]["placements"]``
+Pre-conditions: ``shard_parameters`` ran (``PassState.placements``
 exists and parameters are local shards). Post-conditions: every use of a
 parameter sees the tensor its consumer needs, and every activation crossing a
 tensor-parallel boundary carries the Megatron f/g op that keeps forward values
@@ -96,7 +96,7 @@ Gradient reductions of DDP / ZeRO-1/2 / HSDP's replicate axis: in a compiled
 program with one micro-batch on one stage and unquantized wires they are
 backward graph nodes (``GradSync`` per DDP / ZeRO-1/2 parameter; HSDP's replica
 all-reduce after each ZeRO-3 layer's reduce-scatter, ``Zero3Gather.replicate``),
-listed in ``gm.meta["autoshard"]["grads_reduced_in_graph"]``; otherwise they act
+listed in ``PassState.grads_reduced_in_graph``; otherwise they act
 on ``.grad`` after backward, in the runtime's optimizer (``runtime/optimizer.py``),
 bucketed per parameter.
 
@@ -119,7 +119,7 @@ from autoshard.passes._graph_utils import META_KEY, node_layer, rebuild, tag
 from autoshard.passes._tp_dims import ShardDims, split_param_misuse
 from autoshard.passes._expert_parallel import insert_expert_parallel
 from autoshard.passes._zero3 import GatherSpec, Zero3Gather
-from autoshard.passes.context import RankContext
+from autoshard.passes.context import RankContext, pass_state
 from autoshard.passes.shard_parameters import PROJECTIONS, RESHAPES
 from autoshard.plan import Plan
 from autoshard.kernels import collectives, traced_collectives
@@ -194,16 +194,16 @@ def gather_logits(logits: torch.Tensor, group_name: str) -> torch.Tensor:
 def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     """Insert TP/SP and ZeRO-3 collectives (module docstring: table and pre/post-conditions)."""
     graph = copy.deepcopy(gm.graph)
-    placements = gm.meta[META_KEY]["placements"]
+    placements = pass_state(gm).placements
     if ctx.size("tp") > 1:
-        roles = {fqn: role for fqn, (_layer, role) in gm.meta[META_KEY]["params"].items()}
+        roles = {fqn: role for fqn, (_layer, role) in pass_state(gm).params.items()}
         _TPRewriter(graph, placements, roles, ctx, plan).run()
     insert_expert_parallel(graph, placements, ctx, NAME)
     modules, hsdp_synced = _insert_zero3_gathers(graph, placements, ctx, plan)
     synced = hsdp_synced + _insert_grad_syncs(graph, placements, ctx, plan, modules)
     graph.lint()
     out = rebuild(gm, graph, modules)
-    out.meta[META_KEY]["grads_reduced_in_graph"] = synced
+    pass_state(out).grads_reduced_in_graph = tuple(synced)
     out.recompile()
     return out
 

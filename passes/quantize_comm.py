@@ -10,11 +10,11 @@ inside ``CheckpointRegion`` bodies; a ``Regather`` may be installed;
   whose ``GatherSpec`` carries the wire dtypes (``passes/_zero3.py``); its call
   node records why in ``node.meta["autoshard"]`` (the earlier record is kept
   under ``"earlier"``);
-* ``gm.meta["autoshard"]["grad_comm"]`` maps each parameter whose layer
+* ``PassState.grad_comm`` maps each parameter whose layer
   reduces gradients in a non-default dtype to that dtype; the runtime hands it
   to the ``ShardedOptimizer`` (the DDP / ZeRO-1/2 / offload / HSDP-replicate
   reductions act on ``.grad`` after backward, not on graph nodes);
-* ``gm.meta["autoshard"]["quantize_comm"]`` holds one record per affected layer
+* ``PassState.quantize_comm`` holds one record per affected layer
   (what was rewritten and why), for reports.
 
 Mapping from the plan (DESIGN.md strategy space; ZeRO++ qwZ / qgZ):
@@ -53,7 +53,7 @@ from torch import fx
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, copy_module
 from autoshard.passes._zero3 import Zero3Gather
-from autoshard.passes.context import RankContext
+from autoshard.passes.context import RankContext, pass_state
 from autoshard.passes.recompute import CheckpointRegion
 from autoshard.plan import LayerStrategy, Plan
 
@@ -75,13 +75,13 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     out = _rewrite(gm, strategies)
     if out is gm:
         out = copy_module(gm)  # the meta below is this pass's output, not gm's
-    placements = out.meta[META_KEY]["placements"]
-    out.meta[META_KEY]["grad_comm"] = {
+    state = pass_state(out)
+    state.grad_comm = {
         fqn: GRAD_WIRE[strategies[p.layer].grad_comm]
-        for fqn, p in placements.items()
+        for fqn, p in state.placements.items()
         if strategies[p.layer].grad_comm != "bf16"
     }
-    out.meta[META_KEY]["quantize_comm"] = _layer_records(plan, ctx)
+    state.quantize_comm = _layer_records(plan, ctx)
     return out
 
 

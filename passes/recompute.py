@@ -88,7 +88,7 @@ from torch.utils.checkpoint import checkpoint
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, copy_module, layer_of_path, tag
 from autoshard.passes._zero3 import GradSink, Zero3Gather
-from autoshard.passes.context import RankContext
+from autoshard.passes.context import RankContext, pass_state
 from autoshard.plan import Plan
 
 NAME = "recompute"
@@ -227,7 +227,7 @@ def _install_regather(gm: fx.GraphModule) -> fx.GraphModule:
     replace = {target: Zero3Gather(m.spec, on_gather=regather.record) for target, m in gathers.items()}
     out = copy_module(gm, replace)
     out.add_submodule(REGATHER, regather)
-    out.meta[META_KEY]["regather"] = REGATHER
+    pass_state(out).regather = REGATHER
     return out
 
 

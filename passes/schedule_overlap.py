@@ -69,7 +69,7 @@ from torch import fx, nn
 
 from autoshard.passes._graph_utils import META_KEY, copy_module, tag
 from autoshard.passes._zero3 import Zero3Gather
-from autoshard.passes.context import RankContext
+from autoshard.passes.context import RankContext, pass_state
 from autoshard.plan import Plan
 
 NAME = "schedule_overlap"
@@ -107,7 +107,7 @@ class GatherWait(nn.Module):
 # in the FX graph: the compiled gather is the functional all-gather of
 # ``kernels/traced_collectives.py``, whose start inductor issues asynchronously and whose wait it
 # places itself. Moving it here would be undone by AOT autograd's re-tracing. Instead this pass
-# records, in ``gm.meta["autoshard"]["compile_options"]``, the inductor passes that overlap them,
+# records, in ``PassState.compile_options``, the inductor passes that overlap them,
 # chosen from the plan (``compile_options``); ``Program`` compiles with them. Modes:
 #   "scheduler": inductor's overlap scheduler (``aten_distributed_optimizations``): it estimates
 #       each collective's and each kernel's time, moves gathers (forward and the backward
@@ -149,7 +149,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     """
     if ctx.compiled:
         out = copy_module(gm)
-        out.meta[META_KEY]["compile_options"] = compile_options(plan, ctx.device)
+        pass_state(out).compile_options = compile_options(plan, ctx.device)
         return out
     prefetch = plan.schedule.prefetch
     if prefetch <= 0:
@@ -166,7 +166,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         by_stage.setdefault(stage_of[out.get_submodule(node.target).spec.layer], []).append(node)
     for stage_nodes in by_stage.values():
         _split_stage(out, stage_nodes, prefetch)
-    regather = out.meta[META_KEY].get("regather")
+    regather = pass_state(out).regather
     if regather is not None and plan.mesh.pp == 1:
         regather_module = out.get_submodule(regather)
         regather_module.prefetch = True  # backward prefetch of re-gathers (passes/recompute.py note)

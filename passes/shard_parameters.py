@@ -1,13 +1,13 @@
 """Pass ``shard_parameters``: every parameter becomes this rank's local shard, per its layer's strategy.
 
 Pre-conditions: ``gm`` is an exported module (``ep.module()``) whose
-parameters are reached by ``get_attr`` nodes; ``gm.meta["autoshard"]["params"]``
+parameters are reached by ``get_attr`` nodes; ``PassState.params``
 maps every parameter FQN to ``(owner_layer, tp_role)`` (``build_program`` puts
 it there from the ``ModelGraph``); the plan names every owner layer.
 
 Post-conditions: a new module whose parameters are fresh, *uninitialised*
 ``nn.Parameter`` shards on ``ctx.device`` in ``ctx.compute_dtype`` with the
-shapes of ``gm.meta["autoshard"]["placements"][fqn].local_shape`` (a
+shapes of ``PassState.placements[fqn].local_shape`` (a
 ``ParamPlacement``, ``autoshard.passes.context``), and whose buffers are
 uninitialised tensors of their full shape on ``ctx.device``; other pipeline
 ranks' parameters stay on the meta device. The pass allocates only this
@@ -40,8 +40,8 @@ from torch import fx, nn
 
 from autoshard.errors import PlanError
 from autoshard.passes import split_pipeline
-from autoshard.passes._graph_utils import META_KEY, rebuild
-from autoshard.passes.context import ParamPlacement, RankContext, TpLayout, gathers_in_graph, placement_for
+from autoshard.passes._graph_utils import rebuild
+from autoshard.passes.context import ParamPlacement, RankContext, TpLayout, gathers_in_graph, pass_state, placement_for
 from autoshard.plan import Plan
 
 NAME = "shard_parameters"
@@ -60,7 +60,7 @@ _SPLITS = (aten.split.Tensor, aten.split_with_sizes.default, aten.chunk.default)
 
 def param_placements(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> dict[str, ParamPlacement]:
     """``ParamPlacement`` of every parameter of ``gm`` under ``plan`` on ``ctx``'s rank."""
-    info = gm.meta[META_KEY]["params"]
+    info = pass_state(gm).params
     roles = {fqn: role for fqn, (_layer, role) in info.items()}
     layouts = tp_layouts(gm.graph, roles) if ctx.size("tp") > 1 else {}
     out = {}
@@ -155,7 +155,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
     graph = copy.deepcopy(gm.graph)
     _canonical_targets(graph, {id(p): fqn for fqn, p in gm.named_parameters()}, gm)
     out = rebuild(gm, graph, replace)
-    out.meta[META_KEY]["placements"] = placements
+    pass_state(out).placements = placements
     return out
 
 

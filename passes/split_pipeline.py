@@ -83,7 +83,7 @@ from torch import fx, nn
 
 from autoshard.errors import PlanError
 from autoshard.passes._graph_utils import META_KEY, node_layer
-from autoshard.passes.context import RankContext
+from autoshard.passes.context import RankContext, pass_state
 from autoshard.plan import Plan
 
 NAME = "split_pipeline"
@@ -231,7 +231,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> nn.Module:
     modules = {k: _stage_module(gm, stages, k, boundaries, num_stages, outputs) for k in local}
     shared = shared_params(_stage_parameters(gm, stages, boundaries, num_stages), plan.mesh.pp)
     meta = dict(gm.meta)
-    meta[META_KEY] = dict(meta.get(META_KEY, {}))
+    state = meta[META_KEY] = pass_state(gm).copy()
     layout = PipelineLayout(
         num_stages=num_stages,
         pp=plan.mesh.pp,
@@ -242,7 +242,7 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> nn.Module:
     )
     # the rank's parameters: its stages', mirrors of another rank's left out (note "parameters shared ...")
     used = {fqn for m in modules.values() for fqn, _ in m.named_parameters()} - layout.mirrored()
-    meta[META_KEY]["placements"] = {f: p for f, p in meta[META_KEY]["placements"].items() if f in used}
+    state.placements = {f: p for f, p in state.placements.items() if f in used}
     vals = {
         "boundaries": {k: [_val(n) for n in boundaries[k]] for k in range(num_stages)},
         "boundary_shards": {k: [_seq_shard(n) for n in boundaries[k]] for k in range(num_stages)},
@@ -252,10 +252,10 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> nn.Module:
         "output_spec": spec,
     }
     split = PipelineSplit(modules, layout, vals, meta)
-    regather = meta[META_KEY].get("regather")
+    regather = state.regather
     if regather:
         split.add_module(regather, gm.get_submodule(regather))
-    meta[META_KEY]["pipeline"] = layout
+    state.pipeline = layout
     return split
 
 

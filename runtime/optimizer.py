@@ -63,7 +63,7 @@ a CPU run the "host" is the same device; the code path is the real one:
 separate host tensors, gradients copied down, params copied up.
 
 Communication dtype of the gradient sync (``grad_comm`` per parameter, from
-the ``quantize_comm`` pass via ``gm.meta["autoshard"]["grad_comm"]``; the
+the ``quantize_comm`` pass via ``PassState.grad_comm``; the
 values of ``runtime/quantized_collectives.GRAD_COMMS``): "none" (default)
 reduces in the gradient's dtype as the table says; "fp32" upcasts, reduces and
 rounds once; "int8"/"int4" use qgZ (``reduce_scatter_grad``: all-to-all of

@@ -71,7 +71,7 @@ from autoshard.passes import run_passes
 from autoshard.passes._capture_export import registering_output_dataclasses
 from autoshard.passes._capture_inputs import InputSpec, ModelInputs
 from autoshard.passes._graph_utils import META_KEY, retarget_device
-from autoshard.passes.context import ParamPlacement, RankContext
+from autoshard.passes.context import ParamPlacement, PassState, RankContext, pass_state
 from autoshard.passes.schedule_overlap import compile_options
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
@@ -112,8 +112,9 @@ class Program:
         # the model's tensor inputs, in the graph's order ([Note: model inputs], passes/_capture_inputs.py)
         self.inputs = inputs or _tokens_input(gm)
         self.build_memory = BuildMemory(torch.device(ctx.device))  # build_program replaces it with the measured one
-        self.param_placements: dict[str, ParamPlacement] = gm.meta[META_KEY]["placements"]
-        name = gm.meta[META_KEY].get("regather")
+        state = pass_state(gm)
+        self.param_placements: dict[str, ParamPlacement] = state.placements
+        name = state.regather
         self.regather = gm.get_submodule(name) if name else None
         self.pipeline = PipelineEngine(gm, ctx, plan.schedule, self.regather) if isinstance(gm, PipelineSplit) else None
         if self.pipeline is None and overlap_grad_sync:
@@ -130,7 +131,7 @@ class Program:
             if compile_regions != "graph":  # runtime/compile_regions.py
                 for module in modules:
                     insert_region_breaks(module, compile_regions)
-            self.compile_options = gm.meta[META_KEY].get("compile_options") or compile_options(plan, ctx.device)
+            self.compile_options = state.compile_options or compile_options(plan, ctx.device)
             if compile_overlap is not None:
                 self.compile_options = compile_options(plan, ctx.device, compile_overlap)
             inductor = _known_inductor_options(self.compile_options["inductor"]) if compile_backend == "inductor" else None
@@ -416,14 +417,14 @@ def build_program(
     with build_memory:
         reader = bind_source(weights, model, release=release_model)
         gm = run_passes(exported if exported is not None else _export(model, graph, ctx, inputs), plan, ctx)
-        placements = gm.meta[META_KEY]["placements"]
+        placements = pass_state(gm).placements
         params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
         config = optimizer or (OptimizerConfig.from_train(train) if train is not None
                                else OptimizerConfig(name=plan.optimizer))
-        grad_comm = gm.meta[META_KEY].get("grad_comm")  # quantize_comm: wire dtype of gradient syncs
+        grad_comm = pass_state(gm).grad_comm  # quantize_comm: wire dtype of gradient syncs
         sharded = ShardedOptimizer(params, placements, None, ctx, config, grad_comm,
                                    bucket_bytes=plan.schedule.bucket_bytes,
-                                   reduced_in_graph=gm.meta[META_KEY].get("grads_reduced_in_graph", ()))
+                                   reduced_in_graph=pass_state(gm).grads_reduced_in_graph)
         if hasattr(reader, "mesh"):  # a DCP checkpoint reads through DTensors over the plan's mesh
             reader.mesh = device_mesh or build_device_mesh(plan.mesh, torch.device(ctx.device).type)
         wanted = [Wanted(fqn, placements[fqn].global_shape, placements[fqn].region(ctx), placements[fqn])
@@ -542,7 +543,7 @@ def _export(model: nn.Module, graph: ModelGraph, ctx: RankContext, inputs: Model
     gm = _exported_graph(model, ctx.compute_dtype, inputs)
     retarget_device(gm, torch.device("meta"), torch.device(ctx.device))
     owners = {p.name: (layer.name, p.tp_role) for layer in graph.layers for p in layer.params}
-    gm.meta[META_KEY] = {"params": owners}
+    gm.meta[META_KEY] = PassState(params=owners)
     return gm
 
 

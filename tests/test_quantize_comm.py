@@ -44,6 +44,7 @@ from autoshard.kernels.layout import QuantLayout
 from autoshard.models import build
 from autoshard.passes import quantize_comm
 from autoshard.passes._zero3 import Zero3Gather
+from autoshard.passes.context import pass_state
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.runtime import build_program
 from autoshard.kernels import async_collectives
@@ -285,7 +286,7 @@ def test_pass_records_and_grad_comm_map():
     attn_layers = [l.name for l in graph_of(LLAMA).layers if "attn" in l.name and l.params]
     assert sorted(n.meta["autoshard"]["layer"] for n in quantized) == sorted(attn_layers)
     assert all("qwZ" in n.meta["autoshard"]["why"] and "full precision" in n.meta["autoshard"]["why"] for n in quantized)
-    grad_comm = gm.meta["autoshard"]["grad_comm"]
+    grad_comm = pass_state(gm).grad_comm
     expected = {fqn for fqn, p in program.param_placements.items() if "attn" not in p.layer}
     assert set(grad_comm) == expected and set(grad_comm.values()) == {"int4"}
     assert {s.grad_comm for fqn, s in program.optimizer.slots.items() if fqn in expected} == {"int4"}
@@ -321,7 +322,7 @@ def test_unquantized_plan_is_left_alone():
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda _l: {"state": "zero3", "grad_comm": "bf16"})
     with fake_world(2, 0):
         program = build_program(build(GPT), graph_of(GPT), plan, None, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
-    assert "grad_comm" not in program.gm.meta["autoshard"]
+    assert pass_state(program.gm).grad_comm is None
     assert not any(n.meta.get("autoshard", {}).get("pass") == "quantize_comm" for n in program.gm.graph.nodes)
 
 
