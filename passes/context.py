@@ -383,7 +383,12 @@ def pass_state(gm: torch.nn.Module) -> PassState:
     (a pipeline stage, a bare graph in a test) has an empty one."""
     meta = getattr(gm, "meta", None)
     state = meta.get("autoshard") if isinstance(meta, dict) else None
-    return state if isinstance(state, PassState) else PassState()
+    if isinstance(state, PassState):
+        return state
+    if isinstance(meta, dict) and state is None:  # attached, so that a pass's writes are kept
+        state = meta["autoshard"] = PassState()
+        return state
+    return PassState()
 
 
 def autoshard_meta(pass_name: str, why: str, **extra) -> dict:
