@@ -212,6 +212,17 @@ class Schedule(Record):
                 f"{self.virtual_stages} > 1 needs name='interleaved_1f1b', got {self.name!r}",
             )
 
+    def admits(self, num_micro_batches: int, pp: int) -> bool:
+        """Whether this schedule runs ``num_micro_batches`` micro-batches over ``pp`` pipeline ranks: 1F1B needs
+        ``m >= pp`` (torch.distributed.pipelining's requirement), interleaved 1F1B ``m % pp == 0`` (Megatron's,
+        stricter than torch's), GPipe any ``m``. The search offers only admitted counts and the runtime (PPO's
+        mini-batches) keeps to them."""
+        if pp <= 1 or self.name == "gpipe":
+            return num_micro_batches >= 1
+        if self.name == "1f1b":
+            return num_micro_batches >= pp
+        return num_micro_batches % pp == 0
+
     def __str__(self) -> str:
         text = f"{self.name} m={self.num_micro_batches} mb={self.micro_batch}"
         return text + (f" v={self.virtual_stages}" if self.virtual_stages > 1 else "")

@@ -359,13 +359,17 @@ class PPOTrainer:
 
             self.policy.accumulate(batch.tokens[:, :-1], rows_loss, stats, micro_batch=cfg.micro_batch)
             return stats
+        sums: dict[str, torch.Tensor] = {}  # on the device: one host read per mini-batch, not per micro-batch
         for index in torch.arange(len(batch)).split(cfg.micro_batch or len(batch)):
             mb = batch.select(index)
             loss, parts = self._micro_batch_loss(mb, num_tokens, *self.policy.forward(mb.tokens[:, :-1]))
             # With a separate critic the scalar holds both losses; one backward reaches both models.
             self.policy.backward(loss)
             for key, value in parts.items():
-                stats[key] += value.detach().double().cpu()
+                sums[key] = value.detach().double() + sums.get(key, 0.0)
+        keys = sorted(sums)
+        for key, value in zip(keys, torch.stack([sums[key] for key in keys]).cpu() if keys else ()):
+            stats[key] += value
         return stats
 
     def _micro_batch_loss(self, mb: Experience, num_tokens: float, logits: torch.Tensor,

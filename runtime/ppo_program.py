@@ -73,8 +73,10 @@ divided by the micro-batch count: it is already a share of the global
 normaliser), and the statistics are summed over pp (zeros off the last
 stage), so every rank reports the same metrics. Micro-batches:
 ``PPOConfig.micro_batch`` rows each when set, else the divisor of the
-mini-batch rows nearest the plan's ``num_micro_batches`` (at least the
-stage count, where one exists; logged when it differs). Old, reference and
+mini-batch rows nearest the plan's ``num_micro_batches`` that the plan's
+schedule admits over the pp ranks (``Schedule.admits``: 1F1B m >= pp,
+interleaved m % pp == 0, the counts the search prices; logged when it
+differs). Old, reference and
 rollout log-probs come from ``forward`` under ``no_grad``: the stages one
 after the other over the whole chunk (no micro-batching), the outputs
 broadcast from the last stage. Rollout samples on its own layout as with
@@ -272,12 +274,13 @@ class ProgramEngine:
         """
         self._require_trainable("accumulate gradients of")
         rows, scale = tokens.shape[0], self.dp.world_size  # D · loss: SUM over dp from an averaging optimizer
-        sums = {key: torch.zeros_like(value) for key, value in stats.items()}  # stays zero off the last stage
+        # on the device (stays zero off the last stage): one host read per mini-batch, in _sum_over_pp
+        sums = {key: torch.zeros_like(value, device=self.device) for key, value in stats.items()}
 
         def micro_loss(outputs: Any, index: torch.Tensor) -> torch.Tensor:
             loss, parts = loss_fn(*self._actions(*outputs), index)
             for key, value in parts.items():
-                sums[key] += value.detach().double().cpu()
+                sums[key] += value.detach().double()
             return loss * scale
 
         index = torch.arange(rows, device=self.device)
@@ -298,13 +301,14 @@ class ProgramEngine:
                 raise EngineError(f"micro_batch={micro_batch} does not divide the {rows} rows of the batch; "
                                   "pick a divisor of the mini-batch size")
             return rows // micro_batch
-        planned, stages = self.program.plan.schedule.num_micro_batches, self.program.pipeline.layout.num_stages
+        schedule, pp = self.program.plan.schedule, self.program.plan.mesh.pp
         divisors = [d for d in range(1, rows + 1) if rows % d == 0]
-        divisors = [d for d in divisors if d >= stages] or divisors
-        chosen = min(divisors, key=lambda d: (abs(d - planned), -d))
-        if chosen != planned:
+        divisors = [d for d in divisors if schedule.admits(d, pp)] or divisors
+        chosen = min(divisors, key=lambda d: (abs(d - schedule.num_micro_batches), -d))
+        if chosen != schedule.num_micro_batches:
             log.info("pipeline: %d micro-batches of %d rows: the divisor of %d rows nearest the plan's %d "
-                     "(at least the %d stages where one exists)", chosen, rows // chosen, rows, planned, stages)
+                     "that %s takes over %d pp ranks", chosen, rows // chosen, rows, schedule.num_micro_batches,
+                     schedule.name, pp)
         return chosen
 
     def _sum_over_pp(self, values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

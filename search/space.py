@@ -388,11 +388,12 @@ def schedule_candidates(mesh: Mesh, graph: ModelGraph, train: TrainSpec,
         if mesh.pp == 1:
             out.append(Schedule(name="1f1b", micro_batch=mb, num_micro_batches=m))
             continue
-        if m >= mesh.pp:
-            out.append(Schedule(name="1f1b", micro_batch=mb, num_micro_batches=m))
-        if m < mesh.pp or only == "gpipe":
+        one_f_one_b = Schedule(name="1f1b", micro_batch=mb, num_micro_batches=m)
+        if one_f_one_b.admits(m, mesh.pp):
+            out.append(one_f_one_b)
+        if not one_f_one_b.admits(m, mesh.pp) or only == "gpipe":
             out.append(Schedule(name="gpipe", micro_batch=mb, num_micro_batches=m))
-        if m % mesh.pp == 0:
+        if Schedule(name="interleaved_1f1b").admits(m, mesh.pp):
             for v in range(2, MAX_VIRTUAL_STAGES + 1):
                 if graph.num_blocks % (mesh.pp * v) == 0:
                     out.append(Schedule(name="interleaved_1f1b", micro_batch=mb, num_micro_batches=m,

@@ -183,29 +183,41 @@ def test_pp2_dp2_matches_data_parallel_ppo(results4):
 # --------------------------------------------------------------------------- in process
 
 
-def _engine_of(num_micro_batches: int, num_stages: int):
-    """A ``ProgramEngine`` over a stand-in program: only what ``_micro_batches`` reads."""
+def _engine_of(num_micro_batches: int, pp: int, schedule: str = "1f1b", virtual: int = 1):
+    """A ``ProgramEngine`` over a stand-in program: only what ``_micro_batches`` reads (the plan's schedule, mesh)."""
     from types import SimpleNamespace
 
     from autoshard.runtime.ppo_program import ProgramEngine
 
-    program = SimpleNamespace(plan=SimpleNamespace(schedule=SimpleNamespace(num_micro_batches=num_micro_batches)),
-                              pipeline=SimpleNamespace(layout=SimpleNamespace(num_stages=num_stages)))
+    plan = SimpleNamespace(schedule=Schedule(name=schedule, num_micro_batches=num_micro_batches,
+                                             virtual_stages=virtual), mesh=Mesh(pp=pp))
     engine = ProgramEngine.__new__(ProgramEngine)
-    engine.program = program
+    engine.program = SimpleNamespace(plan=plan)
     return engine
 
 
-@pytest.mark.parametrize("rows, planned, stages, micro_batch, want", [
-    (32, 4, 2, None, 4),   # the plan's count when it splits the rows
-    (16, 6, 2, None, 8),   # else the nearest divisor (8 and 4 are as near: the larger, a smaller bubble)
-    (18, 5, 2, None, 6),   # 6 is the nearest divisor of 18 to 5
-    (6, 1, 4, None, 6),    # at least the stage count where a divisor reaches it
-    (3, 4, 4, None, 3),    # none does: the nearest of all divisors
-    (32, 4, 2, 8, 4),      # PPOConfig.micro_batch rows each
+@pytest.mark.parametrize("rows, planned, pp, schedule, micro_batch, want", [
+    (32, 4, 2, "1f1b", None, 4),   # the plan's count when it splits the rows
+    (16, 6, 2, "1f1b", None, 8),   # else the nearest divisor (8 and 4 are as near: the larger, a smaller bubble)
+    (18, 5, 2, "1f1b", None, 6),   # 6 is the nearest divisor of 18 to 5
+    (6, 1, 4, "1f1b", None, 6),    # 1F1B needs m >= pp where a divisor reaches it
+    (3, 4, 4, "1f1b", None, 3),    # none does: the nearest of all divisors
+    (6, 1, 4, "gpipe", None, 1),   # GPipe takes any count
+    (32, 2, 2, "interleaved_1f1b", None, 2),  # v=4 virtual stages: still the plan's 2 (m % pp == 0), not 8
+    (12, 3, 2, "interleaved_1f1b", None, 4),  # 3 is odd: 2 and 4 are as near (multiples of pp dividing 12): 4
+    (32, 4, 2, "1f1b", 8, 4),      # PPOConfig.micro_batch rows each
 ])
-def test_pipeline_micro_batch_count(rows, planned, stages, micro_batch, want):
-    assert _engine_of(planned, stages)._micro_batches(rows, micro_batch) == want
+def test_pipeline_micro_batch_count(rows, planned, pp, schedule, micro_batch, want):
+    virtual = 4 if schedule == "interleaved_1f1b" else 1
+    assert _engine_of(planned, pp, schedule, virtual)._micro_batches(rows, micro_batch) == want
+
+
+@pytest.mark.parametrize("schedule, pp, admitted", [
+    ("1f1b", 4, [4, 5, 8]), ("gpipe", 4, [1, 2, 3, 4, 5, 8]), ("interleaved_1f1b", 4, [4, 8]),
+    ("1f1b", 1, [1, 2, 3, 4, 5, 8]),
+])
+def test_schedule_admits(schedule, pp, admitted):
+    assert [m for m in (1, 2, 3, 4, 5, 8) if Schedule(name=schedule).admits(m, pp)] == admitted
 
 
 def test_pipeline_micro_batch_must_divide_the_rows():
