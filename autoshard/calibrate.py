@@ -10,11 +10,15 @@ synchronised around each):
 - **kernel overhead**: a chain of ``overhead_ops`` eager ``x.add_(1)`` on a
   4 KiB tensor, synchronised once at the end; ``kernel_overhead_s`` = time /
   ops: what one eager op costs when the device is starved (launch + dispatch),
-  the cost model's per-kernel floor. On CUDA the same chain captured as a CUDA
-  graph and replayed gives ``graph_kernel_s``, and (over several ranks) 64
-  4 KiB all-reduces captured together give ``graph_collective_s``: what a
-  rollout's captured decode step pays per kernel and per collective
-  (``search/rollout.py``).
+  the cost model's per-kernel floor. On CUDA, ``graph_kernel_s`` is what a
+  rollout's captured decode step pays per op the price counts: a fixed small
+  Llama's decode step (``DECODE_PROBE``: 4 blocks of width 1024, 32 sequences)
+  captured and replayed, less its weight and cache reads, over its ops counted
+  on ``meta``. (A chain of tiny adds replayed gives 1.0 µs per kernel on an
+  H200, while the kernels of a real decode step cost 3.4–3.7 µs each there:
+  ``benchmarks/results/rl_step_h200_2026-11-28``.) Over several ranks, 64
+  4 KiB all-reduces captured together give ``graph_collective_s``, per
+  collective of the captured step (``search/rollout.py``).
 - **GEMM knee**: the matmul sweep runs small sizes too. The cost model's
   small-GEMM law ``e(w) = e_max · w / (w + knee)`` (``w = 2n³``) plus the launch
   floor makes each time affine in the work: ``t = c + s·w`` with ``s = 1 /
@@ -171,7 +175,7 @@ class Calibration:
     overlap_efficiency: float | None = None
     adamw_s_per_param: float | None = None
     adamw_s_per_tensor: float | None = None
-    graph_kernel_s: float | None = None  # per kernel of a replayed CUDA graph (rollout decode, search/rollout.py)
+    graph_kernel_s: float | None = None  # per counted op of a replayed decode step (rollout, search/rollout.py)
     graph_collective_s: float | None = None  # per small all-reduce inside a replayed CUDA graph, over the world
     layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
@@ -250,18 +254,35 @@ def _captured(body: Callable[[], Any], device: torch.device) -> torch.cuda.CUDAG
     return graph
 
 
-def measure_graph_kernel(ops: int, device: torch.device, iters: int) -> float | None:
-    """Seconds per kernel of a replayed CUDA graph of ``ops`` tiny in-place adds (None off CUDA): the floor of a
-    captured decode step (``runtime/rollout_graph.py``)."""
+# The decode-step probe: a fixed small Llama (not the priced model), its decode step captured as the rollout does.
+DECODE_PROBE = {"num_layers": 4, "hidden": 1024, "num_heads": 8, "num_kv_heads": 8, "ffn_hidden": 2816,
+                "vocab_size": 256, "max_seq_len": 256}
+DECODE_PROBE_BATCH = 32
+
+
+def measure_graph_kernel(device: torch.device, iters: int, bytes_per_s: float) -> float | None:
+    """Seconds per counted op of a replayed decode step (None off CUDA): the ``DECODE_PROBE`` Llama's KV-cached
+    step at ``DECODE_PROBE_BATCH`` sequences, captured as ``runtime/rollout_graph.py`` captures a rollout's, its
+    replay time less the weights and cache read at ``bytes_per_s``, over its ops counted on ``meta``
+    (``search.rollout.count_decode_ops``, the count the price multiplies)."""
     if device.type != "cuda":
         return None
-    x = torch.zeros(1024, device=device)
+    from autoshard.models import build
+    from autoshard.runtime.rollout_graph import DecodeGraph
+    from autoshard.search.rollout import count_decode_ops
 
-    def chain() -> None:
-        for _ in range(ops):
-            x.add_(1.0)
+    model = build("llama:tiny", device=device, dtype=torch.bfloat16, **DECODE_PROBE).eval()
+    cache = model.new_cache(DECODE_PROBE_BATCH, DECODE_PROBE["max_seq_len"])
+    step = DecodeGraph(model, cache, DECODE_PROBE_BATCH, device).graph
+    replays = 10
 
-    return _median_seconds(_captured(chain, device).replay, iters, device) / ops
+    def replay() -> None:
+        for _ in range(replays):
+            step.replay()
+
+    seconds = _median_seconds(replay, iters, device) / replays
+    read = sum(t.numel() * t.element_size() for t in [*model.parameters(), *cache.keys, *cache.values])
+    return max(seconds - read / bytes_per_s, 0.0) / count_decode_ops("llama:tiny", **DECODE_PROBE)
 
 
 def measure_graph_collective(count: int, device: torch.device, iters: int) -> float | None:
@@ -452,9 +473,9 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     matmul = measure_matmul(sizes.matmul_sizes, _DTYPES[dtype], device, sizes.iters)
     step("kernel overhead")
     overhead = measure_kernel_overhead(sizes.overhead_ops, device, sizes.iters)
-    graph_kernel = measure_graph_kernel(sizes.overhead_ops, device, sizes.iters)
     step("HBM copy")
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
+    graph_kernel = measure_graph_kernel(device, sizes.iters, copy)
     step("attention")
     attention = measure_attention(sizes.attention_shapes, _DTYPES[dtype], device, sizes.iters,
                                   cluster.device.peak_flops[dtype])

@@ -19,9 +19,9 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
       comm     = 2·L · AR(b·h·p, r) + AR(b·h·p, r) + AG(b·V·p, r)       (o and down; embedding; head)
 
   K: the kernels of one decode step (``decode_ops``: counted on ``meta`` for a reference
-  model, else the layers' forward kernels); g: per kernel of a replayed CUDA graph on a
-  GPU (``graph_kernel_s`` calibrated, else ``GRAPH_KERNEL_S``; the decode step is captured,
-  ``runtime/rollout_graph.py``), the eager ``kernel_overhead_s`` o on CPU ranks and for the
+  model, else the layers' forward kernels); g: per counted op of a replayed decode step on a
+  GPU (``graph_kernel_s``, calibrated on a probe decode step, else ``GRAPH_KERNEL_S``; the step is
+  captured, ``runtime/rollout_graph.py``), the eager ``kernel_overhead_s`` o on CPU ranks and for the
   prefill. In a captured step each collective costs ``graph_collective_s`` (calibrated)
   instead of the link's α.
 
@@ -69,8 +69,9 @@ from autoshard.train import TrainSpec
 SAMPLING_KERNELS = 22
 """Eager ops of one step of ``runtime/rollout.generate``'s loop outside the model (counted: the graph's input
 copies and replay, temperature, log-softmax, multinomial, masks, gather, isin, cat, the all-done check)."""
-GRAPH_KERNEL_S = 2.5e-6
-"""Seconds per kernel of a replayed CUDA graph (launch gaps; ``calibration["graph_kernel_s"]`` when measured)."""
+GRAPH_KERNEL_S = 3.5e-6
+"""Seconds per counted op of a replayed decode step where no calibration measured ``graph_kernel_s``
+(``autoshard/calibrate.py``: 3.4–3.7 µs in the steps of llama:1.3b and llama:7b on an H200)."""
 BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -166,14 +167,23 @@ def _counted_decode_ops(model_name: str) -> float | None:
     """Ops of one decode step of the reference model ``model_name`` (the step ``runtime/rollout_graph.py``
     captures), counted on ``meta`` with one and two blocks: stem + L · block. None for other models."""
     try:
-        import torch
-        from torch.utils._python_dispatch import TorchDispatchMode
-
-        from autoshard.models import build, config_for
+        from autoshard.models import config_for
 
         layers = config_for(model_name).num_layers
     except Exception:  # noqa: BLE001 - not a reference model: the training forward's kernel count instead
         return None
+    one, two = (count_decode_ops(model_name, num_layers=blocks) for blocks in (1, 2))
+    per_block = two - one
+    return float(one - per_block + layers * per_block)
+
+
+def count_decode_ops(model_name: str, **overrides: Any) -> int:
+    """Ops (kernels but views) of one KV-cached decode step of the reference model ``model_name`` built with
+    config ``overrides``, counted on ``meta`` (batch 1: the count does not depend on it)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.models import build
 
     class _Count(TorchDispatchMode):
         ops = 0
@@ -183,16 +193,12 @@ def _counted_decode_ops(model_name: str) -> float | None:
                 self.ops += 1
             return func(*args, **(kwargs or {}))
 
-    counts = []
-    for blocks in (1, 2):
-        model = build(model_name, device="meta", num_layers=blocks, max_seq_len=16).eval()
-        cache = model.new_cache(1, 16)
-        with torch.no_grad(), _Count() as count:
-            model(torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=cache,
-                  start_pos=torch.tensor(4, device="meta"))
-        counts.append(count.ops)
-    per_block = counts[1] - counts[0]
-    return float(counts[0] - per_block + layers * per_block)
+    model = build(model_name, device="meta", **{"max_seq_len": 16, **overrides}).eval()
+    cache = model.new_cache(1, model.config.max_seq_len)
+    with torch.no_grad(), _Count() as count:
+        model(torch.zeros(1, 1, dtype=torch.long, device="meta"), cache=cache,
+              start_pos=torch.tensor(4, device="meta"))
+    return count.ops
 
 
 def decode_ops(graph: ModelGraph) -> float:

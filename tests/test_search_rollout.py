@@ -145,3 +145,22 @@ def test_cli_rollout_tp_must_be_auto_or_a_power_of_two():
     assert _rollout_tp("auto") == "auto" and _rollout_tp("4") == 4
     with pytest.raises(argparse.ArgumentTypeError):
         _rollout_tp("3")
+
+
+def test_decode_op_count_is_stem_plus_blocks_and_width_free():
+    """The priced count (one and two blocks extrapolated) equals a direct count at the model's depth, and the
+    calibration probe's count does not depend on the width it is built at."""
+    from autoshard.calibrate import DECODE_PROBE
+
+    direct = R.count_decode_ops("llama:tiny", num_layers=6)
+    one, two = R.count_decode_ops("llama:tiny", num_layers=1), R.count_decode_ops("llama:tiny", num_layers=2)
+    assert direct == one + 5 * (two - one) > 0
+    assert R._counted_decode_ops("llama:tiny") == R.count_decode_ops("llama:tiny")
+    narrow = {**DECODE_PROBE, "hidden": 64, "ffn_hidden": 128}
+    assert R.count_decode_ops("llama:tiny", **narrow) == R.count_decode_ops("llama:tiny", **DECODE_PROBE)
+
+
+def test_graph_kernel_probe_is_gpu_only():
+    from autoshard.calibrate import measure_graph_kernel
+
+    assert measure_graph_kernel(torch.device("cpu"), 1, 1e9) is None
