@@ -25,7 +25,10 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
   prefill. In a captured step each collective costs ``graph_collective_s`` (calibrated)
   instead of the link's α.
 
-  F = 2 · (matmul FLOPs per token / r) · tokens + attention FLOPs; eff(F) the GEMM knee.
+  F = 2 · (matmul FLOPs per token / r) · tokens + attention FLOPs; eff(F) the GEMM knee for the eager
+  prefill, the large-GEMM efficiency in the captured step (its GEMMs' fixed cost is in g: the probe's
+  step has them; the knee's ~10–30 µs per GEMM is a timed eager matmul's launch and sync, and made the
+  price of a 1.3B decode step swing 2× between calibrations of one machine).
   R is ``max_new_tokens`` (an upper bound: sequences that stop early shorten it).
 * **reshard** (``sync``): per parameter, the gathers the runtime runs: ep, ZeRO-3 over
   dp_shard (output ``e/t``), Megatron tp (output ``e``) unless the rollout group is
@@ -231,7 +234,9 @@ def _forward_s(graph: ModelGraph, cluster: Cluster, r: int, batch: float, tokens
     gemm = sum(layer.matmul_flops_per_token for layer in graph.layers) * tokens / r
     attn = sum(2.0 * 2.0 * (layer.hidden or 0) * context for layer in _attention_layers(graph)) * tokens / r
     n_gemm = max(1, sum(layer_terms.gemm_count(layer) for layer in graph.layers))
-    eff = layer_terms.gemm_efficiency(gemm / n_gemm, cluster)
+    # The small-GEMM knee is a fixed cost per GEMM fitted to timed eager matmuls (launch, host sync); in a
+    # captured step that cost is the calibrated per-op g, which the probe measured with its GEMMs inside.
+    eff = layer_terms.gemm_efficiency(gemm / n_gemm, cluster) if kernel_s is None else layer_terms.matmul_efficiency(cluster)
     weights = rollout_weight_bytes(graph, r, p)
     cache = kv_cache_bytes(graph, r, batch, context, p)
     roof = max(gemm / (peak * eff) + attn / (peak * layer_terms.attention_efficiency(cluster)), (weights + cache) / hbm)
