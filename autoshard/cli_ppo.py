@@ -285,8 +285,8 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
                       precision=precision, compiled=False)
     search = functools.partial(solve, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
     if rollout_tp != "auto":
-        return rollout.with_rollout(graph, cluster, search(graph, cluster, train, constraints=constraints),
-                                    int(rollout_tp), workload)
+        plan = rollout.solve_for_rollout(graph, cluster, train, int(rollout_tp), solve=search, constraints=constraints)
+        return rollout.with_rollout(graph, cluster, plan, int(rollout_tp), workload)
     return rollout.co_plan(graph, cluster, train, workload, solve=search, constraints=constraints)
 
 

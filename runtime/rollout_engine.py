@@ -64,6 +64,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from autoshard.errors import PlanError
 from autoshard.passes.context import ParamPlacement, RankContext, chunk_size, coords_of
 from autoshard.kernels import collectives
 from autoshard.runtime.rollout import Rollout, SamplingConfig, generate
@@ -294,7 +295,7 @@ def _rollout_group(ctx: RankContext, tp: int) -> str | None:
     if tp == ctx.size("tp"):
         return ctx.group("tp")
     if (ctx.world_size // ctx.size("pp")) % tp:
-        raise ValueError(f"rollout tp={tp} must divide the ranks of one pipeline stage "
+        raise PlanError(f"rollout tp={tp} must divide the ranks of one pipeline stage "
                          f"({ctx.world_size // ctx.size('pp')})")
     mine = None
     for first in range(0, ctx.world_size, tp):  # every rank creates every group, in the same order

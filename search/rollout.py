@@ -66,7 +66,7 @@ from autoshard.graph import ROLLOUT_SHARD_DIM, LayerInfo, ModelGraph, ParamInfo,
 from autoshard.plan import Plan, RolloutOption, RolloutPlan
 from autoshard.search import comm, layer_terms
 from autoshard.search.cost_model import plan_layer_costs
-from autoshard.search.space import Constraints
+from autoshard.search.space import Constraints, divisors
 from autoshard.train import TrainSpec
 
 SAMPLING_KERNELS = 22
@@ -399,14 +399,10 @@ def co_plan(graph: ModelGraph, cluster: Cluster, train: TrainSpec, work: Rollout
     for r in candidates:
         reserve = rollout_weight_bytes(graph, r, p) + reference
         try:
-            plan = solve(graph, cluster, train, constraints=dataclasses.replace(
+            plan = solve_for_rollout(graph, cluster, train, r, solve=solve, constraints=dataclasses.replace(
                 constraints, max_memory_bytes=int(limit - reserve)))
         except AutoshardError as err:
             options.append(RolloutOption(tp=r, refusal=f"no training plan fits beside the rollout weights: {err}"[:300]))
-            continue
-        stage = plan.mesh.world_size // plan.mesh.pp
-        if stage % r:
-            options.append(RolloutOption(tp=r, refusal=f"rollout tp={r} does not divide a pipeline stage ({stage} ranks)"))
             continue
         reference = reference_bytes(plan)
         option = price(graph, cluster, plan, r, work)
@@ -426,6 +422,32 @@ def co_plan(graph: ModelGraph, cluster: Cluster, train: TrainSpec, work: Rollout
     return dataclasses.replace(plan, rollout=(rollout,))
 
 
+def solve_for_rollout(graph: ModelGraph, cluster: Cluster, train: TrainSpec, r: int, *, solve: Solve,
+                      constraints: Any = None) -> Plan:
+    """The fastest training plan whose pipeline stages each hold whole rollout groups of ``r`` ranks (the groups
+    are consecutive ranks inside one stage, ``runtime/rollout_engine.py``): the search's plan when its stages
+    have a multiple of ``r`` ranks, else the fastest of the searches with ``pp`` fixed to each degree that
+    leaves them one (a ``pp`` the caller fixed is kept). ``AutoshardError`` when none fits."""
+    constraints = constraints or Constraints()
+    plan = solve(graph, cluster, train, constraints=constraints)
+    world = plan.mesh.world_size
+    if (world // plan.mesh.pp) % r == 0:
+        return plan
+    fixed = constraints.mesh.get("pp")
+    allowed = [pp for pp in divisors(world) if (world // pp) % r == 0 and fixed in (None, pp)]
+    plans, errors = [], []
+    for pp in allowed:
+        try:
+            plans.append(solve(graph, cluster, train, constraints=dataclasses.replace(
+                constraints, mesh={**constraints.mesh, "pp": pp})))
+        except AutoshardError as err:
+            errors.append(f"pp={pp}: {err}")
+    if not plans:
+        raise AutoshardError(f"rollout tp={r} needs pipeline stages of a multiple of {r} ranks (pp in {allowed} of "
+                             f"{world} ranks) and no training plan with one fits: {'; '.join(errors) or 'none allowed'}")
+    return min(plans, key=lambda candidate: candidate.predictions.step_time_s)
+
+
 def with_rollout(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: RolloutWorkload) -> Plan:
     """``plan`` with a rollout section for groups of ``r`` (priced, not searched): ``--rollout-tp N``."""
     reason = rollout_refusal(graph, r)
@@ -439,4 +461,4 @@ def with_rollout(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: 
 
 
 __all__ = ["RolloutWorkload", "co_plan", "generate_s", "kv_cache_bytes", "price", "reshard", "rollout_degrees",
-           "rollout_refusal", "rollout_weight_bytes", "with_rollout"]
+           "rollout_refusal", "rollout_weight_bytes", "solve_for_rollout", "with_rollout"]

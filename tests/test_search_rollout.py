@@ -164,3 +164,28 @@ def test_graph_kernel_probe_is_gpu_only():
     from autoshard.calibrate import measure_graph_kernel
 
     assert measure_graph_kernel(torch.device("cpu"), 1, 1e9) is None
+
+
+def test_solve_for_rollout_keeps_rollout_groups_inside_a_pipeline_stage(tiny):
+    """A searched plan whose stages are narrower than the rollout group is searched again with pp fixed to the
+    degrees that leave whole groups per stage; the fastest of those is kept, a fixed pp is honoured."""
+    from autoshard.search.space import Constraints
+
+    _, graph = tiny
+    cluster = None
+    calls = []
+
+    def solve(graph, cluster, train, constraints):  # stands in for search.solve: pp=4 unless pp is fixed
+        pp = constraints.mesh.get("pp", 4)
+        calls.append(pp)
+        if pp == 1 and constraints.mesh.get("tp") == 8:
+            raise AutoshardError("nothing fits")
+        return _plan(graph, Mesh(pp=pp, dp_shard=8 // pp), step_time_s=1.0 + pp)
+
+    train = None
+    assert R.solve_for_rollout(graph, cluster, train, 2, solve=solve).mesh.pp == 4 and calls == [4]  # 2 of 8 per stage
+    calls.clear()
+    plan = R.solve_for_rollout(graph, cluster, train, 4, solve=solve)  # stages of 2 ranks: pp 1 or 2 instead
+    assert calls == [4, 1, 2] and plan.mesh.pp == 1
+    with pytest.raises(AutoshardError, match="rollout tp=8 needs pipeline stages of a multiple of 8 ranks"):
+        R.solve_for_rollout(graph, cluster, train, 8, solve=solve, constraints=Constraints(mesh={"tp": 8}))
