@@ -24,7 +24,7 @@ fi
 GPUS="$("$PYTHON" -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null || echo '?')"
 LOG="$(mktemp /tmp/gpu_tests.XXXX)"
 start=$SECONDS
-"$PYTHON" -m pytest "${FILES[@]}" -m gpu -p no:cacheprovider -q -rs "$@" 2>&1 | tee "$LOG"
+"$PYTHON" -m pytest "${FILES[@]}" -m gpu -p no:cacheprovider -o addopts="" -rs "$@" 2>&1 | tee "$LOG"
 rc=${PIPESTATUS[0]}
 # pytest's last line: "3 passed, 1 skipped in 12.3s" (between '=' rules when it is not quiet)
 summary="$(grep -E '[0-9]+ (passed|failed|skipped|error|deselected)|no tests ran' "$LOG" | tail -n 1 | tr -d '=' | xargs)"

@@ -426,3 +426,23 @@ def test_qcomm_benchmark_smoke_run_under_torchrun(tmp_path):
         assert set(r["steps_seconds"]) == {"quantize", "all_gather", "dequantize"}
         assert len(r["per_rank_seconds"]) == 2 and r["seconds"] > 0
     assert "| int8 |" in proc.stdout
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("qdtype", QDTYPES)
+def test_compiled_triton_kernels_match_reference_on_cuda(qdtype):
+    """The Triton kernels compiled for the GPU (not interpreted) equal the torch reference bit for bit."""
+    gen = torch.Generator().manual_seed(7)
+    numel, world, block = 1 << 20, 4, 512
+    x = _sample("student_t", numel, gen) * 100
+    x[3], x[block + 7] = float("nan"), float("-inf")
+    lay = QuantLayout(qdtype, block, numel, world)
+    device_x = x.to(torch.bfloat16).cuda()
+    assert uses_triton(device_x.device)
+    q = quantize(device_x, qdtype, block, world)
+    want = reference.quantize_ref(x.to(torch.bfloat16), lay)
+    assert torch.equal(q.data.cpu(), want)
+    for out_dtype in (torch.float32, torch.bfloat16):
+        assert _nan_equal(dequantize(q, out_dtype).reshape(-1).cpu(), reference.dequantize_ref(want, lay, out_dtype))
+        assert _nan_equal(dequantize_reduce(q, out_dtype).cpu(), reference.dequantize_reduce_ref(want, lay, out_dtype))

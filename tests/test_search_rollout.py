@@ -189,3 +189,13 @@ def test_solve_for_rollout_keeps_rollout_groups_inside_a_pipeline_stage(tiny):
     assert calls == [4, 1, 2] and plan.mesh.pp == 1
     with pytest.raises(AutoshardError, match="rollout tp=8 needs pipeline stages of a multiple of 8 ranks"):
         R.solve_for_rollout(graph, cluster, train, 8, solve=solve, constraints=Constraints(mesh={"tp": 8}))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_graph_kernel_probe_on_cuda():
+    """The calibration's decode probe replays a captured step: microseconds per counted op, not zero, not ms."""
+    from autoshard.calibrate import measure_graph_kernel
+
+    seconds = measure_graph_kernel(torch.device("cuda"), 5, 2e12)
+    assert 2e-7 < seconds < 1e-4
