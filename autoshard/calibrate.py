@@ -16,7 +16,9 @@ synchronised around each):
   captured and replayed, less its weight and cache reads, over its ops counted
   on ``meta``. (A chain of tiny adds replayed gives 1.0 µs per kernel on an
   H200, while the kernels of a real decode step cost 3.4–3.7 µs each there:
-  ``benchmarks/results/rl_step_h200_2026-11-28``.) Over several ranks, 64
+  ``benchmarks/results/rl_step_h200x2_2026-11-28``.) ``graph_compiled_kernel_s``:
+  the same with the probe's step compiled before capture, as the rollout runs
+  it (about 10 s of compilation). Over several ranks, 64
   4 KiB all-reduces captured together give ``graph_collective_s``, per
   collective of the captured step (``search/rollout.py``).
 - **GEMM knee**: the matmul sweep runs small sizes too. The cost model's
@@ -176,6 +178,7 @@ class Calibration:
     adamw_s_per_param: float | None = None
     adamw_s_per_tensor: float | None = None
     graph_kernel_s: float | None = None  # per counted op of a replayed decode step (rollout, search/rollout.py)
+    graph_compiled_kernel_s: float | None = None  # the same, the step compiled before capture (as the rollout runs it)
     graph_collective_s: float | None = None  # per small all-reduce inside a replayed CUDA graph, over the world
     layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
@@ -192,7 +195,7 @@ class Calibration:
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
         for key in ("attention_efficiency", "overlap_contention", "overlap_efficiency", "adamw_s_per_param", "adamw_s_per_tensor",
-                    "graph_kernel_s", "graph_collective_s", "layer_times"):
+                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s", "layer_times"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -260,11 +263,12 @@ DECODE_PROBE = {"num_layers": 4, "hidden": 1024, "num_heads": 8, "num_kv_heads":
 DECODE_PROBE_BATCH = 32
 
 
-def measure_graph_kernel(device: torch.device, iters: int, bytes_per_s: float) -> float | None:
+def measure_graph_kernel(device: torch.device, iters: int, bytes_per_s: float, compile: bool = False) -> float | None:
     """Seconds per counted op of a replayed decode step (None off CUDA): the ``DECODE_PROBE`` Llama's KV-cached
-    step at ``DECODE_PROBE_BATCH`` sequences, captured as ``runtime/rollout_graph.py`` captures a rollout's, its
-    replay time less the weights and cache read at ``bytes_per_s``, over its ops counted on ``meta``
-    (``search.rollout.count_decode_ops``, the count the price multiplies)."""
+    step at ``DECODE_PROBE_BATCH`` sequences, captured as ``runtime/rollout_graph.py`` captures a rollout's
+    (``compile``: compiled first, as the rollout runs it), its replay time less the weights and cache read at
+    ``bytes_per_s``, over its ops counted on ``meta`` (``search.rollout.count_decode_ops``, the count the price
+    multiplies)."""
     if device.type != "cuda":
         return None
     from autoshard.models import build
@@ -273,7 +277,7 @@ def measure_graph_kernel(device: torch.device, iters: int, bytes_per_s: float) -
 
     model = build("llama:tiny", device=device, dtype=torch.bfloat16, **DECODE_PROBE).eval()
     cache = model.new_cache(DECODE_PROBE_BATCH, DECODE_PROBE["max_seq_len"])
-    step = DecodeGraph(model, cache, DECODE_PROBE_BATCH, device).graph
+    step = DecodeGraph(model, cache, DECODE_PROBE_BATCH, device, compile=compile).graph
     replays = 10
 
     def replay() -> None:
@@ -476,6 +480,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     step("HBM copy")
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
     graph_kernel = measure_graph_kernel(device, sizes.iters, copy)
+    graph_compiled_kernel = measure_graph_kernel(device, sizes.iters, copy, compile=True)
     step("attention")
     attention = measure_attention(sizes.attention_shapes, _DTYPES[dtype], device, sizes.iters,
                                   cluster.device.peak_flops[dtype])
@@ -521,7 +526,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         link_level=level, latency_s=latency, bandwidth=bandwidth,
         overlap_contention=contention, overlap_efficiency=overlap_eff, overlap=overlap,
         adamw_s_per_param=per_param, adamw_s_per_tensor=per_tensor, layer_times=layer_times,
-        graph_kernel_s=graph_kernel, graph_collective_s=graph_collective,
+        graph_kernel_s=graph_kernel, graph_compiled_kernel_s=graph_compiled_kernel, graph_collective_s=graph_collective,
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
 

@@ -2,11 +2,12 @@
 # The RL step on GPUs: measured against predicted, per rollout layout, with the floors to beat
 # (docs/ppo.md "Rollout layout"; results in benchmarks/results/rl_step_*).
 #
-# On one machine of N = 2 or 4 GPUs: calibrate once over N ranks (the only measured input the predictions
+# On one machine of N = 1, 2 or 4 GPUs: calibrate once over N ranks (the only measured input the predictions
 # read), then
 #   runs4   `autoshard ppo MODEL --rollout-tp R` on 4 GPUs for each "MODEL:R" of RUNS4 (R = auto: co-planned;
 #           skipped with N = 2)
 #   runs2   the same on 2 GPUs for RUNS2 (two at a time on GPUs 0,1 and 2,3 when N = 4)
+#   runs1   the same on GPU 0 alone for RUNS1 (default none; N = 1 runs only these)
 #   floor   one GPU, Hugging Face generate with a KV cache, for each model of FLOOR (batch = BATCH)
 #   reshard RolloutEngine.sync against bytes and NVLink, ZeRO-3 training over N ranks, for RESHARD models
 # Every run: bf16, the bytes tokenizer (258 ids), PROMPT-byte prompts, NEW new tokens, BATCH sequences per RL
@@ -24,6 +25,7 @@ BUDGET_S="${BUDGET_S:-540}"
 STEPS="${STEPS:-4}" BATCH="${BATCH:-64}" PROMPT="${PROMPT:-128}" NEW="${NEW:-128}"
 RUNS4="${RUNS4-llama:1.3b:auto llama:1.3b:1 llama:1.3b:4 llama:7b:auto}"
 RUNS2="${RUNS2-llama:1.3b:auto llama:7b:auto}"
+RUNS1="${RUNS1-}"
 FLOOR="${FLOOR-llama:1.3b llama:7b}"
 RESHARD="${RESHARD-llama:1.3b}"
 LIMIT="${LIMIT:-300}"
@@ -39,7 +41,8 @@ timeout 240 "$PYTHON" -m torch.distributed.run --standalone --nproc-per-node "$N
   -m autoshard.calibrate --out "$OUT/cal.json" > "$OUT/calibrate.log" 2>&1
 echo "=== calibrate rc=$? at ${SECONDS}s"
 "$PYTHON" benchmarks/rl_bench.py prompts --len "$PROMPT" --count 512 --out "$WORK/prompts.jsonl"
-for n in 2 $N; do  # this machine as detected, with n GPUs visible: the clusters the runs plan for
+for n in $(printf '%s\n' 1 2 "$N" | sort -un); do  # this machine as detected, with n GPUs visible: the clusters
+  [[ $n -le $N ]] || continue                         # the runs plan for
   CUDA_VISIBLE_DEVICES="$(seq -s, 0 $((n - 1)))" "$PYTHON" -c \
     "import json; from autoshard.cluster_detect import detect_dict; print(json.dumps(detect_dict()))" > "$OUT/cluster_x$n.json"
 done
@@ -59,6 +62,11 @@ ppo() {  # ppo NAME GPUS MODEL RTP
   echo "=== $1 rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/$1.log" | cut -c1-200)"
 }
 
+for run in $RUNS1; do
+  model="${run%:*}"; rtp="${run##*:}"
+  ppo "x1_${model/:/_}_r$rtp" 0 "$model" "$rtp"
+done
+[[ $N -lt 2 ]] && RUNS2=""
 [[ $N -lt 4 ]] && RUNS4=""
 for run in $RUNS4; do
   model="${run%:*}"; rtp="${run##*:}"

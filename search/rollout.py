@@ -20,9 +20,9 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
 
   K: the kernels of one decode step (``decode_ops``: counted on ``meta`` for a reference
   model, else the layers' forward kernels); g: per counted op of a replayed decode step on a
-  GPU (``graph_kernel_s``, calibrated on a probe decode step, else ``GRAPH_KERNEL_S``; the step is
-  captured, ``runtime/rollout_graph.py``), the eager ``kernel_overhead_s`` o on CPU ranks and for the
-  prefill. In a captured step each collective costs ``graph_collective_s`` (calibrated)
+  GPU (``graph_compiled_kernel_s``, calibrated on a probe decode step compiled and captured as the
+  rollout's is, ``runtime/rollout_graph.py``, else ``GRAPH_KERNEL_S``), the eager ``kernel_overhead_s``
+  o on CPU ranks and for the prefill. In a captured step each collective costs ``graph_collective_s`` (calibrated)
   instead of the link's α.
 
   F = 2 · (matmul FLOPs per token / r) · tokens + attention FLOPs; eff(F) the GEMM knee for the eager
@@ -72,9 +72,10 @@ from autoshard.train import TrainSpec
 SAMPLING_KERNELS = 22
 """Eager ops of one step of ``runtime/rollout.generate``'s loop outside the model (counted: the graph's input
 copies and replay, temperature, log-softmax, multinomial, masks, gather, isin, cat, the all-done check)."""
-GRAPH_KERNEL_S = 3.5e-6
-"""Seconds per counted op of a replayed decode step where no calibration measured ``graph_kernel_s``
-(``autoshard/calibrate.py``: 3.4–3.7 µs in the steps of llama:1.3b and llama:7b on an H200)."""
+GRAPH_KERNEL_S = 1.3e-6
+"""Seconds per counted op of a replayed, compiled decode step where no calibration measured
+``graph_compiled_kernel_s`` (``autoshard/calibrate.py``; 1.3–1.4 µs in the compiled steps of llama:1.3b and llama:7b
+on an H200, less their weight and cache reads; the eager-captured steps' 3.4–3.7 µs is ``graph_kernel_s``)."""
 BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -262,7 +263,7 @@ def generate_s(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: Ro
     batch = group_batch(plan, r, work.sequences)
     prefill = _forward_s(graph, cluster, r, batch, work.prompt_len, work.prompt_len, train, p)
     graphs = not cluster.runs_on_cpu  # GPUs replay the captured decode step (runtime/rollout_graph.py)
-    gap = cluster.calibration.get("graph_kernel_s", GRAPH_KERNEL_S) if graphs else None
+    gap = cluster.calibration.get("graph_compiled_kernel_s", GRAPH_KERNEL_S) if graphs else None
     in_graph = cluster.calibration.get("graph_collective_s") if graphs else None
     step = _forward_s(graph, cluster, r, batch, 1, work.prompt_len + work.response_len / 2, train, p, gap, in_graph)
     decode_steps = work.response_len - 1

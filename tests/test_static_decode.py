@@ -46,3 +46,29 @@ def test_decode_graph_replays_the_eager_step():
             expected, _ = model(token, cache=eager, start_pos=5 + t)
             got, _ = graph.run(token, 5 + t)
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+def test_compiled_decode_step_equals_the_eager_step_and_falls_back():
+    """``decode_step`` compiled (aot_eager here: the same dynamo trace as inductor, no code generation) gives the
+    eager step's logits and cache writes; a backend that fails leaves the eager step (``warmed_step``)."""
+    from autoshard.runtime.rollout_graph import decode_step, warmed_step
+
+    torch._dynamo.reset()
+    model = build("llama:tiny", seed=0, vocab_size=16, max_seq_len=32).eval()
+    prompts = torch.randint(0, 16, (3, 5), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        compiled_cache, eager_cache = model.new_cache(3, 16), model.new_cache(3, 16)
+        for cache in (compiled_cache, eager_cache):
+            model(prompts, cache=cache, start_pos=0)
+        compiled, eager = decode_step(model, compiled_cache, "aot_eager"), decode_step(model, eager_cache, None)
+        for t in range(4):
+            token, pos = torch.full((3, 1), t + 1), torch.tensor(5 + t)
+            torch.testing.assert_close(compiled(token, pos)[0], eager(token, pos)[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(compiled_cache.keys[1], eager_cache.keys[1], rtol=1e-5, atol=1e-6)
+
+        def broken(gm, example_inputs):
+            raise RuntimeError("no compiler here")
+
+        step = warmed_step(model, eager_cache, torch.zeros(3, 1, dtype=torch.long), torch.tensor(15), broken)
+        assert not hasattr(step, "_torchdynamo_orig_callable")  # the eager step came back
+    torch._dynamo.reset()
