@@ -171,7 +171,7 @@ def compile(  # noqa: A001 - mirrors torch.compile's name on purpose
     else:
         chosen = _search(graph, resolved, train, constraints, time_limit_s)
     return Compiled(plan=chosen, graph=graph, cluster=resolved, train=train,
-                    program=_build_program(model, graph, chosen, resolved, train, weights, inputs))
+                    program=_build_program(model, graph, chosen, train, weights, inputs))
 
 
 def _with_compiled_activations(graph: ModelGraph, model: torch.nn.Module, cluster: Cluster,
@@ -218,7 +218,7 @@ def _search(graph: ModelGraph, cluster: Cluster, train: TrainSpec, constraints: 
     return solve(graph, cluster, train, constraints=constraints, time_limit_s=limit)
 
 
-def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec,
+def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, train: TrainSpec,
                    weights: Any = None, inputs: Any = None) -> Any:
     """The per-rank program under an initialised process group; ``None`` in plan mode."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -232,8 +232,8 @@ def _build_program(model: torch.nn.Module, graph: ModelGraph, plan: Plan, cluste
         return None
     extra = {"inputs": inputs} if inputs is not None and len(inputs.tensors) > 1 else {}  # tokens alone: the default
     device = program_device()
-    program = build_program(model, graph, plan, cluster, train, device=device, weights=weights,
-                            release_model=weights is None, **extra)
+    program = build_program(model, graph, plan, train, device=device, weights=weights, **extra,
+                            options=runtime.BuildOptions(release_model=weights is None))
     from autoshard.runtime.step_profile import PROFILE_ENV, profile_program
 
     directory = os.environ.get(PROFILE_ENV)  # ``autoshard run --profile DIR``: the second step to a Chrome trace

@@ -567,7 +567,7 @@ def add_calibrate_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true",
                         help="scale the model probe's layer times to the reference model's step compiled whole "
                              "(1 and 3 blocks; what the runtime runs on CUDA by default: "
-                             "build_program(compile_graph='auto'))")
+                             "BuildOptions.compile=auto)")
     parser.add_argument("--probe-tp", type=parse_int_list, default=(1, 2), metavar="T,T,…",
                         help="Megatron TP shards the model probe times (default 1,2; 1 = unsharded)")
 

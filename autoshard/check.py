@@ -20,7 +20,7 @@ second process:
    local batch's shape, under ``runtime/_check_trace.Trace``: a ``LiveBytes``
    counting meta storages (what the tensors would take on a device) that also
    records every collective issued, with its kind, mesh axis and bytes.
-   **Eager only**: the program is built with ``compile_graph=False``; a
+   **Eager only**: the program is built eager (``BuildOptions(compile=Compile.OFF)``); a
    compiled program (``torch.compile`` on CUDA) is not traced here, so the
    collectives checked are the eager forms of the same plan
    (docs/runtime.md, "Compiled per-rank graph", lists what differs).
@@ -258,6 +258,7 @@ def _run_role(plan: Plan, model: nn.Module, graph: ModelGraph, train: TrainSpec,
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from autoshard.runtime.mesh import build_rank_context
+    from autoshard.runtime.build_options import BuildOptions
     from autoshard.runtime.program import build_program
 
     start = time.perf_counter()
@@ -268,8 +269,8 @@ def _run_role(plan: Plan, model: nn.Module, graph: ModelGraph, train: TrainSpec,
         gm = copy.deepcopy(exported)
         trace = Trace(axis_of_groups(ctx.group_names))
         with trace:
-            program = build_program(model, graph, plan, None, train, ctx=dataclasses.replace(ctx), device="meta",
-                                    compile_graph=False, exported=gm)
+            program = build_program(model, graph, plan, train, ctx=dataclasses.replace(ctx), device="meta", exported=gm,
+                                    options=BuildOptions(compile=False))
             del gm
         build_bytes, issued = trace.peak, list(trace.collectives)
         tokens = torch.zeros((train.global_batch // mesh.dp, train.seq_len), dtype=torch.long, device="meta")

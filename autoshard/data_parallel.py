@@ -50,7 +50,7 @@ p / g = parameter / gradient bytes per element, Ψ the layer's local parameters)
 | zero1 / zero2 gathered in forward | ``graph_kept`` | max(g, 2g − p)Ψ | the gradient, then its flat copy-in once the graph has freed the layer's kept weights (counted with its activations) |
 
 Reductions "after the backward" are the optimizer's (``runtime/optimizer.py``), exposed: the
-runtime's default (``build_program(overlap_grad_sync=False)``, measured faster on H100s) does not
+runtime's default (``BuildOptions.overlap_grad_sync`` False, measured faster on H100s) does not
 start them during the backward. ZeRO-1 and ZeRO-2 differ only on quantized gradient wires (qgZ is allowed for ZeRO-2 and ZeRO-3);
 this runtime's ZeRO-2 does not reduce per micro-batch. Scalar bookkeeping all-reduces (the loss
 mean, the gradient norm for clipping) are not part of a layer's form.

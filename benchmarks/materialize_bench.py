@@ -122,7 +122,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "980 by step 5, FSDP2 alike)")
     p.add_argument("--device", choices=("cuda", "cpu"), default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
-                   help="build_program's compile_graph (auto: CUDA and a plan without ZeRO-3)")
+                   help="BuildOptions.compile (auto: CUDA and a plan without ZeRO-3)")
     p.add_argument("--weights-dir", type=Path, help="where --weights safetensors writes (default: "
                                                     "/tmp/autoshard_materialize/<model>)")
     p.add_argument("--out", type=Path, required=True, help=f"folder; rank 0 appends a line to {RESULTS_FILE}")
@@ -348,7 +348,7 @@ class Built:
 def build_autoshard(args, spec: RunSpec, device: torch.device, progress: Progress) -> Built:
     """Capture, search, weights, ``build_program`` (module docstring, steps 1-4)."""
     from autoshard.cluster import Cluster
-    from autoshard.runtime import build_program
+    from autoshard.runtime import BuildOptions, build_program
     from benchmarks.baselines.autoshard_trainer import train_spec
 
     fields: dict[str, Any] = {}
@@ -369,10 +369,9 @@ def build_autoshard(args, spec: RunSpec, device: torch.device, progress: Progres
     progress("build_program")
     reset_memory(device)
     start = time.perf_counter()
-    program = build_program(model, graph, plan, cluster, train_spec(spec, micro_batch=plan.schedule.micro_batch),
+    program = build_program(model, graph, plan, train_spec(spec, micro_batch=plan.schedule.micro_batch),
                             optimizer=spec.optimizer, device=str(device), weights=weights,
-                            compile_graph={"auto": "auto", "on": True, "off": False}[args.compile],
-                            track_memory=device.type == "cpu")
+                            options=BuildOptions(compile=args.compile, track_memory=device.type == "cpu"))
     synchronize(device)
     fields["build_s"] = _max_over_ranks(time.perf_counter() - start, device)
     # build_program resets the CUDA peak when its build ends: its own report holds the build's peak

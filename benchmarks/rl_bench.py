@@ -93,6 +93,7 @@ def cmd_reshard(args: argparse.Namespace) -> int:
     from autoshard.models import build
     from autoshard.plan import LayerStrategy, Mesh, Plan
     from autoshard.runtime.ppo_program import capture_policy
+    from autoshard.runtime.build_options import BuildOptions
     from autoshard.runtime.program import build_program
     from autoshard.runtime.rollout_engine import RolloutEngine
     from autoshard.search.rollout import reshard
@@ -113,8 +114,8 @@ def cmd_reshard(args: argparse.Namespace) -> int:
                    for l in graph.layers)
     precision = "bf16" if cuda else "fp32"
     plan = Plan(model_name=args.model, mesh=mesh, layers=layers, precision=precision)
-    program = build_program(model, graph, plan, None, TrainSpec(global_batch=world, seq_len=64, precision=precision),
-                            device=f"cuda:{local}" if cuda else "cpu", compile_graph=False)
+    program = build_program(model, graph, plan, TrainSpec(global_batch=world, seq_len=64, precision=precision),
+                            device=f"cuda:{local}" if cuda else "cpu", options=BuildOptions(compile=False))
     cluster = Cluster.from_dict(detect_dict()) if cuda else None
     rows = []
     for r in args.rollout:

@@ -1,6 +1,6 @@
 """What a compiled training step saves for backward, for any model, on the meta device.
 
-The runtime compiles the per-rank graph on CUDA (``build_program(compile_graph="auto")``) and AOT
+The runtime compiles the per-rank graph on CUDA (``BuildOptions.compile`` auto) and AOT
 autograd then splits the joint graph with the min-cut partitioner, which recomputes cheap
 elementwise chains (fp32 norms, RoPE, activations) in backward instead of saving them. Capture
 measures saved activations as eager autograd keeps them (``passes/_capture_saved.py``), so a

@@ -360,7 +360,6 @@ class PassState:
     | ``regather``: submodule name | ``recompute`` (eager ZeRO-3 re-gathers) | ``schedule_overlap``, ``split_pipeline``, the runtime |
     | ``compile_options``: inductor options | ``schedule_overlap`` | the runtime's ``torch.compile`` |
     | ``grad_comm``: fqn → wire dtype | ``quantize_comm`` | the optimizer's gradient syncs |
-    | ``quantize_comm``: layer → record | ``quantize_comm`` | reports |
     | ``pipeline``: ``PipelineLayout`` | ``split_pipeline`` | ``runtime/pipeline.py`` |
     """
 
@@ -370,7 +369,6 @@ class PassState:
     regather: str | None = None
     compile_options: dict | None = None
     grad_comm: dict[str, str] | None = None
-    quantize_comm: dict[str, dict] | None = None
     pipeline: Any = None  # passes/split_pipeline.PipelineLayout (that module imports this one)
 
     def copy(self) -> PassState:

@@ -13,9 +13,7 @@ inside ``CheckpointRegion`` bodies; a ``Regather`` may be installed;
 * ``PassState.grad_comm`` maps each parameter whose layer
   reduces gradients in a non-default dtype to that dtype; the runtime hands it
   to the ``ShardedOptimizer`` (the DDP / ZeRO-1/2 / offload / HSDP-replicate
-  reductions act on ``.grad`` after backward, not on graph nodes);
-* ``PassState.quantize_comm`` holds one record per affected layer
-  (what was rewritten and why), for reports.
+  reductions act on ``.grad`` after backward, not on graph nodes).
 
 Mapping from the plan (DESIGN.md strategy space; ZeRO++ qwZ / qgZ):
 
@@ -81,7 +79,6 @@ def run(gm: fx.GraphModule, plan: Plan, ctx: RankContext) -> fx.GraphModule:
         for fqn, p in state.placements.items()
         if strategies[p.layer].grad_comm != "bf16"
     }
-    state.quantize_comm = _layer_records(plan, ctx)
     return out
 
 
@@ -149,21 +146,3 @@ def _why(s: LayerStrategy) -> str:
     else:
         parts.append("gradients reduce-scattered in full precision (qwZ quantizes weights only)")
     return "; ".join(parts)
-
-
-def _layer_records(plan: Plan, ctx: RankContext) -> dict[str, dict]:
-    """Per affected layer: wire dtypes and where they apply on this rank's mesh."""
-    out = {}
-    for s in plan.layers:
-        if s.weight_comm == "bf16" and s.grad_comm == "bf16":
-            continue
-        gathers = s.state == "zero3" and ctx.size("dp_shard") > 1
-        paths = ["graph: backward of the ZeRO-3 gather over dp_shard"] if gathers else []
-        if not gathers or ctx.size("dp_replicate") > 1:
-            paths.append("optimizer: gradient sync after backward")
-        out[s.layer] = {
-            "weight_comm": s.weight_comm if gathers else "bf16 (no ZeRO-3 gather on this mesh)",
-            "grad_comm": s.grad_comm,
-            "grad_paths": paths,
-        }
-    return out

@@ -55,7 +55,7 @@ Decisions and limits (partial, stated):
   layer's parameters into one buffer); gradient bucketing
   (``schedule.bucket_bytes``) belongs to the optimizer (``runtime/_buckets.py``), which
   reduces DDP/ZeRO-1/2 gradients one bucket at a time: after backward by default, or under the last
-  micro-batch's backward with ``build_program(overlap_grad_sync=True)`` (``runtime/optimizer.py``,
+  micro-batch's backward with ``BuildOptions(overlap_grad_sync=True)`` (``runtime/optimizer.py``,
   "Overlapped gradient sync"); a compiled one-step program reduces them as graph nodes inductor overlaps.
 * The copy-in/copy-out layout is that of ``[Note: ZeRO-3 gather layout]``
   (``passes/_zero3.py``), restated in ``GatherStart``/``GatherWait`` (the

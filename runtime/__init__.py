@@ -2,7 +2,10 @@
 
 ``build_program``, ``Program`` and ``StepResult`` are imported lazily: importing one runtime
 module (the launcher, checkpoints, metrics) does not load the passes and the program behind them.
+``BuildOptions`` and its enums (``runtime/build_options.py``) import no torch.
 """
+
+from autoshard.runtime.build_options import BuildOptions, Compile, Overlap, Regions
 
 _LAZY = {"Program", "StepResult", "build_program", "compile_allowed"}
 
@@ -15,4 +18,4 @@ def __getattr__(name: str):
     raise AttributeError(f"module 'autoshard.runtime' has no attribute {name!r}")
 
 
-__all__ = ["Program", "StepResult", "build_program", "compile_allowed"]
+__all__ = ["BuildOptions", "Compile", "Overlap", "Program", "Regions", "StepResult", "build_program", "compile_allowed"]

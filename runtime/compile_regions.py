@@ -1,4 +1,4 @@
-"""Compile regions: where ``torch.compile`` cuts the per-rank graph (``build_program(compile_regions=...)``).
+"""Compile regions: where ``torch.compile`` cuts the per-rank graph (``BuildOptions.regions``).
 
 ``"stem"`` (the default): one ``torch._dynamo.graph_break()`` in front of the first transformer
 block, so dynamo compiles the model-level prologue (embedding, RoPE tables) as one graph and

@@ -6,7 +6,7 @@ compiles its loss: a cross-entropy over the vocabulary then fuses into one reduc
 only the bf16 logits for backward, where the eager loss keeps fp32 log-probabilities and their
 gradients. The cost model prices the two forms from one declaration (``search/layer_terms.LossForm``,
 ``loss_form(runs_compiled(mesh, cluster))``): ``compiles_loss`` holds exactly when ``runs_compiled``
-does (a GPU cluster, a compilable plan; ``compile_graph="auto"``).
+does (a GPU cluster, a compilable plan; ``BuildOptions.compile`` auto).
 
 A loss function torch.compile cannot compile (an error at its first call) runs eagerly from then on,
 with one warning naming the error: its memory is then the eager form's, more than the plan priced.

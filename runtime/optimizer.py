@@ -42,7 +42,7 @@ the next launch, so the step never holds a second copy of the parameters. The un
 then gathering. Offloaded slots (masters on the host) are updated with the rest and gathered after.
 
 Overlapped gradient sync (``enable_overlap``; ``Program`` turns it on with
-``build_program(overlap_grad_sync=True)`` when pp = 1, off by default because it was measured
+``BuildOptions(overlap_grad_sync=True)`` when pp = 1, off by default because it was measured
 slower on H100s, docs/runtime.md; DDP's ``Reducer`` does the same): a post-accumulate-grad hook on every bucketed parameter marks it
 ready during the backward of the step's last micro-batch (``arm``); buckets are launched
 (``_buckets.start``: packed, then the collective on a side stream) in one fixed order, the last

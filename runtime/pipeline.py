@@ -41,9 +41,9 @@ gradients are sent back and added into the owner's after the step's backward
 (``passes/split_pipeline.py``, [Note: parameters shared between pp ranks]),
 point-to-point on the same group, in the layout's order on every rank.
 
-Compiled stages (``build_program(compile_graph=...)``, ``compile``): each local
+Compiled stages (``BuildOptions.compile``, ``compile``): each local
 stage (each virtual stage too) is its own ``torch.compile`` module with the
-options of the pp = 1 path (``dynamic=False``, ``compile_regions`` per stage);
+options of the pp = 1 path (``dynamic=False``, ``BuildOptions.regions`` per stage);
 the schedule calls it once per micro-batch and runs autograd from its outputs,
 through the compiled backward. Its ZeRO-3 gathers are functional collectives
 of its graph, re-gathered in its backward (``passes/_zero3.py`` note "compiled

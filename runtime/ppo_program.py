@@ -412,6 +412,7 @@ def build_engines(
     engine); a model without the reference models' cache API recomputes instead (logged).
     """
     from autoshard.runtime.optimizer import OptimizerConfig
+    from autoshard.runtime.build_options import BuildOptions, Compile
     from autoshard.runtime.program import build_program
     from autoshard.runtime.rollout_engine import RolloutEngine
     from autoshard.runtime.tasks import VOCAB
@@ -428,13 +429,14 @@ def build_engines(
     adamw = OptimizerConfig(name="adamw", lr=lr, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0)
     # eager programs: PPO runs them on varying shapes (scoring, generation without the KV-cache
     # engine), and a compiled graph (dynamic=False) would recompile per shape; compiled PPO is untested
-    policy_program = build_program(model, graph, plan, None, train, optimizer=adamw, device=device,
-                                   compile_graph=False, weights=weights)
+    policy_program = build_program(model, graph, plan, optimizer=adamw, device=device,
+                                   options=BuildOptions(compile=Compile.OFF), weights=weights)
     ref_module, ref_weights = (model, weights) if reference_model is None else (reference_model.module,
                                                                                  reference_model.weights)
     reference_program = build_program(
-        ref_module, graph, reference_plan, None, train, ctx=policy_program.ctx, weights=ref_weights,
-        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device, compile_graph=False,
+        ref_module, graph, reference_plan, ctx=policy_program.ctx, weights=ref_weights,
+        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device,
+        options=BuildOptions(compile=Compile.OFF),
     )
     use_cache = True if rollout_cache is None else rollout_cache  # pp > 1 too: the stages' owners broadcast the reshard
     unsupported = rollout_cache_unsupported(model)

@@ -1,6 +1,6 @@
 """Per-rank program: export → passes → a module that trains its shards.
 
-``build_program(model, graph, plan, cluster, train, ctx=None)``:
+``build_program(model, graph, plan, train, options=BuildOptions(), ctx=None)``:
 
 1. checks, before any collective: the plan matches the model
    (``plan.check_compatible(graph=...)``), the live world size equals the
@@ -76,7 +76,8 @@ from autoshard.passes.schedule_overlap import compile_options
 from autoshard.passes.split_pipeline import PipelineSplit
 from autoshard.plan import Plan
 from autoshard.kernels import collectives
-from autoshard.runtime.compile_regions import REGIONS, insert_region_breaks
+from autoshard.runtime.build_options import BuildOptions, Compile, Overlap, Regions
+from autoshard.runtime.compile_regions import insert_region_breaks
 from autoshard.runtime.compiled_loss import LossCompiler, compiles_loss
 from autoshard.runtime.export_cache import cached_export
 from autoshard.runtime.inductor_fallback import overlap_on, overlap_safe_backend
@@ -106,8 +107,7 @@ class Program:
     """This rank's executable: the rewritten graph, its parameter placements and the sharded optimizer."""
 
     def __init__(self, gm: torch.fx.GraphModule | PipelineSplit, plan: Plan, ctx: RankContext, optimizer: ShardedOptimizer,
-                 *, overlap_grad_sync: bool = False, compile_regions: str = "stem", compile_overlap: str | None = None,
-                 compile_backend: str | Callable = "inductor", inputs: ModelInputs | None = None):
+                 *, options: BuildOptions = BuildOptions(), inputs: ModelInputs | None = None):
         self.gm, self.plan, self.ctx, self.optimizer = gm, plan, ctx, optimizer
         # the model's tensor inputs, in the graph's order ([Note: model inputs], passes/_capture_inputs.py)
         self.inputs = inputs or _tokens_input(gm)
@@ -117,25 +117,23 @@ class Program:
         name = state.regather
         self.regather = gm.get_submodule(name) if name else None
         self.pipeline = PipelineEngine(gm, ctx, plan.schedule, self.regather) if isinstance(gm, PipelineSplit) else None
-        if self.pipeline is None and overlap_grad_sync:
+        if self.pipeline is None and options.overlap_grad_sync:
             optimizer.enable_overlap()  # DP gradient buckets reduce under the last micro-batch's backward
         self._run = self.gm
         self.compile_options: dict | None = None  # what the compiled program was compiled with (None: eager)
         # compiled by inductor on CUDA: Program.step compiles the caller's loss too (runtime/compiled_loss.py)
-        self.loss_compiler = LossCompiler(compiles_loss(ctx.compiled, ctx.device, compile_backend))
-        if compile_regions not in REGIONS:
-            raise PlanError(f"compile_regions={compile_regions!r}: allowed {list(REGIONS)}")
+        self.loss_compiler = LossCompiler(compiles_loss(ctx.compiled, ctx.device, options.backend))
         if ctx.compiled:
             # pp > 1: each local stage compiles on its own (runtime/pipeline.py)
             modules = [gm.stage(k) for k in gm.layout.local_stages] if self.pipeline is not None else [self.gm]
-            if compile_regions != "graph":  # runtime/compile_regions.py
+            if options.regions is not Regions.GRAPH:  # runtime/compile_regions.py
                 for module in modules:
-                    insert_region_breaks(module, compile_regions)
+                    insert_region_breaks(module, options.regions.value)
             self.compile_options = state.compile_options or compile_options(plan, ctx.device)
-            if compile_overlap is not None:
-                self.compile_options = compile_options(plan, ctx.device, compile_overlap)
-            inductor = _known_inductor_options(self.compile_options["inductor"]) if compile_backend == "inductor" else None
-            backend: str | Callable = compile_backend
+            if options.overlap is not Overlap.PLAN:
+                self.compile_options = compile_options(plan, ctx.device, options.overlap.value)
+            inductor = _known_inductor_options(self.compile_options["inductor"]) if options.backend == "inductor" else None
+            backend: str | Callable = options.backend
             if inductor and overlap_on(inductor):  # runtime/inductor_fallback.py: a graph the passes fail on
                 self.compile_options["fallbacks"] = []  # compiles without them, recorded here
                 backend = overlap_safe_backend(inductor, self.compile_options["fallbacks"])
@@ -353,20 +351,13 @@ def build_program(
     model: nn.Module,
     graph: ModelGraph,
     plan: Plan,
-    cluster: Any = None,
     train: TrainSpec | None = None,
     *,
+    options: BuildOptions = BuildOptions(),
     ctx: RankContext | None = None,
     optimizer: OptimizerConfig | None = None,
     device: str = "cpu",
-    overlap_grad_sync: bool = False,
-    compile_graph: bool | str = "auto",
-    compile_regions: str = "stem",
-    compile_overlap: str | None = None,
-    compile_backend: str | Callable = "inductor",
     weights: Any = None,
-    release_model: bool = False,
-    track_memory: bool = False,
     inputs: ModelInputs | None = None,
     exported: torch.fx.GraphModule | None = None,
 ) -> Program:
@@ -377,26 +368,18 @@ def build_program(
     a path (autoshard checkpoint directory, ``.safetensors`` file, Hugging Face safetensors
     directory); or a source (``Initialize``, ``Safetensors``, ``Checkpoint``, ``FromModule``). The
     model may live on the meta device; no rank ever holds a whole parameter its plan shards.
-    ``release_model``: swap each of the model's parameters for a meta tensor once read (the model is
-    otherwise left unchanged). ``optimizer``: the runtime's hyper-parameters (``OptimizerConfig``);
-    ``None`` = ``train``'s (``OptimizerConfig.from_train``: optimizer, schedule, clipping). ``track_memory``: on a CPU, count live tensor bytes during the build
-    (``runtime/live_bytes.py``) for ``Program.memory_report``; CUDA builds always report.
-    ``overlap_grad_sync``: reduce DP gradient buckets during the last micro-batch's backward
-    (``runtime/optimizer.py``, "Overlapped gradient sync"; pp = 1 only). Off by default: on 4×H100
-    it made the searched DP plans slower (docs/runtime.md, "Overlapped gradient sync").
-    ``compile_graph``: trace forward and backward of the per-rank graph jointly with
-    ``torch.compile`` (pp > 1: each local stage compiles, ``runtime/pipeline.py``). The passes then emit the traced forms
-    (``RankContext.compiled``): ZeRO-3 gathers, their re-gathers in backward and their
-    reduce-scatters are functional-collective nodes of the joint graph that inductor schedules
-    (``passes/_zero3.py`` note "compiled gather"; no saved-tensor hooks), with the overlap passes
-    ``schedule_overlap`` chose from the plan (``compile_overlap`` overrides: "scheduler",
-    "reorder", "none"). ``"auto"`` (the default) compiles exactly when ``compile_allowed``: a CUDA
-    device and a plan with ep = cp = 1. On the CPU the graph stays eager by default (the gloo
-    suite's speed). ``compile_backend``: ``torch.compile``'s backend ("inductor"; the CPU tests also
-    use "aot_eager", the same joint graph and partition without code generation).
-    ``compile_regions``: ``"stem"`` (default) compiles the prologue and the blocks onward as two
-    graphs, ``"block"`` each block as its own, ``"graph"`` the whole program as one
-    (``runtime/compile_regions.py``).
+    ``optimizer``: the runtime's hyper-parameters (``OptimizerConfig``); ``None`` = ``train``'s
+    (``OptimizerConfig.from_train``: optimizer, schedule, clipping). ``options``: how the program is
+    built and run (``runtime/build_options.py``: compilation, its regions, overlap and backend,
+    overlapped gradient sync, memory tracking, releasing the model). Compiled (``Compile.ON``, or
+    ``AUTO`` on a CUDA device with a plan of ep = cp = 1; pp > 1: each local stage compiles,
+    ``runtime/pipeline.py``), the passes emit the traced forms (``RankContext.compiled``): ZeRO-3
+    gathers, their re-gathers in backward and their reduce-scatters are functional-collective nodes
+    of the joint graph that inductor schedules (``passes/_zero3.py`` note "compiled gather"; no
+    saved-tensor hooks), with the overlap ``schedule_overlap`` chose from the plan unless
+    ``options.overlap`` fixes one. On the CPU the graph stays eager by default (the gloo suite's speed).
+    Overlapped gradient sync (pp = 1) is off by default: on 4×H100 it made the searched DP plans
+    slower (docs/runtime.md, "Overlapped gradient sync").
     ``inputs``: the model's tensor inputs (``autoshard.passes.capture.bind_example`` of the example inputs,
     as ``compile`` passes them; [Note: model inputs]); ``None`` = the tokens alone.
     ``exported``: the model's export for this rank's device and dtype (``export_model``), which the
@@ -412,10 +395,10 @@ def build_program(
     device_mesh = None
     if ctx is None:
         ctx, device_mesh = build_rank_context(plan.mesh, device=device, compute_dtype=_DTYPES[precision])
-    ctx = dataclasses.replace(ctx, compiled=_compiles(compile_graph, plan, ctx.device))
-    build_memory = BuildMemory(torch.device(ctx.device), track_memory)
+    ctx = dataclasses.replace(ctx, compiled=_compiles(options.compile, plan, ctx.device))
+    build_memory = BuildMemory(torch.device(ctx.device), options.track_memory)
     with build_memory:
-        reader = bind_source(weights, model, release=release_model)
+        reader = bind_source(weights, model, release=options.release_model)
         gm = run_passes(exported if exported is not None else _export(model, graph, ctx, inputs), plan, ctx)
         placements = pass_state(gm).placements
         params = gm.local_parameters() if isinstance(gm, PipelineSplit) else dict(gm.named_parameters())
@@ -432,25 +415,22 @@ def build_program(
         expected = {fqn: placement.global_shape for fqn, placement in placements.items()}
         fill(reader, wanted, expected, _program_buffers(gm), torch.device(ctx.device),
              lambda fqn, values: sharded.slots[fqn].load_master(values))
-    program = Program(gm, plan, ctx, sharded, overlap_grad_sync=overlap_grad_sync, compile_regions=compile_regions,
-                      compile_overlap=compile_overlap, compile_backend=compile_backend, inputs=inputs)
+    program = Program(gm, plan, ctx, sharded, options=options, inputs=inputs)
     program.build_memory = build_memory
     return program
 
 
 def compile_allowed(plan: Plan, device: Any) -> bool:
-    """Whether ``compile_graph="auto"`` compiles ``plan`` on ``device``: CUDA and ``plan.compilable``
-    (ep = cp = 1; ``compile_graph=True`` still compiles ep/cp plans)."""
+    """Whether ``Compile.AUTO`` compiles ``plan`` on ``device``: CUDA and ``plan.compilable``
+    (ep = cp = 1; ``Compile.ON`` still compiles ep/cp plans)."""
     return torch.device(device).type == "cuda" and plan.compilable
 
 
-def _compiles(compile_graph: bool | str, plan: Plan, device: Any) -> bool:
-    """Resolve ``build_program``'s ``compile_graph`` for ``plan`` (``PlanError`` where it cannot)."""
-    if compile_graph not in (True, False, "auto"):
-        raise PlanError(f"compile_graph={compile_graph!r}: allowed True, False, 'auto'")
-    if compile_graph == "auto":
+def _compiles(mode: Compile, plan: Plan, device: Any) -> bool:
+    """Resolve ``BuildOptions.compile`` for ``plan`` on ``device``."""
+    if mode is Compile.AUTO:
         return compile_allowed(plan, device)
-    return bool(compile_graph)  # pp > 1: every local stage compiles (runtime/pipeline.py)
+    return mode is Compile.ON  # pp > 1: every local stage compiles (runtime/pipeline.py)
 
 
 def _known_inductor_options(options: dict) -> dict:

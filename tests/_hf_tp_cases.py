@@ -19,7 +19,7 @@ from autoshard.models.hf import actor_critic
 from autoshard.passes import capture
 from autoshard.passes.context import RankContext
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.runtime.rollout_engine import unshard
 from autoshard.search.space import is_tp_able
 from autoshard.train import TrainSpec
@@ -94,9 +94,9 @@ def train_case(rank, world_size, name: str, plan: Plan):
     """Build ``plan`` for ``name`` on this rank, train; losses, local shards, placements, coordinates."""
     del rank, world_size
     with attention_path(name):
-        program = build_program(build_hf(name), graph_of(name), plan, None,
+        program = build_program(build_hf(name), graph_of(name), plan,
                                 TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                                compile_graph=False)
+                                options=BuildOptions(compile=False))
         losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()]
         unsharded = {fqn: unshard(slot.param, program.param_placements[fqn], program.ctx).clone()
                      for fqn, slot in program.optimizer.slots.items()}  # what the rollout replica is synced from

@@ -18,7 +18,7 @@ from autoshard.models import build
 from autoshard.passes import capture
 from autoshard.passes.context import chunk_size
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.train import TrainSpec
 
@@ -85,18 +85,21 @@ class CountCollectives(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=True,
+def train_case(rank, world_size, spec, graph, plan, count=False, precision="fp32", overlap_grad_sync=False,
                compile_graph=False, compile_regions="stem", compile_backend="inductor"):
     """Build, train STEPS steps; return losses, local shards, placements (and collective counts of step 1).
+
+    The build options are ``build_program``'s defaults (gradient sync after backward, eager) unless a
+    case asks for others (``tests/test_buckets.py`` and ``tests/test_compile_numerics.py`` overlap the sync).
 
     ``counts`` counts the ``autoshard::`` ops of step 1; ``overlap_launches`` the gradient buckets
     that step launched from backward (``runtime/optimizer.py``, overlapped sync), which are not ops.
     """
     model = build(spec)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision=precision)
-    program = build_program(model, graph, plan, None, train, optimizer=OPT, overlap_grad_sync=overlap_grad_sync,
-                            compile_graph=compile_graph, compile_regions=compile_regions,
-                            compile_backend=compile_backend)
+    program = build_program(model, graph, plan, train, optimizer=OPT,
+                            options=BuildOptions(overlap_grad_sync=overlap_grad_sync, compile=compile_graph,
+                                                 regions=compile_regions, backend=compile_backend))
     losses, counts, launches = [], None, None
     for i, toks in enumerate(batches()):
         if count and i == 0:

@@ -77,8 +77,8 @@ def _plan(state: str, bucket_bytes: int):
 
 @pytest.fixture(scope="module")
 def results():
-    jobs = {name: functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=_plan(*case), count=True)
-            for name, case in CASES.items()}
+    jobs = {name: functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=_plan(*case), count=True,
+                                    overlap_grad_sync=True) for name, case in CASES.items()}
     jobs |= {f"{name}_blocking": functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=_plan(*CASES[name]),
                                                    count=True, overlap_grad_sync=False) for name in BLOCKING}
     return run_gloo_cases(jobs, 2, timeout_s=400)

@@ -194,13 +194,13 @@ def _plan(name: str, sp: bool) -> Plan:
 
 
 def train_case(rank, world_size, name: str, sp: bool):
-    from autoshard.runtime import build_program
+    from autoshard.runtime import BuildOptions, build_program
     from autoshard.runtime.rollout_engine import unshard
 
     del rank, world_size
-    program = build_program(build_user(name), graph_of(name), _plan(name, sp), None,
+    program = build_program(build_user(name), graph_of(name), _plan(name, sp),
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                            compile_graph=False)
+                            options=BuildOptions(compile=False))
     losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()]
     unsharded = {fqn: unshard(slot.param, program.param_placements[fqn], program.ctx).clone()
                  for fqn, slot in program.optimizer.slots.items()}

@@ -222,7 +222,7 @@ def _program(graph, mesh: Mesh, choose, optimizer=None):
 
     plan = make_plan(PROGRAM_SPEC, mesh, choose)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32")
-    return build_program(build(PROGRAM_SPEC), graph, plan, None, train, optimizer=optimizer or OPT)
+    return build_program(build(PROGRAM_SPEC), graph, plan, train, optimizer=optimizer or OPT)
 
 
 def _case_program_save(root: str, graph, rank: int, world_size: int):

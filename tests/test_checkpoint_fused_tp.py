@@ -51,12 +51,12 @@ def _plan(mesh: Mesh) -> Plan:
 
 
 def _program(mesh: Mesh, weights=None):
-    from autoshard.runtime import build_program
+    from autoshard.runtime import BuildOptions, build_program
     from autoshard.train import TrainSpec
 
-    return build_program(build_hf(MODEL), graph_of(MODEL), _plan(mesh), None,
-                         TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=ADAMW,
-                         compile_graph=False, weights=weights)
+    return build_program(build_hf(MODEL), graph_of(MODEL), _plan(mesh),
+                         TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=ADAMW, weights=weights,
+                         options=BuildOptions(compile=False))
 
 
 def _snapshot(program) -> dict:

@@ -1,4 +1,4 @@
-"""``compile_allowed``: what ``build_program(compile_graph="auto")`` (the default) compiles.
+"""``compile_allowed``: what ``BuildOptions.compile`` auto (the default) compiles.
 
 CUDA devices with ep = cp = 1 compile, ZeRO-3, mixed and pipeline (pp > 1) plans included; the CPU,
 expert and context parallelism stay eager. The compiled paths themselves are tested in

@@ -1,6 +1,6 @@
 """Numerics requirement of compiled programs: every strategy trains compiled as it does eager.
 
-``build_program(compile_graph=True)`` traces each rank's program forward+backward jointly with
+``build_program(options=BuildOptions(compile=True))`` traces each rank's program forward+backward jointly with
 ``torch.compile`` (ZeRO-3 gathers as functional collectives re-gathered in backward:
 ``passes/_zero3.py`` note "compiled gather"). Requirement: the strategies and mixed plans of the
 eager numerics suite give the single-device losses and gradients compiled as they do eager
@@ -21,7 +21,7 @@ parameters at rtol 1e-5 (equal parameters after SGD steps mean equal gradients).
 gradient case compares compiled with eager only (the eager quantized path is deterministic; its
 distance to single device is bounded in tests/test_quantize_comm.py).
 
-Cost (CI: two cores): most cases compile with ``compile_backend="aot_eager"`` (the same dynamo
+Cost (CI: two cores): most cases compile with ``backend="aot_eager"`` (the same dynamo
 trace, joint graph and min-cut partition, no code generation); the tied GPT case and the
 selective-recompute case with inductor. The parent's captured graphs travel with the cases, so no
 rank captures a model. A compiled run must really be compiled: ``_run`` is the ``torch.compile``
@@ -46,7 +46,7 @@ from _runtime_cases import (
 )
 from autoshard.models import build
 from autoshard.plan import Mesh
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.train import TrainSpec
 
 # inductor's CPU backend compiles C++: without a compiler the inductor cases cannot run
@@ -109,10 +109,10 @@ def _train(rank, world_size, spec, graph, plan, backend):
 
     torch._dynamo.reset()
     counters.clear()
-    program = build_program(build(spec), graph, plan, None,
+    program = build_program(build(spec), graph, plan,
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                            overlap_grad_sync=True, compile_graph=backend is not None,
-                            compile_backend=backend or "inductor")
+                            options=BuildOptions(overlap_grad_sync=True, compile=backend is not None,
+                                                 backend=backend or "inductor"))
     losses = [program.step(program.local_batch(toks), loss_fn).loss for toks in batches()]
     return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
             "coords": program.ctx.coords, "compiled": program._run is not program.gm,
@@ -142,9 +142,9 @@ def _hsdp_graphs(rank, world_size):
     from autoshard.passes._zero3 import Zero3Gather
 
     graphs = RecordGraphs()
-    program = build_program(build(LLAMA), graph_of(LLAMA), CASES_4["hsdp"].plan(), None,
+    program = build_program(build(LLAMA), graph_of(LLAMA), CASES_4["hsdp"].plan(),
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                            compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
+                            options=BuildOptions(compile=True, backend=graphs.backend, regions="graph"))
     program.forward(next(iter(batches())).chunk(world_size, 0)[0])[0].float().pow(2).mean().backward()
     (fw,), (bw,) = graphs.forward, graphs.backward
     return {"layers": sum(isinstance(m, Zero3Gather) for m in program.gm.modules()),

@@ -1,4 +1,4 @@
-"""Pipeline stages compiled (``build_program(compile_graph=True)`` with pp > 1) train as the eager pipeline.
+"""Pipeline stages compiled (``BuildOptions(compile=True)`` with pp > 1) train as the eager pipeline.
 
 The 4-block tiny Llama of ``test_runtime_pp.py`` (fp32, 3 SGD steps of 2 micro-batches, clipping
 on), each plan eager and compiled in the same gloo job (two jobs in all); every rank's losses,
@@ -26,7 +26,7 @@ from test_runtime_pp import BATCH, OPT, SEQ, _batches, _graph, _model, loss_fn, 
 from autoshard.models.transformer import LlamaModel
 from autoshard.passes._zero3 import Zero3Gather
 from autoshard.plan import Mesh
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.train import TrainSpec
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks
@@ -72,12 +72,10 @@ def train_case(rank, world_size, plan, graph, backend=None):
     record = RecordGraphs() if backend == "record" else None
     dict_outputs = backend is not None and backend.endswith("_dict")
     backend = backend and backend.removesuffix("_dict")
-    kwargs = {} if backend in (None, "eager") else {"compile_graph": True,
-                                                   "compile_backend": record.backend if record else backend}
-    if backend == "inductor":
-        kwargs["compile_regions"] = "graph"
-    program = build_program(_model_of(dict_outputs), graph, plan, None,
-                            TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT, **kwargs)
+    options = BuildOptions() if backend in (None, "eager") else BuildOptions(
+        compile=True, backend=record.backend if record else backend, regions="graph" if backend == "inductor" else "stem")
+    program = build_program(_model_of(dict_outputs), graph, plan,
+                            TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT, options=options)
     before = ()
     if backend != "inductor":
         probe = _batches()[0][:2, :6]  # another shape than training (and no autograd): another compiled graph

@@ -1,10 +1,10 @@
-"""``build_program(compile_graph=True)``: the per-rank graph through ``torch.compile`` trains as the eager one.
+"""``build_program(options=BuildOptions(compile=True))``: the per-rank graph through ``torch.compile`` trains as the eager one.
 
 One gloo job (world 2, llama:tiny, fp32, 3 SGD steps of 2 micro-batches, clipping on):
 a DP plan (replicate + ZeRO-1), a Megatron TP 2 plan and a TP 2 + SP plan, whose graphs hold
 ``autoshard::`` collectives, each compiled and eager; losses and trained shards must agree (fp32, 1e-5).
 The plans compile with the default regions (``"stem"``); the DP plan also as one whole graph
-(``compile_regions="graph"``). Per-block regions
+(``regions="graph"``). Per-block regions
 give gradients block by block: when the head's gradient is accumulated, the first
 block's is not there yet, as in eager; the whole graph hands them all over at once.
 ZeRO-3 plans compile as one joint forward+backward graph (``passes/_zero3.py`` note "compiled
@@ -32,7 +32,7 @@ from _runtime_cases import RecordGraphs, functional_ops, graph_of, make_plan, re
 from autoshard.errors import PlanError
 from autoshard.models import build
 from autoshard.plan import Mesh
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.train import TrainSpec
 
 # inductor's CPU backend compiles C++: without a compiler there is nothing to test here
@@ -117,9 +117,10 @@ def _gradient_order(rank, world_size, mode):
     """Whether block 0's gradient is still missing when the head's gradient is accumulated (one backward)."""
     mesh, choose = PLANS["dp"]
     plan = make_plan(SPEC, mesh, choose)
-    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
-                            compile_graph=mode != "eager", compile_regions="graph" if mode == "eager" else mode,
-                            compile_backend="aot_eager")  # where dynamo cuts the graph; no code generation needed
+    program = build_program(build(SPEC), graph_of(SPEC), plan, TrainSpec(global_batch=8, seq_len=8),
+                            # where dynamo cuts the graph; no code generation needed
+                            options=BuildOptions(compile=mode != "eager", regions="graph" if mode == "eager" else mode,
+                                                 backend="aot_eager"))
     params = dict(program.gm.named_parameters())
     first = params["blocks.0.attn.q.weight"]
     seen = []
@@ -151,8 +152,8 @@ def _grad_sync_graphs(rank, world_size):
     """One micro-batch, compiled: the DDP / ZeRO-1/2 gradient all-reduces are backward graph nodes."""
     plan = _one_micro_batch(make_plan(SPEC, Mesh(dp_shard=2), _dp_states))
     graphs = RecordGraphs()
-    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
-                            compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
+    program = build_program(build(SPEC), graph_of(SPEC), plan, TrainSpec(global_batch=8, seq_len=8),
+                            options=BuildOptions(compile=True, backend=graphs.backend, regions="graph"))
     tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(rank))
     program.forward(tokens)[0].float().pow(2).mean().backward()
     (fw,), (bw,) = graphs.forward, graphs.backward
@@ -196,8 +197,8 @@ def _zero3_graphs(rank, world_size, keep):
 
     plan = make_plan(SPEC, Mesh(dp_shard=2), lambda _name: {"state": "zero3"})
     graphs = RecordGraphs()
-    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
-                            compile_graph=True, compile_backend=graphs.backend, compile_regions="graph")
+    program = build_program(build(SPEC), graph_of(SPEC), plan, TrainSpec(global_batch=8, seq_len=8),
+                            options=BuildOptions(compile=True, backend=graphs.backend, regions="graph"))
     gathers = [m for m in program.gm.modules() if isinstance(m, Zero3Gather)]
     for m in gathers:
         m.reshard_after_forward = not keep

@@ -11,7 +11,7 @@ from _harness import run_gloo_cases
 from _runtime_cases import graph_of, make_plan
 from autoshard.models import build
 from autoshard.plan import Mesh
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.runtime.compile_regions import insert_region_breaks, region_of
 from autoshard.train import TrainSpec
 
@@ -22,8 +22,8 @@ SPEC = "llama:tiny"  # 2 blocks
 
 def _regions(rank, world_size):
     plan = make_plan(SPEC, Mesh(dp_shard=2), lambda _name: {"state": "zero2"})
-    program = build_program(build(SPEC), graph_of(SPEC), plan, None, TrainSpec(global_batch=8, seq_len=8),
-                            compile_graph=False)
+    program = build_program(build(SPEC), graph_of(SPEC), plan, TrainSpec(global_batch=8, seq_len=8),
+                            options=BuildOptions(compile=False))
     tokens = torch.randint(0, 128, (4, 8), generator=torch.Generator().manual_seed(0))
     expected = program.gm(tokens)
     out = {}

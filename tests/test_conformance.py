@@ -31,7 +31,7 @@ from _runtime_cases import BATCH, OPT, SEQ, batches, graph_of, loss_fn, make_pla
 from autoshard.data_parallel import data_parallel_form
 from autoshard.models import build
 from autoshard.plan import Mesh
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.train import TrainSpec
 
 pytestmark = pytest.mark.slow  # spawned gloo ranks
@@ -53,9 +53,9 @@ def _issued(rank, world_size, state, micro_batches, compiled, mesh=MESH):
     """Collectives of the second step, from the profiler: {kind: [count, bytes]}."""
     from torch.profiler import ProfilerActivity, profile
 
-    program = build_program(build(SPEC), graph_of(SPEC), _plan(state, micro_batches, mesh), None,
+    program = build_program(build(SPEC), graph_of(SPEC), _plan(state, micro_batches, mesh),
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                            compile_graph=compiled, compile_backend="aot_eager")
+                            options=BuildOptions(compile=compiled, backend="aot_eager"))
     tokens = batches()[0]
     program.step(program.local_batch(tokens), loss_fn)  # the first step compiles
     with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:

@@ -52,7 +52,7 @@ from autoshard.models.moe import expert_capacity
 from autoshard.passes import capture
 from autoshard.passes.context import TP_ROLE_DIM
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.train import TrainSpec
 
 BIG_BUCKET = 1 << 30
@@ -171,9 +171,9 @@ def _issued(rank, world_size, case: Case):
 
     from autoshard.kernels.collectives import _group
 
-    program = build_program(_model(case.model), _graph(case.model), case.plan(), None,
+    program = build_program(_model(case.model), _graph(case.model), case.plan(),
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                            compile_graph=case.compiled, compile_backend="aot_eager")
+                            options=BuildOptions(compile=case.compiled, backend="aot_eager"))
     ctx = program.ctx
     tokens = batches()[0]
     program.step(program.local_batch(tokens), loss_fn)  # the first step compiles and builds the schedules

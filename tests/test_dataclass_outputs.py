@@ -28,7 +28,7 @@ from autoshard.errors import CaptureError
 from autoshard.passes import capture
 from autoshard.passes._capture_export import unregistered_dataclasses
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.train import TrainSpec
 
 TRAIN = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32")
@@ -100,7 +100,8 @@ def _train(rank, world_size, mesh: Mesh):
     del rank, world_size
     before = _registered()
     graph = capture(build(), seq_lens=(8, 16))
-    program = build_program(build(), graph, _plan(graph, mesh), None, TRAIN, optimizer=OPT, compile_graph=False)
+    program = build_program(build(), graph, _plan(graph, mesh), TRAIN, optimizer=OPT,
+                            options=BuildOptions(compile=False))
     forward = program(_probe())
     losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()]
     return {"before": before, "after": _registered(), "losses": losses, "shards": program.local_state_dict(),

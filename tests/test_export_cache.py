@@ -59,7 +59,7 @@ def _first_build_stats(rank, world_size):
 
     before = (export_cache.stats.hits, export_cache.stats.misses)
     plan = make_plan("llama:tiny", Mesh(dp_shard=2), lambda _layer: {"state": "zero3"})
-    build_program(build("llama:tiny"), graph_of("llama:tiny"), plan, None, TrainSpec(global_batch=8, seq_len=8))
+    build_program(build("llama:tiny"), graph_of("llama:tiny"), plan, TrainSpec(global_batch=8, seq_len=8))
     return before, (export_cache.stats.hits, export_cache.stats.misses)
 
 

@@ -53,7 +53,7 @@ def _program(world_size, directory, state):
     from autoshard.models.hf import actor_critic, load_hf_config
     from autoshard.passes import capture
     from autoshard.plan import LayerStrategy, Mesh, Plan
-    from autoshard.runtime import build_program
+    from autoshard.runtime import BuildOptions, build_program
     from autoshard.runtime.hf_export import hf_name_map
     from autoshard.runtime.materialize import Initialize, Layered, Safetensors
     from autoshard.runtime.optimizer import OptimizerConfig
@@ -64,11 +64,11 @@ def _program(world_size, directory, state):
     graph = capture(policy, seq_lens=(8, 16))
     plan = Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=world_size),
                 layers=tuple(LayerStrategy(layer=layer.name, state=state) for layer in graph.layers))
-    program = build_program(policy, graph, plan, None, TrainSpec(global_batch=2 * world_size, seq_len=16,
+    program = build_program(policy, graph, plan, TrainSpec(global_batch=2 * world_size, seq_len=16,
                                                                  precision="fp32"),
                             optimizer=OptimizerConfig(name="sgd", lr=0.5, max_grad_norm=None),
                             weights=Layered(Safetensors(directory, name_map=hf_name_map(config)), Initialize(0)),
-                            compile_graph=False)
+                            options=BuildOptions(compile=False))
     return program, config
 
 

@@ -82,7 +82,7 @@ def _forward_from_hf_files(rank, world_size, directory, state):
     from autoshard.models.hf import load_hf_config
     from autoshard.passes import capture
     from autoshard.plan import LayerStrategy, Mesh, Plan
-    from autoshard.runtime import build_program
+    from autoshard.runtime import BuildOptions, build_program
     from autoshard.runtime.materialize import Initialize, Layered, Safetensors
     from autoshard.train import TrainSpec
 
@@ -91,9 +91,9 @@ def _forward_from_hf_files(rank, world_size, directory, state):
     graph = capture(policy, seq_lens=(8, 16))
     plan = Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=world_size),
                 layers=tuple(LayerStrategy(layer=layer.name, state=state) for layer in graph.layers))
-    program = build_program(policy, graph, plan, None, TrainSpec(global_batch=2 * world_size, seq_len=16,
+    program = build_program(policy, graph, plan, TrainSpec(global_batch=2 * world_size, seq_len=16,
                                                                  precision="fp32"),
-                            weights=Layered(Safetensors(directory), Initialize(0)), compile_graph=False)
+                            weights=Layered(Safetensors(directory), Initialize(0)), options=BuildOptions(compile=False))
     with torch.no_grad():
         logits, values = program(_tokens())
     return {"logits": logits, "values": values}

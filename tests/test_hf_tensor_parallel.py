@@ -22,7 +22,7 @@ from _hf_tp_cases import (  # noqa: E402
 )
 from autoshard.errors import AutoshardError, PlanError  # noqa: E402
 from autoshard.plan import LayerStrategy, Mesh, Plan  # noqa: E402
-from autoshard.runtime import build_program  # noqa: E402
+from autoshard.runtime import BuildOptions, build_program  # noqa: E402
 from autoshard.train import TrainSpec  # noqa: E402
 
 TP2, TP2_DP2 = Mesh(tp=2), Mesh(dp_shard=2, tp=2)
@@ -85,7 +85,7 @@ def test_tp2_dp2_matches_single_device(results4, references, name):
 
 def _build(model: str, plan: Plan, world: int = 2, rank: int = 0):
     with fake_world(world, rank), attention_path(model):
-        return build_program(build_hf(model), graph_of(model), plan, None, TRAIN, compile_graph=False)
+        return build_program(build_hf(model), graph_of(model), plan, TRAIN, options=BuildOptions(compile=False))
 
 
 @pytest.mark.slow
@@ -195,7 +195,7 @@ def test_user_projections_tp_cannot_split_are_refused(sizes, by_hand, message):
     plan = Plan(model_name=graph.model_name, mesh=TP2, layers=tuple(
         LayerStrategy(layer=l.name, tp="megatron" if is_tp_able(l) else "none") for l in graph.layers))
     with fake_world(2, 0), pytest.raises(PlanError, match=message):
-        build_program(model, graph, plan, None, TRAIN, compile_graph=False)
+        build_program(model, graph, plan, TRAIN, options=BuildOptions(compile=False))
 
 
 @pytest.mark.slow

@@ -124,14 +124,13 @@ def _plan(spec: str, state: str) -> Plan:
 
 def _train(rank, world_size, spec, state, graph, plan):
     """Build ``spec`` under ``plan`` (uniform ``state``), train 3 SGD steps; losses and local shards."""
-    from autoshard.runtime import build_program
+    from autoshard.runtime import BuildOptions, build_program
 
     del rank, world_size
     device = "meta" if state == "zero3" else "cpu"  # zero3: shards from the init rules, buffers from the CPU
     model = hf_zoo.build_hf_policy(spec, device=device)
     train = TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32")
-    program = build_program(model, graph, plan, None, train, optimizer=OPT,
-                            compile_graph=False)
+    program = build_program(model, graph, plan, train, optimizer=OPT, options=BuildOptions(compile=False))
     losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()]
     return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
             "coords": program.ctx.coords}

@@ -36,7 +36,7 @@ from autoshard.models import build
 from autoshard.passes import capture
 from autoshard.passes.compiled_saved import with_compiled_saved_scale
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.runtime.live_bytes import LiveBytes
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.search.cost_model import predict
@@ -76,9 +76,9 @@ def _measure(rank, world_size, state, micro_batches, compiled, mesh, graph):
     model = build(SPEC, **MODEL)  # weights read from the model: each region's fp32 copy is all the build allocates
     live = LiveBytes()
     with live:
-        program = build_program(model, graph, _plan(state, micro_batches, mesh, graph), None, TRAIN,
-                                optimizer=OptimizerConfig(name="adamw"), compile_graph=compiled,
-                                compile_backend="aot_eager")
+        program = build_program(model, graph, _plan(state, micro_batches, mesh, graph), TRAIN,
+                                optimizer=OptimizerConfig(name="adamw"),
+                                options=BuildOptions(compile=compiled, backend="aot_eager"))
     build_peak = live.peak
     tokens = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     phases = {}

@@ -111,7 +111,7 @@ def _measure(rank, world_size, case: Case, graph):
     plan = case.plan(graph)
     live = LiveBytes()
     with live:
-        program = build_program(model, graph, plan, None, TRAIN, optimizer=OptimizerConfig(name="adamw"))
+        program = build_program(model, graph, plan, TRAIN, optimizer=OptimizerConfig(name="adamw"))
     build_peak = live.peak
     tokens = torch.randint(0, dims["vocab_size"], (BATCH, SEQ), generator=torch.Generator().manual_seed(0))
     with live:

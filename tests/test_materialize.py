@@ -22,7 +22,7 @@ from autoshard.models import build
 from autoshard.passes import capture
 from autoshard.passes._graph_utils import retarget_device
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.runtime import build_program
+from autoshard.runtime import BuildOptions, build_program
 from autoshard.runtime._checkpoint_files import CheckpointError
 from autoshard.runtime.checkpoint import program_state, save
 from autoshard.runtime.materialize import (Checkpoint, Initialize, Safetensors, WeightsError, meta_twin)
@@ -87,8 +87,8 @@ def _assemble(per_rank: list[dict]) -> dict[str, torch.Tensor]:
 def build_case(rank, world_size, spec, plan, weights=None, big=False, steps=0, track=False, save_to=None):
     """Build ``plan`` from ``build(spec, device='meta')`` (or ``weights``); regions, losses, memory report."""
     model = build(spec, device="meta", **(BIG if big else {}))
-    program = build_program(model, _graph(spec, big), plan, None, TRAIN, optimizer=OPT, weights=weights,
-                            track_memory=track)
+    program = build_program(model, _graph(spec, big), plan, TRAIN, optimizer=OPT, weights=weights,
+                            options=BuildOptions(track_memory=track))
     out = {"memory": program.memory_report(),
            "shapes": {f: p.global_shape for f, p in program.param_placements.items()},
            "local_bytes": {f: 4 * torch.Size(p.local_shape).numel() for f, p in program.param_placements.items()}}
@@ -114,7 +114,7 @@ def compile_case(rank, world_size, on_meta):
 def refused_case(rank, world_size, spec, plan, weights):
     """The error text of building from ``weights`` (every rank must refuse before reading a tensor)."""
     try:
-        build_program(build(spec, device="meta"), _graph(spec), plan, None, TRAIN, optimizer=OPT, weights=weights)
+        build_program(build(spec, device="meta"), _graph(spec), plan, TRAIN, optimizer=OPT, weights=weights)
     except (CheckpointError, WeightsError) as err:
         return str(err)
     return None

@@ -106,7 +106,7 @@ def train_case(rank, world_size, kind: str, plan: Plan, graph, inputs, via_compi
         example = model_inputs(batches(kind)[0])
         program = autoshard.compile(masked_lm(), "cpu:1x2", example_inputs=example, train=train, plan=plan).program
     else:
-        program = build_program(masked_lm(), graph, plan, None, train, optimizer=OPT, inputs=inputs)
+        program = build_program(masked_lm(), graph, plan, train, optimizer=OPT, inputs=inputs)
     losses = [program.step(program.local_batch(b), token_loss_sum, normalize_by="loss_mask").loss
               for b in batches(kind)]
     with torch.no_grad():

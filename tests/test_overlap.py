@@ -83,7 +83,7 @@ class _Passthrough(TorchDispatchMode):
 
 
 def _train_case(rank, world_size, spec, plan, dispatch=False):
-    program = build_program(build(spec), graph_of(spec), plan, None, TRAIN, optimizer=OPT)
+    program = build_program(build(spec), graph_of(spec), plan, TRAIN, optimizer=OPT)
     losses, pending = [], []
     for toks in batches():
         with _Passthrough() if dispatch else contextlib.nullcontext():
@@ -197,7 +197,7 @@ def test_backward_regathers_prefetched_one_layer_ahead(results):
 
 
 def _program(spec: str, prefetch: int, choose=lambda _layer: {"state": "zero3"}):
-    return build_program(build(spec), graph_of(spec), _plan(spec, prefetch, choose), None, TRAIN)
+    return build_program(build(spec), graph_of(spec), _plan(spec, prefetch, choose), TRAIN)
 
 
 def _layer_compute(gm, layer: str) -> list[int]:

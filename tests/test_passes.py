@@ -31,7 +31,7 @@ def test_pass_order():
 def test_large_mesh_local_shapes(world, rank, mesh):
     plan = make_plan(LLAMA, mesh, lambda layer: {"state": "zero3", "tp": "megatron"})
     with fake_world(world, rank):
-        program = build_program(build(LLAMA), graph_of(LLAMA), plan, None, TRAIN)
+        program = build_program(build(LLAMA), graph_of(LLAMA), plan, TRAIN)
     coords = coords_of(rank, mesh)
     assert program.ctx.coords == coords
     full = dict(build(LLAMA).named_parameters())
@@ -55,7 +55,7 @@ def program_axes():
 def test_inserted_nodes_record_why():
     plan = make_plan(LLAMA, Mesh(dp_shard=2, tp=2), lambda layer: {"state": "zero3", "tp": "megatron"})
     with fake_world(4, 1):
-        program = build_program(build(LLAMA), graph_of(LLAMA), plan, None, TRAIN)
+        program = build_program(build(LLAMA), graph_of(LLAMA), plan, TRAIN)
     tagged = [n for n in program.gm.graph.nodes if "autoshard" in n.meta]
     passes = {n.meta["autoshard"]["pass"] for n in tagged}
     assert {"insert_collectives", "schedule_overlap"} <= passes
@@ -73,13 +73,13 @@ def test_inserted_nodes_record_why():
 def test_world_size_mismatch_is_refused_before_collectives():
     plan = make_plan(LLAMA, Mesh(dp_shard=4), lambda layer: {})
     with fake_world(2, 0), pytest.raises(PlanError, match="needs 4 ranks but this job has world size 2"):
-        build_program(build(LLAMA), graph_of(LLAMA), plan, None, TRAIN)
+        build_program(build(LLAMA), graph_of(LLAMA), plan, TRAIN)
 
 
 def test_plan_for_another_model_is_refused():
     plan = make_plan("gpt:tiny", Mesh(dp_shard=2), lambda layer: {})
     with fake_world(2, 0), pytest.raises(PlanError, match="does not match model"):
-        build_program(build(LLAMA), graph_of(LLAMA), plan, None, TRAIN)
+        build_program(build(LLAMA), graph_of(LLAMA), plan, TRAIN)
 
 
 @pytest.mark.parametrize(
@@ -93,7 +93,7 @@ def test_plan_for_another_model_is_refused():
 def test_unimplemented_or_invalid_plans_raise(mesh, choose, message):
     plan = make_plan(LLAMA, mesh, choose)
     with fake_world(mesh.world_size, 0), pytest.raises(PlanError, match=message):
-        build_program(build(LLAMA), graph_of(LLAMA), plan, None, TRAIN)
+        build_program(build(LLAMA), graph_of(LLAMA), plan, TRAIN)
 
 
 def test_shard_rule_matches_torch_chunk():

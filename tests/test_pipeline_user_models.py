@@ -39,7 +39,7 @@ from _user_models import NanoPolicy  # noqa: E402
 from autoshard.errors import PlanError  # noqa: E402
 from autoshard.passes import capture  # noqa: E402
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule  # noqa: E402
-from autoshard.runtime import build_program  # noqa: E402
+from autoshard.runtime import BuildOptions, build_program  # noqa: E402
 from autoshard.search.space import is_tp_able  # noqa: E402
 from autoshard.train import TrainSpec  # noqa: E402
 
@@ -213,8 +213,8 @@ def train_case(rank, world_size, name: str, plan: Plan, backend: str | None = No
     """Build ``plan`` for ``name`` (eager, or each stage compiled with ``backend``), run an inference forward,
     train; losses, forward, shards, placements."""
     del rank, world_size
-    compiled = {"compile_graph": True, "compile_backend": backend} if backend else {"compile_graph": False}
-    program = build_program(build(name), graph_of(name), plan, None, TRAIN, optimizer=OPT, **compiled)
+    options = BuildOptions(compile=True, backend=backend) if backend else BuildOptions(compile=False)
+    program = build_program(build(name), graph_of(name), plan, TRAIN, optimizer=OPT, options=options)
     forward = program(_probe())
     losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()]
     out = {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
@@ -347,7 +347,7 @@ def test_user_output_forms_train_as_single_device(user_results, case):
 
 def _build(name: str, plan: Plan, rank: int = 0):
     with fake_world(plan.mesh.world_size, rank):
-        return build_program(build(name), graph_of(name), plan, None, TRAIN, compile_graph=False)
+        return build_program(build(name), graph_of(name), plan, TRAIN, options=BuildOptions(compile=False))
 
 
 def test_non_tensor_output_is_refused():

@@ -132,7 +132,7 @@ def bytes_case(rank, world_size):
     for weight_comm in ("bf16", "int8"):
         plan = make_plan(GPT, Mesh(dp_shard=2), lambda _l, w=weight_comm: {"state": "zero3", "weight_comm": w})
         train = TrainSpec(global_batch=8, seq_len=8, precision="bf16")
-        program = build_program(build(GPT), graph_of(GPT), plan, None, train, optimizer=OptimizerConfig(name="sgd", lr=0.1))
+        program = build_program(build(GPT), graph_of(GPT), plan, train, optimizer=OptimizerConfig(name="sgd", lr=0.1))
         tokens = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(0))
         counter = CountBytes()
         with counter.patched():
@@ -146,7 +146,7 @@ def masters_case(rank, world_size):
     """int8 weight gathers, one SGD step at lr 1e-6: the masters move by the update only, not by quantization."""
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda _l: {"state": "zero3", "weight_comm": "int8"})
     train = TrainSpec(global_batch=8, seq_len=8, precision="fp32")
-    program = build_program(build(GPT), graph_of(GPT), plan, None, train, optimizer=OptimizerConfig(name="sgd", lr=1e-6))
+    program = build_program(build(GPT), graph_of(GPT), plan, train, optimizer=OptimizerConfig(name="sgd", lr=1e-6))
     before = program.local_state_dict()
     tokens = torch.randint(0, 128, (8, 8), generator=torch.Generator().manual_seed(0))
     program.step(program.local_batch(tokens), _ce_loss)
@@ -280,7 +280,7 @@ def test_pass_records_and_grad_comm_map():
     plan = make_plan(LLAMA, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8"} if "attn" in l
                      else {"state": "zero2", "grad_comm": "int4"})
     with fake_world(2, 0):
-        program = build_program(build(LLAMA), graph_of(LLAMA), plan, None, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
+        program = build_program(build(LLAMA), graph_of(LLAMA), plan, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
     gm = program.gm
     quantized = [n for n in gm.graph.nodes if n.meta.get("autoshard", {}).get("pass") == "quantize_comm"]
     attn_layers = [l.name for l in graph_of(LLAMA).layers if "attn" in l.name and l.params]
@@ -297,7 +297,7 @@ def test_gathers_inside_checkpoint_regions_are_quantized():
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8",
                                                       "recompute": "full" if "blocks" in l else "none"})
     with fake_world(2, 0):
-        program = build_program(build(GPT), graph_of(GPT), plan, None, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
+        program = build_program(build(GPT), graph_of(GPT), plan, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
     gathers = [m for m in program.gm.modules() if isinstance(m, Zero3Gather)]
     nested = [m for name, m in program.gm.named_modules() if isinstance(m, Zero3Gather) and ".body." in f".{name}."]
     assert len(gathers) == _layers_with_params(GPT) and nested
@@ -321,7 +321,7 @@ def test_unsupported_combinations_are_plan_errors(fields, match):
 def test_unquantized_plan_is_left_alone():
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda _l: {"state": "zero3", "grad_comm": "bf16"})
     with fake_world(2, 0):
-        program = build_program(build(GPT), graph_of(GPT), plan, None, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
+        program = build_program(build(GPT), graph_of(GPT), plan, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
     assert pass_state(program.gm).grad_comm is None
     assert not any(n.meta.get("autoshard", {}).get("pass") == "quantize_comm" for n in program.gm.graph.nodes)
 
@@ -359,7 +359,7 @@ def curve_case(rank, world_size, weight_comm):
     plan = dataclasses.replace(plan, schedule=Schedule(num_micro_batches=1))
     train = TrainSpec(global_batch=CURVE_BATCH, seq_len=CURVE_SEQ, precision="fp32")
     torch.manual_seed(0)
-    program = build_program(build(GPT), graph_of(GPT), plan, None, train,
+    program = build_program(build(GPT), graph_of(GPT), plan, train,
                             optimizer=OptimizerConfig(name="adamw", lr=3e-3, max_grad_norm=1.0))
     data = curve_dataset()
     return [program.step(program.local_batch(data[i]), _ce_loss).loss for i in range(CURVE_STEPS)]

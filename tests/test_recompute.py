@@ -34,7 +34,7 @@ def _uniform(**fields):
 
 
 def _program(spec, mesh, choose):
-    return build_program(build(spec), graph_of(spec), make_plan(spec, mesh, choose), None, TRAIN, optimizer=OPT)
+    return build_program(build(spec), graph_of(spec), make_plan(spec, mesh, choose), TRAIN, optimizer=OPT)
 
 
 def _saved_bytes(program, tokens) -> int:
@@ -100,7 +100,7 @@ def test_region_structure(local_runs, spec):
 
 def _zero3_full_case(rank, world_size, spec, graph, plan):
     """Train; also report all-gathers of step 1 and the Regather hook's re-gathers."""
-    program = build_program(build(spec), graph, plan, None, TRAIN, optimizer=OPT)
+    program = build_program(build(spec), graph, plan, TRAIN, optimizer=OPT)
     with CountCollectives() as counter:
         program.step(program.local_batch(batches()[0]), loss_fn)
     return {"all_gather": counter.counts.get("all_gather", 0), "hook_regathers": program.regather.regathers}

@@ -82,7 +82,7 @@ CASES_4 = {
 
 
 def _train(rank, world_size, kind, plan):
-    program = build_program(_model(kind), _graph(kind), plan, None, TRAIN, optimizer=OPT)
+    program = build_program(_model(kind), _graph(kind), plan, TRAIN, optimizer=OPT)
     losses = [program.step(program.local_batch(toks), loss_fn).loss for toks in batches()]
     return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
             "coords": program.ctx.coords, "ep": program.ctx.coord("ep") if program.ctx.size("ep") > 1 else 0}
@@ -186,7 +186,7 @@ def test_capacity_model_drops_tokens():
 def test_ep_graph_and_shapes():
     plan = _plan("dropless", Mesh(dp_shard=4, ep=2), _ep_moe)
     with fake_world(4, 3):
-        program = build_program(_model("dropless"), _graph("dropless"), plan, None, TRAIN)
+        program = build_program(_model("dropless"), _graph("dropless"), plan, TRAIN)
     targets = [n.target for n in program.gm.graph.nodes if n.op == "call_function"]
     assert targets.count(ep_dispatch) == targets.count(ep_combine) == 2  # one pair per MoE block
     assert program.ctx.coord("ep") == 1 and program.ctx.coord("edp") == 1
@@ -199,7 +199,7 @@ def test_ep_graph_and_shapes():
 def test_ep_with_zero3_experts_is_refused():
     plan = _plan("dropless", Mesh(dp_shard=2, ep=2), lambda layer: {"ep": layer.endswith("moe"), "state": "zero3"})
     with fake_world(2, 0), pytest.raises(PlanError, match="expert parallelism with state='zero3'"):
-        build_program(_model("dropless"), _graph("dropless"), plan, None, TRAIN)
+        build_program(_model("dropless"), _graph("dropless"), plan, TRAIN)
 
 
 @pytest.mark.slow
@@ -211,6 +211,6 @@ def test_expert_placement_is_a_dtensor_shard_when_ep_equals_dp_shard():
     axis = MESH_ORDER.index("dp_shard")
     plan = _plan("dropless", Mesh(dp_shard=2, ep=2), _ep_moe)
     with fake_world(2, 1):
-        placements = build_program(_model("dropless"), _graph("dropless"), plan, None, TRAIN).param_placements
+        placements = build_program(_model("dropless"), _graph("dropless"), plan, TRAIN).param_placements
     assert placements["blocks.1.moe.w_down"].placements[axis] == Shard(0)
     assert placements["blocks.1.moe.router.weight"].placements[axis] == Replicate()

@@ -65,7 +65,7 @@ def make_plan(mesh: Mesh, schedule: str, virtual: int = 1, **fields) -> Plan:
 def train_case(rank, world_size, plan, graph=None):
     """Build, train STEPS steps; return losses, local shards, placements, coords and a forward's outputs.
     ``graph``: the parent's ``_graph()`` (no rank exports the model again)."""
-    program = build_program(_model(), graph or _graph(), plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT)
+    program = build_program(_model(), graph or _graph(), plan, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT)
     probe = _batches()[0][:2, :6]  # another shape than training: forward must not reuse the schedule's
     before = program.forward(probe)
     losses = [program.step(program.local_batch(toks), loss_fn).loss for toks in _batches()]
@@ -188,7 +188,7 @@ def test_rank_builds_only_its_stage():
     """pp rank 1 of pp2×dp2 (ZeRO-3): one stage, the second half's parameters, one boundary tensor in."""
     plan = make_plan(Mesh(pp=2, dp_shard=2), "1f1b", state="zero3")
     with fake_world(4, 2):
-        program = build_program(_model(), _graph(), plan, None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))
+        program = build_program(_model(), _graph(), plan, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))
     layout = program.pipeline.layout
     assert (layout.num_stages, layout.local_stages, layout.input_names) == (2, (1,), ("tokens",))
     assert len(layout.boundaries[1]) == 1  # the residual stream; RoPE tables are recomputed from tokens
@@ -207,7 +207,7 @@ def test_tied_embedding_on_two_pp_ranks_is_mirrored():
     plan = Plan(model_name=graph.model_name, mesh=Mesh(pp=2), layers=layers, schedule=Schedule(num_micro_batches=2))
     for rank in (0, 1):
         with fake_world(2, rank):
-            program = build_program(build("gpt:tiny"), graph, plan, None,
+            program = build_program(build("gpt:tiny"), graph, plan,
                                     TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"))
         assert [(s.fqn, s.owner, s.mirrors) for s in program.pipeline.layout.shared] == [("embed.weight", 0, (1,))]
         assert ("embed.weight" in program.param_placements) == (rank == 0)

@@ -91,7 +91,7 @@ def test_sp_dp_world4(results4, references, name):
 def _targets(spec, choose, mesh=Mesh(tp=2)):
     plan = make_plan(spec, mesh, choose)
     with fake_world(mesh.world_size, 0):
-        program = build_program(build(spec), graph_of(spec), plan, None, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
+        program = build_program(build(spec), graph_of(spec), plan, TrainSpec(global_batch=8, seq_len=8, precision="fp32"))
     return [n for n in program.gm.graph.nodes if n.op == "call_function"]
 
 

@@ -59,4 +59,4 @@ def test_the_runtime_accepts_what_the_search_returns(seed):
     world = plan.mesh.world_size
     for rank in sorted({0, world - 1}):
         with fake_world(world, rank):
-            build_program(build(spec), graph, plan, None, train)  # raises PlanError on a refused layout
+            build_program(build(spec), graph, plan, train)  # raises PlanError on a refused layout

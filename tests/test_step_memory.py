@@ -37,7 +37,7 @@ def _plan(state: str) -> Plan:
 def step_case(rank, world_size, state):
     model = build("llama:tiny", device="meta", **MODEL)
     graph = capture(model, seq_lens=(8, 16))
-    program = build_program(model, graph, _plan(state), None, TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"),
+    program = build_program(model, graph, _plan(state), TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"),
                             optimizer=OptimizerConfig(name="adamw"))
     tokens = program.local_batch(batches()[0])
     loss_fn(program(tokens), tokens).backward()

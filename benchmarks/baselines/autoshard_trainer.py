@@ -71,7 +71,7 @@ class AutoshardTrainer:
 
     def __init__(self, spec: RunSpec, device: torch.device, graph: ModelGraph, plan: Plan, cluster: Any = None, *,
                  name: str = "autoshard"):
-        from autoshard.runtime import build_program
+        from autoshard.runtime import BuildOptions, build_program
 
         self.name, self.plan, self.device = name, plan, device
         model = reference_model(spec, device)
@@ -84,10 +84,11 @@ class AutoshardTrainer:
         # AUTOSHARD_COMPILE_REGIONS: stem (default), block or graph (runtime/compile_regions.py)
         regions = os.environ.get("AUTOSHARD_COMPILE_REGIONS", "stem")
         # AUTOSHARD_COMPILE_OVERLAP: scheduler, reorder or none (passes/schedule_overlap.py; A/B runs)
-        overlap_mode = os.environ.get("AUTOSHARD_COMPILE_OVERLAP") or None
-        self.program = build_program(model, graph, plan, cluster, train, optimizer=spec.optimizer,
-                                     device=str(device), overlap_grad_sync=overlap, compile_graph=compile_graph,
-                                     compile_regions=regions, compile_overlap=overlap_mode)
+        overlap_mode = os.environ.get("AUTOSHARD_COMPILE_OVERLAP") or "plan"
+        self.program = build_program(model, graph, plan, train, optimizer=spec.optimizer,
+                                     device=str(device),
+                                     options=BuildOptions(overlap_grad_sync=overlap, compile=compile_graph, regions=regions,
+                                                          overlap=overlap_mode))
         # AUTOSHARD_GATHER_UNDER_UPDATE=0: update every slot, then all-gather (runtime/optimizer.py; A/B runs)
         self.program.optimizer.gather_under_update = os.environ.get("AUTOSHARD_GATHER_UNDER_UPDATE", "1") == "1"
         self.last_grad_norm = float("nan")

@@ -17,7 +17,7 @@ What it builds (the torchtitan recipe, data parallel over the whole world):
   ``torch.compile(block)`` before ``fully_shard``, as torchtitan does, so FSDP2's hooks stay
   outside the compiled forward, and the loss (``policy_loss``: the head's cross-entropy and the value
   term) compiled on its own, as torchtitan compiles its loss function; the root's norm and head
-  projection stay eager; together the counterpart of autoshard's ``compile_graph``;
+  projection stay eager; together the counterpart of autoshard's ``BuildOptions.compile``;
 - the optimizer of ``common.torch_optimizer`` over the sharded (DTensor)
   parameters, ``clip_grad_norm_`` on them (a DTensor norm: the global norm).
 
