@@ -126,5 +126,5 @@ def test_under_a_process_group_every_rank_builds_its_program(gpt, compiled, monk
     assert result.program == "program"
     # gloo: the program lives on the CPU (an NCCL group would put it on the rank's current CUDA device)
     # a model holding data is read, then released to the meta device (runtime/materialize.py)
-    assert calls == [((gpt, result.graph, compiled.plan, result.cluster, result.train),
-                      {"device": "cpu", "weights": None, "release_model": True})]
+    assert calls == [((gpt, result.graph, compiled.plan, result.train),
+                      {"device": "cpu", "weights": None, "options": runtime.BuildOptions(release_model=True)})]
