@@ -207,6 +207,7 @@ from autoshard.search.memory import (
     build_peak_bytes,
     live_buffers,
     optimizer_step_peak_bytes,
+    rematerialised_bytes,
     state_bytes,
     step_peak_bytes,
 )
@@ -303,16 +304,19 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
     fwd_comm = critical["tp_fwd_s"] + critical["ep_fwd_s"] + critical["cp_fwd_s"]
     bwd_comm = critical["tp_bwd_s"] + critical["ep_bwd_s"] + critical["cp_bwd_s"] + critical["recompute_comm_s"]
     bwd_compute = compute["bwd_compute_s"] + compute["recompute_s"]
+    memory = layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form,
+                                      schedule.bucket_bytes, cluster.runs_on_cpu,
+                                      layer_terms.runs_compiled(mesh, cluster, train))
+    # a recomputed layer's backward holds its activations again (memory.rematerialised_bytes)
+    remat = rematerialised_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len)
     return LayerCost(
         fwd_s=compute["fwd_compute_s"] + fwd_comm,
         bwd_s=bwd_compute + bwd_comm,
         comm_exposed_s=dp["dp_exposed_s"],
         comm_total_s=dp["dp_total_s"],
         optimizer_s=sum(v for k, v in optimizer.items() if k.endswith("_s")),
-        memory=layer_terms.layer_memory(layer, strategy, groups, mesh, sh, sizes, region_entry, form,
-                                        schedule.bucket_bytes, cluster.runs_on_cpu,
-                                        layer_terms.runs_compiled(mesh, cluster, train)),
-        detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens},
+        memory=replace(memory, buffers=memory.buffers + remat),
+        detail={**compute, **critical, **dp, **optimizer, "tokens": sh.tokens, "rematerialised_bytes": remat},
         compute_s=compute["fwd_compute_s"] + bwd_compute,
         critical_comm_s=fwd_comm + bwd_comm,
     )
@@ -420,10 +424,10 @@ def plan_layer_costs(graph: ModelGraph, plan: Plan, cluster: Cluster, train: Tra
     strategies = _strategies_in_graph_order(graph, plan)
     _check_batch(plan, train)
     entries = _region_entries(graph, strategies)
-    costs = [
+    costs = _region_rematerialisation([
         layer_cost(layer, s, plan.mesh, cluster, train, plan.schedule, region_entry=entry)
         for layer, s, entry in zip(graph.layers, strategies, entries)
-    ]
+    ], strategies, entries)
     scale = compiled_activation_scale(graph, plan, cluster) if train.compiled else 1.0
     if scale < 1.0:  # the runtime compiles this plan: inductor saves less in the blocks (not fewer gathered weights)
         costs = [replace(c, memory=replace(c.memory, activations=(c.memory.activations - c.memory.kept_gathered) * scale
@@ -581,6 +585,30 @@ def _check_batch(plan: Plan, train: TrainSpec) -> None:
             f"{s.micro_batch * s.num_micro_batches * dp} sequences, but TrainSpec.global_batch="
             f"{train.global_batch}; choose a schedule whose product equals the global batch"
         )
+
+
+def _region_rematerialisation(costs: list[LayerCost], strategies: list[LayerStrategy],
+                              entries: list[bool]) -> list[LayerCost]:
+    """``costs`` with each full-recompute checkpoint region's rematerialised bytes (``memory.rematerialised_bytes``)
+    summed onto the buffers of its last layer, where the region's backward starts by recomputing all of it,
+    instead of each layer's own on its own buffers (``_layer_cost``); with them, the other layers' gathered
+    parameters (ZeRO-3: the recomputed forward gathers each again and keeps it for that layer's backward)."""
+    out = list(costs)
+    start = 0
+    for i, (cost, s) in enumerate(zip(costs, strategies)):
+        if entries[i]:
+            start = i
+        last = i + 1 == len(costs) or entries[i + 1] or strategies[i + 1].recompute != "full"
+        if s.recompute != "full" or not last or i == start:
+            continue
+        region = range(start, i + 1)
+        total = sum(costs[j].detail.get("rematerialised_bytes", 0.0) for j in region)
+        total += sum(costs[j].memory.gathered for j in region if j != i)
+        for j in region:
+            own = costs[j].detail.get("rematerialised_bytes", 0.0)
+            extra = total if j == i else 0.0
+            out[j] = replace(costs[j], memory=replace(costs[j].memory, buffers=costs[j].memory.buffers - own + extra))
+    return out
 
 
 def _region_entries(graph: ModelGraph, strategies: list[LayerStrategy]) -> list[bool]:

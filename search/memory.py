@@ -95,6 +95,8 @@ peak is ``max(step peak, optimizer step, build peak)``.
 
 from __future__ import annotations
 
+import dataclasses
+
 import math
 from dataclasses import dataclass
 from typing import Iterable, Sequence
@@ -221,6 +223,17 @@ def tp_shardable(layer: LayerInfo) -> bool:
     """Whether Megatron TP splits this layer's work: it has column/row/vocab parameters, or it
     is the LM head (vocab-parallel even when its weight is tied to the embedding and listed there)."""
     return layer.kind == "head" or any(p.tp_role in TP_SPLIT_ROLES for p in layer.params)
+
+
+def rematerialised_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, tokens: float, seq_len: int) -> float:
+    """Bytes a recomputed layer's backward holds again: what it saves without recompute less what it keeps
+    (its input under full recompute, all but the attention scores under selective). ``plan``-level pricing
+    (``cost_model.plan_layer_costs``) puts a whole checkpoint region's sum on the region's last layer,
+    where its backward recomputes the region at once; the search prices each layer's own."""
+    if strategy.recompute == "none":
+        return 0.0
+    saved = activation_bytes(layer, dataclasses.replace(strategy, recompute="none"), tp, tokens, seq_len)
+    return max(saved - activation_bytes(layer, strategy, tp, tokens, seq_len), 0.0)
 
 
 def activation_bytes(
