@@ -595,7 +595,7 @@ def _region_rematerialisation(costs: list[LayerCost], strategies: list[LayerStra
     parameters (ZeRO-3: the recomputed forward gathers each again and keeps it for that layer's backward)."""
     out = list(costs)
     start = 0
-    for i, (cost, s) in enumerate(zip(costs, strategies)):
+    for i, s in enumerate(strategies):
         if entries[i]:
             start = i
         last = i + 1 == len(costs) or entries[i + 1] or strategies[i + 1].recompute != "full"

@@ -95,10 +95,8 @@ peak is ``max(step peak, optimizer step, build peak)``.
 
 from __future__ import annotations
 
-import dataclasses
-
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Iterable, Sequence
 
 from autoshard.graph import LayerInfo, ParamInfo
@@ -232,7 +230,7 @@ def rematerialised_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, tok
     where its backward recomputes the region at once; the search prices each layer's own."""
     if strategy.recompute == "none":
         return 0.0
-    saved = activation_bytes(layer, dataclasses.replace(strategy, recompute="none"), tp, tokens, seq_len)
+    saved = activation_bytes(layer, replace(strategy, recompute="none"), tp, tokens, seq_len)
     return max(saved - activation_bytes(layer, strategy, tp, tokens, seq_len), 0.0)
 
 
