@@ -180,6 +180,8 @@ class Calibration:
     graph_kernel_s: float | None = None  # per counted op of a replayed decode step (rollout, search/rollout.py)
     graph_compiled_kernel_s: float | None = None  # the same, the step compiled before capture (as the rollout runs it)
     graph_collective_s: float | None = None  # per small all-reduce inside a replayed CUDA graph, over the world
+    eager_kernel_s: float | None = None  # per counted kernel of an eager training step (forward + backward)
+    eager_inference_kernel_s: float | None = None  # per counted kernel of an eager forward under no_grad
     layer_times: dict[str, Any] | None = None  # {"model", "dtype", "seq_len", "samples": [...]} (model probe)
     matmul: dict[int, float] = field(default_factory=dict)  # n → achieved FLOP/s
     copy_bytes_per_s: float = 0.0
@@ -195,7 +197,8 @@ class Calibration:
         if self.link_level is not None:
             out[self.link_level] = {"bandwidth": self.bandwidth, "latency": self.latency_s}
         for key in ("attention_efficiency", "overlap_contention", "overlap_efficiency", "adamw_s_per_param", "adamw_s_per_tensor",
-                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s", "layer_times"):
+                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s", "eager_kernel_s",
+                    "eager_inference_kernel_s", "layer_times"):
             if getattr(self, key) is not None:
                 out[key] = getattr(self, key)
         return out
@@ -287,6 +290,54 @@ def measure_graph_kernel(device: torch.device, iters: int, bytes_per_s: float, c
     seconds = _median_seconds(replay, iters, device) / replays
     read = sum(t.numel() * t.element_size() for t in [*model.parameters(), *cache.keys, *cache.values])
     return max(seconds - read / bytes_per_s, 0.0) / count_decode_ops("llama:tiny", **DECODE_PROBE)
+
+
+# The eager-step probe: a fixed small Llama whose kernels are tiny, so that its eager step is all host time.
+EAGER_PROBE = {"num_layers": 4, "hidden": 256, "num_heads": 4, "num_kv_heads": 4, "ffn_hidden": 704,
+               "vocab_size": 256, "max_seq_len": 64}
+EAGER_PROBE_BATCH = 2
+
+
+def measure_eager_kernel(device: torch.device, iters: int) -> tuple[float, float] | None:
+    """``eager_probe`` on CUDA; None elsewhere (on CPU ranks an op's host time and its compute are one thread's,
+    which the roofline's sum already prices)."""
+    return eager_probe(device, iters) if device.type == "cuda" else None
+
+
+def eager_probe(device: torch.device, iters: int) -> tuple[float, float]:
+    """(training, inference) seconds per counted kernel of an eager program: the
+    ``EAGER_PROBE`` Llama's forward + backward, and its forward under ``no_grad``, over the forward kernels the
+    cost model counts for its captured layers (``layer_terms.forward_kernels``; a backward counts
+    ``BACKWARD_KERNEL_FACTOR`` times as many). Its kernels are tiny, so the time is what the host spends per op:
+    the Python module calls, dispatch, autograd's recording and its engine, and the launch."""
+    from autoshard.models import build
+    from autoshard.passes.capture import capture_reference
+    from autoshard.search import layer_terms
+
+    graph = capture_reference("llama:tiny", seq_lens=(16, 32), **EAGER_PROBE)
+    count = sum(layer_terms.forward_kernels(layer) for layer in graph.layers)
+    model = build("llama:tiny", device=device, dtype=torch.bfloat16, **EAGER_PROBE)
+    tokens = torch.randint(0, EAGER_PROBE["vocab_size"], (EAGER_PROBE_BATCH, EAGER_PROBE["max_seq_len"]), device=device)
+    repeats = 5
+
+    def loss() -> torch.Tensor:
+        out = model(tokens)
+        return sum(t.float().log_softmax(-1).mean() if t.dim() == 3 else t.float().mean()
+                   for t in (out if isinstance(out, tuple) else (out,)))
+
+    def train() -> None:
+        for _ in range(repeats):
+            model.zero_grad(set_to_none=True)
+            loss().backward()
+
+    def infer() -> None:
+        with torch.no_grad():
+            for _ in range(repeats):
+                loss()
+
+    step = _median_seconds(train, iters, device) / repeats
+    forward = _median_seconds(infer, iters, device) / repeats
+    return step / ((1.0 + layer_terms.BACKWARD_KERNEL_FACTOR) * count), forward / count
 
 
 def measure_graph_collective(count: int, device: torch.device, iters: int) -> float | None:
@@ -481,6 +532,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
     copy = measure_copy(sizes.copy_bytes, device, sizes.iters)
     graph_kernel = measure_graph_kernel(device, sizes.iters, copy)
     graph_compiled_kernel = measure_graph_kernel(device, sizes.iters, copy, compile=True)
+    eager_kernel = measure_eager_kernel(device, sizes.iters)
     step("attention")
     attention = measure_attention(sizes.attention_shapes, _DTYPES[dtype], device, sizes.iters,
                                   cluster.device.peak_flops[dtype])
@@ -527,6 +579,7 @@ def calibrate(cluster: Cluster, device: torch.device, sizes: CalibrationSizes = 
         overlap_contention=contention, overlap_efficiency=overlap_eff, overlap=overlap,
         adamw_s_per_param=per_param, adamw_s_per_tensor=per_tensor, layer_times=layer_times,
         graph_kernel_s=graph_kernel, graph_compiled_kernel_s=graph_compiled_kernel, graph_collective_s=graph_collective,
+        eager_kernel_s=eager_kernel and eager_kernel[0], eager_inference_kernel_s=eager_kernel and eager_kernel[1],
         matmul=matmul, copy_bytes_per_s=copy, comm=comm,
     )
 

@@ -46,7 +46,8 @@ REQUIRED_DTYPES = ("fp32", "bf16")  # the training precisions (TrainSpec.precisi
 
 # Measured cost-model constants kept in ``Cluster.calibration`` as they are (search/layer_terms.py reads them).
 _COST_MODEL_KEYS = ("attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
-                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s")
+                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s", "eager_kernel_s",
+                    "eager_inference_kernel_s")
 _LAYER_TIMES_KEYS = ("model", "dtype", "seq_len", "samples")
 COMPILED_SAVED_SCALE_KEY = "layer_times.compiled_saved_scale"  # flat calibration key (search/cost_model.predict)
 LAYER_TIME_KEY_PREFIX = "layer_time"  # flat calibration keys of the probed layer times (layer_time_key)
@@ -64,6 +65,7 @@ _COST_MODEL_RANGES = {
     "adamw_s_per_tensor": (0.0, math.inf, True), "graph_kernel_s": (0.0, math.inf, True),
     "graph_compiled_kernel_s": (0.0, math.inf, True),
     "graph_collective_s": (0.0, math.inf, True),
+    "eager_kernel_s": (0.0, math.inf, True), "eager_inference_kernel_s": (0.0, math.inf, True),
 }
 
 

@@ -70,7 +70,8 @@ CLUSTER_KINDS = {
 # the top-level keys of a calibration file (file_kind, Cluster.with_calibration)
 CALIBRATION_KEYS = ("device", "date", "matmul_efficiency", "hbm_efficiency", "intra_node", "inter_node",
                     "attention_efficiency", "overlap_contention", "overlap_efficiency", "kernel_overhead_s", "gemm_knee_flops", "adamw_s_per_param", "adamw_s_per_tensor",
-                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s", "layer_times", "plan_residuals")
+                    "graph_kernel_s", "graph_compiled_kernel_s", "graph_collective_s", "eager_kernel_s", "eager_inference_kernel_s", "layer_times",
+                    "plan_residuals")
 
 _SI = {"K": 1e3, "M": 1e6, "G": 1e9, "T": 1e12, "P": 1e15}
 _BIN = {"Ki": 2.0**10, "Mi": 2.0**20, "Gi": 2.0**30, "Ti": 2.0**40}

@@ -180,6 +180,20 @@ def kernel_overhead_s(cluster: Cluster) -> float:
     return cluster.calibration.get("kernel_overhead_s", KERNEL_OVERHEAD_S)
 
 
+def eager_host_s(layer: LayerInfo, cluster: Cluster) -> tuple[float, float, float]:
+    """Host seconds of the layer's (forward, backward, no_grad forward) in an eager program on a GPU: its
+    counted kernels at the calibrated ``eager_kernel_s`` / ``eager_inference_kernel_s`` (``autoshard/calibrate.py``,
+    the ``EAGER_PROBE``'s step: module calls, dispatch, autograd and the launch per op); zeros when not
+    calibrated. An eager program launches asynchronously, so a layer takes the longer of its device time and
+    this (``compute_terms``): the floor that binds for small per-rank work."""
+    train = cluster.calibration.get("eager_kernel_s")
+    if train is None or cluster.runs_on_cpu:
+        return 0.0, 0.0, 0.0
+    n = forward_kernels(layer)
+    inference = cluster.calibration.get("eager_inference_kernel_s", train)
+    return n * train, BACKWARD_KERNEL_FACTOR * n * train, n * inference
+
+
 def gemm_knee_flops(cluster: Cluster) -> float:
     """GEMM work (FLOP) at which efficiency is half the large-GEMM value: ``GEMM_KNEE_FLOPS`` unless calibrated."""
     return cluster.calibration.get("gemm_knee_flops", GEMM_KNEE_FLOPS)
@@ -285,6 +299,9 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
     probed = probed_time(layer, strategy, sh, cluster, train)
     if probed is not None:
         fwd, bwd = probed.fwd_s, probed.bwd_s
+    host_fwd, host_bwd, host_inference = (0.0, 0.0, 0.0) if compiled else eager_host_s(layer, cluster)
+    device_fwd = fwd
+    fwd, bwd = max(fwd, host_fwd), max(bwd, host_bwd)
     recompute = {
         "none": 0.0,
         "selective": max(attn_s, score_bytes / hbm),
@@ -298,6 +315,10 @@ def compute_terms(layer: LayerInfo, strategy: LayerStrategy, sh: Sharding, clust
         "loss_bwd_s": loss_bwd,
         "gemm_efficiency": gemm_eff,
         "fwd_measured": 0.0 if probed is None else 1.0,
+        "fwd_device_s": device_fwd,
+        "fwd_host_s": host_fwd,
+        "bwd_host_s": host_bwd,
+        "fwd_inference_host_s": host_inference,
         "fwd_compute_s": fwd,
         "bwd_compute_s": bwd,
         "recompute_s": recompute,

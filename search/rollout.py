@@ -325,7 +325,10 @@ def score_s(graph: ModelGraph, cluster: Cluster, plan: Plan, work: RolloutWorklo
     sched = plan.schedule
     train = TrainSpec(global_batch=sched.micro_batch * sched.num_micro_batches * plan.mesh.dp, seq_len=plan.seq_len,
                       precision=plan.precision, compiled=False)
-    forward = sum(cost.fwd_s for cost in plan_layer_costs(graph, plan, cluster, train))
+    # under no_grad: a layer's host floor is the inference one (layer_terms.eager_host_s)
+    forward = sum(cost.fwd_s - cost.detail["fwd_compute_s"]
+                  + max(cost.detail["fwd_device_s"], cost.detail["fwd_inference_host_s"])
+                  for cost in plan_layer_costs(graph, plan, cluster, train))
     chunks = work.sequences / (plan.mesh.dp * plan.schedule.micro_batch)
     return work.forwards * (chunks * forward + work.mini_batches * plan.predictions.exposed_comm_s / 2.0)
 
