@@ -18,7 +18,9 @@ synchronised around each):
   H200, while the kernels of a real decode step cost 3.4–3.7 µs each there:
   ``benchmarks/results/rl_step_h200x2_2026-11-28``.) ``graph_compiled_kernel_s``:
   the same with the probe's step compiled before capture, as the rollout runs
-  it (about 10 s of compilation). Over several ranks, 64
+  it (about 10 s of compilation). ``eager_kernel_s`` / ``eager_inference_kernel_s``: host seconds per
+  counted kernel of an eager program's forward + backward / ``no_grad`` forward, timed on a fixed small
+  Llama (``EAGER_PROBE``) whose kernels are tiny (CUDA only; the cost model's eager host floor). Over several ranks, 64
   4 KiB all-reduces captured together give ``graph_collective_s``, per
   collective of the captured step (``search/rollout.py``).
 - **GEMM knee**: the matmul sweep runs small sizes too. The cost model's

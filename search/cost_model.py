@@ -25,6 +25,8 @@ Compute (``fwd_matmul_s``, ``fwd_memory_s``, ``fwd_overhead_s``, ``loss_*_s``,
     loss_fwd|bwd = T·vocab · b / (hbm·hbm_eff)      (head only, all V on every tp rank; b per logit:
                                                      eager fp32 log-softmax 18, compiled 4; layer_terms.LossForm)
     recompute   = fwd_compute (full) | attention core (selective) | 0
+    eager (PPO's programs, on a GPU): fwd_compute = max(fwd_compute, k·h), bwd_compute = max(bwd_compute, 2·k·h)
+                (h = calibration["eager_kernel_s"]: host seconds per counted kernel, layer_terms.eager_host_s)
 
 Measured (v4): when ``cluster.calibration`` holds the model probe's samples for the layer's
 signature, the training precision, ``t_mm`` and ``s`` (``search/measured.py``), ``fwd_compute`` and

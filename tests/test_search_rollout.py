@@ -199,3 +199,59 @@ def test_graph_kernel_probe_on_cuda():
 
     seconds = measure_graph_kernel(torch.device("cuda"), 5, 2e12)
     assert 2e-7 < seconds < 1e-4
+
+
+def test_eager_host_floor(tiny):
+    """Calibrated eager host time per counted kernel: an eager layer takes the longer of its device time and its
+    host time (forward: its counted kernels × eager_kernel_s, backward twice that); compiled layers and CPU ranks
+    are unaffected, and the scoring forwards (no_grad) take the inference floor."""
+    from autoshard.cluster import Cluster
+    from autoshard.search import layer_terms as LT
+    from autoshard.search.cost_model import plan_layer_costs
+    from autoshard.train import TrainSpec
+
+    _, graph = tiny
+    attn = next(layer for layer in graph.layers if layer.kind == "attention")
+    base = Cluster.parse("h100-sxm:1x2")
+    slow = base.with_calibration({"eager_kernel_s": 1e-3, "eager_inference_kernel_s": 3e-3})
+    train = TrainSpec(global_batch=2, seq_len=16, precision="bf16", compiled=False)
+    strategy = LayerStrategy(layer=attn.name)
+    sh = LT.sharding(attn, strategy, Mesh(dp_shard=2), Plan(model_name="m", mesh=Mesh(dp_shard=2), layers=(),
+                     global_batch=2, seq_len=16).schedule, 16)
+    device = LT.compute_terms(attn, strategy, sh, base, train)
+    eager = LT.compute_terms(attn, strategy, sh, slow, train)
+    compiled = LT.compute_terms(attn, strategy, sh, slow, train, compiled=True)
+    # llama:tiny's attention: q, k, v, o GEMMs, RoPE 5 x 2, head merge, SDPA, residual add = 17 counted kernels
+    assert eager["fwd_host_s"] == pytest.approx(17e-3) and eager["bwd_host_s"] == pytest.approx(34e-3)
+    assert eager["fwd_inference_host_s"] == pytest.approx(51e-3)
+    assert device["fwd_compute_s"] < 17e-3  # a tiny layer: the host floor binds
+    assert eager["fwd_compute_s"] == pytest.approx(17e-3) and eager["bwd_compute_s"] == pytest.approx(34e-3)
+    assert compiled["fwd_compute_s"] == pytest.approx(device["fwd_compute_s"])
+    assert device["fwd_host_s"] == 0.0
+    cpu = Cluster.parse("cpu:1x2").with_calibration({"eager_kernel_s": 1e-3})
+    assert LT.eager_host_s(attn, cpu) == (0.0, 0.0, 0.0)
+
+    plan = _plan(graph, Mesh(dp_shard=2), step_time_s=0.0, exposed_comm_s=0.0)
+    plan = dataclasses.replace(plan, global_batch=2, seq_len=16)
+    work = R.RolloutWorkload(sequences=2, prompt_len=8, response_len=8, mini_batches=1)
+    forward_kernels = sum(LT.forward_kernels(layer) for layer in graph.layers)
+    costs = plan_layer_costs(graph, plan, slow, dataclasses.replace(train, compiled=False))
+    assert sum(c.fwd_s for c in costs) == pytest.approx(forward_kernels * 1e-3)  # the training floor
+    # two scoring forwards (policy and reference) of one micro-batch each, at the inference floor
+    assert R.score_s(graph, slow, plan, work) == pytest.approx(2 * forward_kernels * 3e-3)
+
+
+def test_eager_probe_is_gpu_only():
+    from autoshard.calibrate import measure_eager_kernel
+
+    assert measure_eager_kernel(torch.device("cpu"), 1) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_eager_probe_on_cuda():
+    """The eager probe's step is host time per counted kernel: microseconds, not zero, not milliseconds."""
+    from autoshard.calibrate import measure_eager_kernel
+
+    train, inference = measure_eager_kernel(torch.device("cuda"), 3)
+    assert 1e-6 < train < 1e-3 and 1e-6 < inference < 1e-3
