@@ -1,3 +1,10 @@
+"""Host and wall time of a plain eager forward + backward (and a no_grad forward) on one GPU, per counted kernel.
+
+No optimizer, no data parallelism: the model's own step, against the cost model's counted kernels
+(``layer_terms.forward_kernels``; backward counts twice). The calibration's eager probe (``autoshard/calibrate.py``,
+``EAGER_PROBE``) is the last row. ``python benchmarks/eager_host_probe.py`` on a CUDA machine; results in
+``benchmarks/results/rl_step_h200x4_2026-11-28/call5/host_probe.txt``.
+"""
 import time, torch, statistics, sys
 from autoshard.models import build
 from autoshard.passes.capture import capture_reference
