@@ -22,8 +22,9 @@ CUDA may differ in the last float32 bit (their ``erfinv``).
 
 A region is a tuple of ``slice(start, stop)``, one per tensor dim
 (``ParamPlacement.region``); ``init_region`` computes only the region's
-elements, in row chunks of at most ``chunk_elements(device)`` (2¹⁶ on the CPU,
-2²² on a GPU), so the temporaries stay a fixed workspace (3 MiB, 192 MiB)
+elements, in chunks of at most ``chunk_elements(device)`` (2¹⁶ on the CPU,
+2²² on a GPU; ``_chunks`` cuts along a later dim where one dim-0 row is
+larger), so the temporaries stay a fixed workspace (3 MiB, 192 MiB)
 whatever the parameter's size.
 
 Models opt in with ``init_rule(fqn) -> InitRule`` (the reference models do;
@@ -35,6 +36,7 @@ initialised by ``runtime/materialize.py``'s module fallback (see there).
 from __future__ import annotations
 
 import hashlib
+import itertools
 import math
 from dataclasses import dataclass
 
@@ -140,13 +142,25 @@ def init_region(rule: InitRule, seed: int, name: str, global_shape: tuple[int, .
         index = torch.zeros((), dtype=torch.int64, device=out.device)
         return out.copy_(_values(rule, index, _key(seed, name)))
     key = _key(seed, name)
-    row = max(1, math.prod(sizes[1:]))
-    step = max(1, chunk_elements(out.device) // row)  # rows of the region per chunk
-    for start in range(0, sizes[0], step):
-        stop = min(sizes[0], start + step)
-        rows = (slice(region[0].start + start, region[0].start + stop), *region[1:])
-        out[start:stop] = _values(rule, _flat_index(global_shape, rows, out.device), key)
+    for part in _chunks(sizes, chunk_elements(out.device)):
+        rows = tuple(slice(r.start + p.start, r.start + p.stop) for r, p in zip(region, part))
+        out[part] = _values(rule, _flat_index(global_shape, rows, out.device), key)
     return out
+
+
+def _chunks(sizes: tuple[int, ...], limit: int):
+    """Sub-regions (slices relative to a region of ``sizes``) of at most ``limit`` elements each, in row-major
+    order: whole trailing dims while they fit, split along the first dim d whose trailing block
+    ``prod(sizes[d+1:])`` fits, one index at a time on the dims before d (an expert weight ``[1, f, h]``
+    is cut along ``f``; cutting along dim 0 alone would make it one chunk of ``f·h`` elements)."""
+    d = 0
+    while d < len(sizes) - 1 and math.prod(sizes[d + 1:]) > limit:
+        d += 1
+    step = max(1, limit // max(1, math.prod(sizes[d + 1:])))
+    trailing = tuple(slice(0, n) for n in sizes[d + 1:])
+    for outer in itertools.product(*(range(n) for n in sizes[:d])):
+        for start in range(0, sizes[d], step):
+            yield (*(slice(i, i + 1) for i in outer), slice(start, min(sizes[d], start + step)), *trailing)
 
 
 @torch.no_grad()

@@ -325,6 +325,24 @@ def test_counter_init_is_the_same_for_any_region():
     assert abs(float(big.mean())) < 1e-3 and abs(float(big.std()) - 0.02) < 5e-4
 
 
+def test_counter_init_workspace_is_bounded_when_one_row_is_larger_than_a_chunk():
+    """An expert weight's ZeRO-3 chunk ``[1, f, h]`` is one dim-0 row of f·h elements: init cuts it along f, so
+    its temporaries stay one chunk's workspace (a Mixtral expert slab: 0.44 GiB of int64 index, five such
+    temporaries live at once before), and its values are those of any other cut."""
+    from autoshard.runtime.live_bytes import LiveBytes
+
+    rule, shape = Normal(0.0, 0.02), (4, 512, 256)  # one row: 131,072 elements, twice the CPU's chunk of 65,536
+    region = (slice(1, 2), slice(0, 512), slice(0, 256))
+    with LiveBytes() as live:
+        slab = init_region(rule, 5, "experts.w1", shape, region)
+    out_bytes = slab.numel() * 4
+    assert live.peak <= out_bytes + WORKSPACE_BYTES, (live.peak, out_bytes, WORKSPACE_BYTES)
+    whole = init_region(rule, 5, "experts.w1", shape, full_region(shape))
+    assert torch.equal(slab, whole[1:2])
+    assert torch.equal(init_region(rule, 5, "experts.w1", shape, (slice(0, 4), slice(7, 300), slice(3, 250))),
+                       whole[:, 7:300, 3:250])
+
+
 def test_meta_twin_copies_no_data_and_keeps_ties():
     model = build(GPT)
     twin = meta_twin(model)
