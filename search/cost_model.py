@@ -207,13 +207,14 @@ from autoshard.search.memory import (
     LayerLive,
     MemoryBreakdown,
     build_peak_bytes,
+    interleaved_peak_bytes,
     live_buffers,
     optimizer_step_peak_bytes,
     rematerialised_bytes,
     state_bytes,
     step_peak_bytes,
 )
-from autoshard.search.pipeline import in_flight, pipeline_time, stage_rank, virtual_stages
+from autoshard.search.pipeline import in_flight, interleaved_order, pipeline_time, stage_rank, virtual_stages
 from autoshard.train import TrainSpec
 
 __all__ = [
@@ -392,7 +393,8 @@ def predict(graph: ModelGraph, plan: Plan, cluster: Cluster, train: TrainSpec) -
     costs = plan_layer_costs(graph, plan, cluster, train)
     p2p = _boundary_p2p(graph, strategies, ranks, mesh, cluster, schedule, train)
     receive = _boundary_buffers(graph, strategies, ranks, mesh, schedule, train)
-    stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh, receive[k]) for k in range(mesh.pp)]
+    chunks = [s.stage // mesh.pp for s in strategies]  # the local chunk of each layer (interleaved schedules)
+    stages = [_RankTotals.of(k, costs, ranks, p2p[k], plan, mesh, receive[k], chunks) for k in range(mesh.pp)]
     slow = max(stages, key=lambda r: r.micro_batch_s)
     tail = max(stages, key=lambda r: r.dp_exposed_s + r.optimizer_s)
     _, bubble = pipeline_time(slow.micro_batch_s, mesh.pp, schedule)
@@ -486,6 +488,21 @@ def compiled_activation_scale(graph: ModelGraph, plan: Plan, cluster: Cluster) -
     return float(scale)
 
 
+def _live(cost: LayerCost) -> LayerLive:
+    return LayerLive(cost.memory.activations, cost.memory.grads, cost.memory.buffers, cost.memory.gathered)
+
+
+def _interleaved_peak(static: float, costs: list[LayerCost], ranks: list[int], chunks: list[int], rank: int, v: int,
+                      plan: Plan, mesh: Mesh) -> float:
+    """``memory.interleaved_peak_bytes`` of pipeline rank ``rank``: its layers by local chunk, the schedule's order."""
+    by_chunk: list[list[LayerLive]] = [[] for _ in range(v)]
+    for cost, k, c in zip(costs, ranks, chunks):
+        if k == rank:
+            by_chunk[c].append(_live(cost))
+    order = interleaved_order(mesh.pp, v, plan.schedule.num_micro_batches, rank)
+    return interleaved_peak_bytes(static, by_chunk, order, plan.schedule.prefetch)
+
+
 @dataclass(frozen=True)
 class _RankTotals:
     """One pipeline rank's per-micro-batch time, per-step tail and memory."""
@@ -508,8 +525,9 @@ class _RankTotals:
 
     @classmethod
     def of(cls, rank: int, costs: list[LayerCost], ranks: list[int], p2p_s: float, plan: Plan,
-           mesh: Mesh, receive_bytes: float = 0.0) -> _RankTotals:
+           mesh: Mesh, receive_bytes: float = 0.0, chunks: list[int] | None = None) -> _RankTotals:
         mine = [c for c, k in zip(costs, ranks) if k == rank]
+        v = virtual_stages(plan.schedule)
         summed = sum((c.memory for c in mine), MemoryBreakdown())
         buffers = live_buffers(max((c.memory.buffers for c in mine), default=0.0),
                                max((c.memory.gathered for c in mine), default=0.0), plan.schedule.prefetch)
@@ -527,16 +545,16 @@ class _RankTotals:
             grads_beside_activations=plan.schedule.num_micro_batches > 1 or mesh.pp > 1,
             build_bytes=build_peak_bytes(c.memory for c in mine),
             optimizer_step_bytes=optimizer_step_peak_bytes(c.memory for c in mine),
-            step_peak=step_peak_bytes(static.model_states,
-                                      [LayerLive(c.memory.activations, c.memory.grads, c.memory.buffers,
-                                                 c.memory.gathered) for c in mine],
-                                      plan.schedule.prefetch, in_flight(plan.schedule, mesh.pp, rank),
-                                      plan.schedule.num_micro_batches, virtual_stages(plan.schedule) > 1)
+            step_peak=(_interleaved_peak(static.model_states, costs, ranks, chunks, rank, v, plan, mesh)
+                       if v > 1 and chunks is not None else
+                       step_peak_bytes(static.model_states, [_live(c) for c in mine], plan.schedule.prefetch,
+                                       in_flight(plan.schedule, mesh.pp, rank), plan.schedule.num_micro_batches,
+                                       v > 1))
             + receive_bytes,
         )
 
     def step_bytes(self) -> float:
-        """Peak bytes of the forward and backward (``memory.step_peak_bytes``)."""
+        """Peak bytes of the forward and backward (``memory.step_peak_bytes``, ``memory.interleaved_peak_bytes``)."""
         return self.step_peak
 
     def allocated_bytes(self) -> float:

@@ -319,8 +319,9 @@ def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, i
         peak = static − ΣGr + the largest
 
     ``order_free``: the bound without layer order or schedule, ``rank_memory(static, ΣGr, live_buffers(max
-    G, max H), f·ΣA)``, never below the above; interleaved schedules take it (a rank's virtual stages
-    interleave their micro-batches), and so does the search for pipelines (``search/evaluate.py``)."""
+    G, max H), f·ΣA)``, never below the above; the search takes it for pipelines (``search/evaluate.py``), and
+    ``predict`` replays an interleaved schedule's order instead (``interleaved_peak_bytes``: a rank's virtual
+    stages interleave their micro-batches)."""
     total_grads = sum(layer.grads for layer in layers)
     total_acts = sum(layer.activations for layer in layers)
     if order_free:
@@ -341,6 +342,43 @@ def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, i
     if micro_batches >= 2:
         peaks.append(max(in_flight - 1 - (micro_batches <= in_flight), 0.0) * total_acts + total_grads + later)
     return static - total_grads + max(peaks)
+
+
+def interleaved_peak_bytes(static: float, chunks: Sequence[Sequence[LayerLive]], order: Sequence[tuple[str, int, int]],
+                           prefetch: int) -> float:
+    """Forward/backward peak of one rank of an interleaved pipeline, bytes: its actions replayed in the
+    schedule's order (``pipeline.interleaved_order``), ``chunks`` the layers of each local chunk in forward order.
+
+    Each forward of chunk c leaves ``ΣA_c`` live until its micro-batch's backward of c; an action holds the
+    other live micro-batch chunks' activations plus its own working set, as ``step_peak_bytes`` prices one
+    stage's: a forward ``max_i [A≤i + (1 + prefetch)·H_i]``, a backward ``max_i [A≤i + G_i]`` (over c's layers).
+    A chunk's gradients are live from its first backward on (during it, all of them)::
+
+        peak = static − ΣGr + max over actions [Gr of the chunks backed so far + others' A + working set]"""
+    total_grads = sum(layer.grads for chunk in chunks for layer in chunk)
+    acts, fwd, bwd, grads = [], [], [], []
+    for chunk in chunks:
+        running = f = b = 0.0
+        for layer in chunk:
+            running += layer.activations
+            f = max(f, running + (1 + prefetch) * layer.gathered)
+            b = max(b, running + max(layer.buffers, layer.grads))
+        acts.append(running)
+        fwd.append(f)
+        bwd.append(b)
+        grads.append(sum(layer.grads for layer in chunk))
+    live: dict[tuple[int, int], float] = {}
+    backed: set[int] = set()
+    peak = 0.0
+    for kind, c, k in order:
+        if kind == "F":
+            peak = max(peak, sum(grads[i] for i in backed) + sum(live.values()) + fwd[c])
+            live[(c, k)] = acts[c]
+        else:
+            backed.add(c)
+            live.pop((c, k), None)  # its activations are in the working set
+            peak = max(peak, sum(grads[i] for i in backed) + sum(live.values()) + bwd[c])
+    return static - total_grads + peak
 
 
 def build_region_elements(param: ParamInfo, strategy: LayerStrategy, tp: int, ep: int, zero3_degree: int) -> int:

@@ -74,6 +74,30 @@ def in_flight(schedule: Schedule, pp: int, rank: int) -> float:
     return chunks / v
 
 
+def interleaved_order(pp: int, v: int, m: int, rank: int) -> list[tuple[str, int, int]]:
+    """``("F" | "B", local chunk, micro-batch)`` in the order pipeline rank ``rank`` runs them under the
+    interleaved 1F1B schedule (Megatron-Core's, which ``torch.distributed.pipelining.ScheduleInterleaved1F1B``
+    follows): ``min(m·v, (v − 1)·p + 2·(p − rank − 1))`` warm-up forwards, then one forward and one backward
+    in turn, then the remaining backwards. The j-th forward runs chunk ``(j mod p·v) // p`` of micro-batch
+    ``(j // p·v)·p + j mod p``; the j-th backward the chunks in reverse. Needs ``m % p == 0``
+    (``Schedule.admits``)."""
+    total = m * v
+    warmup = min(total, (v - 1) * pp + 2 * (pp - rank - 1))
+
+    def op(kind: str, j: int) -> tuple[str, int, int]:
+        chunk = (j % (pp * v)) // pp
+        return kind, chunk if kind == "F" else v - 1 - chunk, (j // (pp * v)) * pp + j % pp
+
+    order = [op("F", j) for j in range(warmup)]
+    forward = warmup
+    for backward in range(total):
+        if forward < total:
+            order.append(op("F", forward))
+            forward += 1
+        order.append(op("B", backward))
+    return order
+
+
 def boundary_crossings(schedule: Schedule) -> int:
     """Stage-boundary transfers each way per micro-batch on one rank (v with interleaving)."""
     return virtual_stages(schedule)

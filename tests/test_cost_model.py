@@ -766,3 +766,37 @@ def test_step_peak_follows_the_backward():
     bound = rank_memory(static, grads, 30, 2 * 70, True)
     assert step_peak_bytes(static, layers, 1, 2, 4, order_free=True) == bound == static + 30 + 140
     assert bound >= step_peak_bytes(static, layers, 1, 2, 4)
+
+
+def test_interleaved_order_by_hand():
+    """Rank 1 of 2, two chunks, two micro-batches: (v − 1)·p + 2·(p − 1 − rank) = 2 warm-up forwards, then one
+    forward and one backward in turn; backwards take the chunks in reverse. Every rank runs each (chunk, micro-batch)
+    once forward and once backward, the backward after the forward."""
+    from autoshard.search.pipeline import interleaved_order
+
+    assert interleaved_order(2, 2, 2, 1) == [("F", 0, 0), ("F", 0, 1), ("F", 1, 0), ("B", 1, 0), ("F", 1, 1),
+                                             ("B", 1, 1), ("B", 0, 0), ("B", 0, 1)]
+    for pp, v, m in ((2, 4, 8), (4, 2, 8), (3, 3, 6)):
+        for rank in range(pp):
+            order = interleaved_order(pp, v, m, rank)
+            warmup = next(i for i, op in enumerate(order) if op[0] == "B") - 1
+            assert warmup == min(m * v, (v - 1) * pp + 2 * (pp - rank - 1))
+            seen = [op[1:] for op in order if op[0] == "F"]
+            assert sorted(seen) == sorted((c, k) for c in range(v) for k in range(m))
+            assert all(seen.index(op[1:]) < i for i, op in enumerate(order) if op[0] == "B")
+
+
+def test_interleaved_peak_by_hand():
+    """The interleaved schedule above replayed: activations live from a chunk's forward to its backward, a
+    chunk's gradients from its first backward; peak 49 above the rest at the first backward of chunk 1 (its
+    gradients 2, the other micro-batches' chunk-0 activations 20, its own 20 and its buffers 7); never above
+    the order-free bound (in-flight count × all activations beside the largest buffers)."""
+    from autoshard.search.memory import LayerLive, interleaved_peak_bytes, rank_memory
+    from autoshard.search.pipeline import interleaved_order
+
+    chunks = [[LayerLive(activations=10, grads=1, buffers=5, gathered=0)],
+              [LayerLive(activations=20, grads=2, buffers=7, gathered=0)]]
+    peak = interleaved_peak_bytes(100, chunks, interleaved_order(2, 2, 2, 1), prefetch=0)
+    assert peak == 100 - 3 + 49
+    bound = rank_memory(100, 3, 7, 1.5 * 30, True)  # in_flight(pp 2, v 2, m 2, rank 1) = 3 chunks / 2
+    assert peak <= bound == 152
