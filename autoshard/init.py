@@ -38,6 +38,7 @@ from __future__ import annotations
 import hashlib
 import itertools
 import math
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -148,7 +149,7 @@ def init_region(rule: InitRule, seed: int, name: str, global_shape: tuple[int, .
     return out
 
 
-def _chunks(sizes: tuple[int, ...], limit: int):
+def _chunks(sizes: tuple[int, ...], limit: int) -> Iterator[tuple[slice, ...]]:
     """Sub-regions (slices relative to a region of ``sizes``) of at most ``limit`` elements each, in row-major
     order: whole trailing dims while they fit, split along the first dim d whose trailing block
     ``prod(sizes[d+1:])`` fits, one index at a time on the dims before d (an expert weight ``[1, f, h]``

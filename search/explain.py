@@ -193,7 +193,9 @@ def _why(ev: Evaluation, base: Evaluation, over: float, worst: int, cap: float, 
 _TERM_GROUPS: tuple[tuple[str, tuple[tuple[str, str], ...]], ...] = (
     ("compute (per micro-batch)", (
         ("fwd_compute_s", "forward"), ("fwd_matmul_s", "  matmul"), ("fwd_memory_s", "  memory-bound ops"),
-        ("fwd_overhead_s", "  kernel launches"), ("bwd_compute_s", "backward"), ("recompute_s", "recompute"),
+        ("fwd_overhead_s", "  kernel launches"), ("fwd_device_s", "  on the device"),
+        ("fwd_host_s", "  host floor (eager)"), ("fwd_inference_host_s", "  host floor under no_grad (eager)"),
+        ("bwd_compute_s", "backward"), ("bwd_host_s", "  host floor (eager)"), ("recompute_s", "recompute"),
         ("loss_fwd_s", "loss forward"), ("loss_bwd_s", "loss backward"))),
     ("communication on the critical path (per micro-batch)", (
         ("tp_fwd_s", "TP/SP forward"), ("tp_bwd_s", "TP/SP backward"), ("ep_fwd_s", "expert all-to-all forward"),
