@@ -372,14 +372,17 @@ def test_textbook_slow_inter_node_links_avoid_cross_node_traffic():
 
 
 # ----------------------------------------------------------------------------- solver objective == predict
-@pytest.mark.parametrize("mesh, limit_gib", [({"pp": 2, "tp": 1}, None), ({"pp": 2, "tp": 2}, 10.5)])
-def test_objective_and_memory_equal_predict(small, mesh, limit_gib):
+@pytest.mark.parametrize("mesh, limit_gib, schedule", [({"pp": 2, "tp": 1}, None, None), ({"pp": 2, "tp": 2}, 10.5, None),
+                                                      ({"pp": 2, "tp": 1}, None, "1f1b")])
+def test_objective_and_memory_equal_predict(small, mesh, limit_gib, schedule):
     """The CP-SAT objective, the float evaluation and ``cost_model.predict`` agree: stage-boundary
-    send/recv, per-rank gather-buffer maximum and checkpoint regions are in all three."""
+    send/recv, per-rank gather-buffer maximum and checkpoint regions are in all three. Memory is equal
+    too, except that ``predict`` replays an interleaved schedule's order where the search keeps the
+    order-free bound: there the search's is never below ``predict``'s (docs/cost-model.md)."""
     graph, cluster, _ = small
     train = TrainSpec(global_batch=64, seq_len=4096)
     limit = None if limit_gib is None else int(limit_gib * GiB)
-    plan = solve(graph, cluster, train, constraints=Constraints(mesh=mesh, max_memory_bytes=limit))
+    plan = solve(graph, cluster, train, constraints=Constraints(mesh=mesh, max_memory_bytes=limit, schedule=schedule))
     assert plan.mesh.pp == 2
     table = CostTable(cost_model.layer_cost, cluster, train)
     options = [table.option(l, plan.strategy(l.name), plan.mesh, plan.schedule) for l in graph.layers]
@@ -389,8 +392,12 @@ def test_objective_and_memory_equal_predict(small, mesh, limit_gib):
     assert pred.step_time_s == pytest.approx(plan.solver.objective, rel=1e-9)
     assert pred.step_time_s == pytest.approx(ev.step_s, rel=1e-9)
     # predict reports allocated bytes, as the solver's memory rows (headroom is in the limit)
-    assert pred.peak_memory_bytes == pytest.approx(ev.peak_memory_bytes, rel=1e-9)
-    assert [m for m in pred.memory_by_stage] == pytest.approx(list(ev.rank_memory_bytes), rel=1e-9)
+    if plan.schedule.virtual_stages > 1:
+        assert all(p <= e * (1 + 1e-9) for p, e in zip(pred.memory_by_stage, ev.rank_memory_bytes))
+        assert pred.peak_memory_bytes <= ev.peak_memory_bytes * (1 + 1e-9)
+    else:
+        assert pred.peak_memory_bytes == pytest.approx(ev.peak_memory_bytes, rel=1e-9)
+        assert [m for m in pred.memory_by_stage] == pytest.approx(list(ev.rank_memory_bytes), rel=1e-9)
     if limit is not None:
         assert pred.peak_memory_bytes <= limit
 
