@@ -27,12 +27,15 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || (apt-get update -qq && apt-get install -y -qq --no-install-recommends chromium) \
 		|| echo "warning: chromium not installed; tests/test_report_browser.py will skip"
 
+# One pytest worker per core (pytest-xdist), whole files per worker: a file's module fixtures (its spawned
+# gloo jobs) run once. TEST_WORKERS=0 runs in this process, in file order.
+TEST_WORKERS ?= auto
 test: $(STAMP) browser
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider --durations=15
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # No spawned ranks or subprocess runs, nothing over about 2 s (marker `slow`): ~2 min on 2 cores.
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow and not gpu" -p no:cacheprovider --durations=15
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow and not gpu" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_bench.py
