@@ -131,7 +131,11 @@ def test_a_rank_error_is_reported_by_its_own_node(tmp_path):
             if agent.poll() is None:
                 agent.kill()
     assert sorted(errs) == [1, 2], errs
-    assert errs[2] == "autoshard: error: rank 3: the last rank refuses on purpose\n"
+    # the node says it once, last; torch's own C++ log may come before it when the other node's agent, which
+    # hosts the rendezvous store, exits first ("[W ...] TCPStore ... recvVector failed", then its frames)
+    lines = errs[2].splitlines()
+    assert lines[-1] == "autoshard: error: rank 3: the last rank refuses on purpose", errs[2]
+    assert not any(line.startswith("autoshard") or "Traceback" in line for line in lines[:-1]), errs[2]
     assert "autoshard: error: rank " in errs[1] and "ChildFailedError" not in errs[1], errs[1]
 
 
