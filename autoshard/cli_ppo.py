@@ -106,6 +106,9 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
                         "a Chrome trace per rank next to --metrics (METRICS.rankR.trace.json) for `autoshard report "
                         "PLAN --measured`")
     parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of the KV-cached rollout replica (less memory, slower)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+                        help="run the policy and reference programs through torch.compile on fixed padded shapes: "
+                             "'auto' (default) where the runtime compiles (a GPU), 'off' eager; the search prices what runs")
     from autoshard.runtime.rl_options import add_rl_arguments
 
     add_rl_arguments(parser)  # --prompts, --reward, --algo, ... (shared with the workers)
@@ -165,7 +168,8 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
         _check_resume(args, graph)
     from autoshard.runtime.ppo_policy import rollout_cache_unsupported
 
-    workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(args.batch, task.prompt_len, sampling)
+    workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(
+        args.batch, task.prompt_len, sampling, compiled=args.compile != "off")
     plan = _resolve_plan(args, graph, cluster, console, workload)
     _check_batch(args, plan, task)
     if _under_torchrun():
@@ -231,12 +235,13 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def rollout_workload(batch: int, prompt_len: int, sampling: Any, mini_batches: int = 2) -> Any:
-    """What one RL step samples, for pricing the rollout layout (``search/rollout.py``)."""
+def rollout_workload(batch: int, prompt_len: int, sampling: Any, mini_batches: int = 2, compiled: bool = True) -> Any:
+    """What one RL step samples, for pricing the rollout layout (``search/rollout.py``); ``compiled``: PPO's
+    programs compile where the runtime compiles (``--compile`` other than off)."""
     from autoshard.search.rollout import RolloutWorkload
 
     return RolloutWorkload(sequences=batch, prompt_len=max(1, prompt_len), response_len=sampling.max_new_tokens,
-                           mini_batches=mini_batches)
+                           mini_batches=mini_batches, compiled=compiled)
 
 
 def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: Any, workload: Any = None) -> Any:
@@ -251,20 +256,24 @@ def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: A
     first = os.environ.get("RANK", "0") == "0"  # under torchrun every rank searches; one shows it
     with reporter(sys.stderr, quiet=_quiet(args) or not first, lines=False) as progress:  # live on a terminal
         plan = search_plan(graph, cluster, args.batch, args.precision, progress=progress, workload=workload,
-                           rollout_tp=args.rollout_tp, rollout_cache=not args.no_rollout_cache)
+                           rollout_tp=args.rollout_tp, rollout_cache=not args.no_rollout_cache,
+                           compiled=args.compile != "off")
     if first:
         console.print(plan.to_rich())
     return plan
 
 
 def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", progress: Any = None,
-                workload: Any = None, rollout_tp: str | int = "auto", rollout_cache: bool = True) -> Any:
+                workload: Any = None, rollout_tp: str | int = "auto", rollout_cache: bool = True,
+                compiled: bool = True) -> Any:
     """The plan ``autoshard ppo`` searches for the PPO policy ``graph`` on ``cluster`` (module docstring, step 1:
     what the runtime implements fixed), for ``batch`` prompts per step in ``precision``.
 
     With a ``workload`` (``rollout_workload``) and the KV-cached rollout on, the training plan and the rollout
     layout are chosen together (``search/rollout.co_plan``: one search per rollout tp, the RL step priced
-    whole); ``rollout_tp`` N fixes the layout instead (priced, recorded)."""
+    whole); ``rollout_tp`` N fixes the layout instead (priced, recorded). ``compiled``: the programs run
+    compiled where the runtime compiles them (``--compile``; ``runtime/ppo_program`` note "compiled PPO"),
+    so priced compiled there (``layer_terms.runs_compiled``), else eager."""
     from autoshard.runtime.ppo_program import MODEL_MAX_SEQ_LEN
     from autoshard.search import solve
     from autoshard.search.space import Constraints
@@ -272,8 +281,7 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
 
     pins = {layer.name: _runtime_pins(cluster) for layer in graph.layers}
     constraints = Constraints(pin=pins, mesh={"ep": 1, "cp": 1})
-    # PPO's programs run eager (ppo_program.build_engines): priced so
-    train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision, compiled=False)
+    train = TrainSpec(global_batch=batch, seq_len=MODEL_MAX_SEQ_LEN, precision=precision, compiled=compiled)
     if workload is None or not rollout_cache:
         return solve(graph, cluster, train, constraints=constraints, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
     import functools
@@ -282,7 +290,7 @@ def search_plan(graph: Any, cluster: Any, batch: int, precision: str = "fp32", p
 
     # an RL optimizer step: one mini-batch of the sampled sequences, prompt + response long
     train = TrainSpec(global_batch=max(1, workload.sequences // workload.mini_batches), seq_len=workload.seq_len,
-                      precision=precision, compiled=False)
+                      precision=precision, compiled=compiled)
     search = functools.partial(solve, time_limit_s=SEARCH_TIME_LIMIT_S, progress=progress)
     if rollout_tp != "auto":
         plan = rollout.solve_for_rollout(graph, cluster, train, int(rollout_tp), solve=search, constraints=constraints)
@@ -332,6 +340,7 @@ def _worker_flags(args: argparse.Namespace, spec: str, plan_path: Path) -> list[
         flags.append("--no-rollout-cache")
     if getattr(args, "profile", False):
         flags.append("--profile")
+    flags += ["--compile", getattr(args, "compile", "auto")]
     from autoshard.runtime.rl_options import rl_worker_flags
 
     return flags + rl_worker_flags(args, absolute=lambda value: str(Path(value).absolute()))
@@ -365,6 +374,7 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
         global_batch=args.batch, metrics=_text(args.metrics), checkpoint=_text(args.checkpoint), save_every=args.save_every or 0,
         resume=args.resume, plot=_text(args.plot), live=not _quiet(args), rollout_cache=not args.no_rollout_cache,
         profile=getattr(args, "profile", False), data=source_from_args(args), rl=options_from_args(args),
+        compile=getattr(args, "compile", "auto"),
     )
     created = P.init_distributed(plan, timeout_s=timeout_s())
     try:

@@ -66,6 +66,7 @@ def train(
     save_every: int = 0,
     resume: bool = False,
     context: int | None = None,
+    compile: str = "auto",
 ) -> list[dict[str, float]]:
     """Train ``model`` on ``prompts`` scored by ``reward`` for ``steps`` steps (module docstring); the per-step
     metrics (``runtime/metrics.py``: ``reward/mean`` and the rest) of this rank.
@@ -73,7 +74,9 @@ def train(
     ``checkpoint``: a directory the run saves to at its end (and every ``save_every`` steps); with
     ``resume=True`` the run continues from it up to ``steps`` in total, drawing the prompts and samples an
     uninterrupted run draws (``runtime/ppo_checkpoint.py``: generators re-seeded from seed, dp rank and step).
-    ``context``: a reference model's positions, prompt + response (default 32)."""
+    ``context``: a reference model's positions, prompt + response (default 32). ``compile``: ``"auto"`` runs
+    the programs compiled on a GPU (padded to fixed shapes; ``runtime/ppo_program`` note "compiled PPO"),
+    ``"off"`` eager (a policy that is not causal), ``"on"`` compiled everywhere."""
     import torch.distributed as dist
 
     from autoshard.runtime.ppo_program import PPORun, init_distributed, run_ppo, worker_device
@@ -84,7 +87,7 @@ def train(
     run = PPORun(model=model, steps=steps, seed=seed, global_batch=batch, lr=lr, kl_coef=kl_coef, live=live,
                  metrics=None if metrics is None else str(metrics), data=source, rl=options or RLOptions(),
                  checkpoint=None if checkpoint is None else str(checkpoint), save_every=save_every, resume=resume,
-                 context=context)
+                 context=context, compile=compile)
     plan, graph = _plan(run, cluster, plan)
     if dist.is_initialized() or "RANK" in os.environ:
         created = init_distributed(plan)
@@ -120,9 +123,9 @@ def _plan(run: Any, cluster: str, plan: Any) -> tuple[Any, Any]:
     if plan is None:  # the training plan and the rollout layout together, as `autoshard ppo` searches them
         task, sampling = build_task(run.task, run.data, run.rl, context=policy_context(policy.module), tokenizer=tokenizer)
         workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(
-            run.global_batch, task.prompt_len, sampling, run.mini_batches)
+            run.global_batch, task.prompt_len, sampling, run.mini_batches, compiled=run.compile != "off")
         plan = search_plan(graph, load_cluster(cluster, None), run.global_batch, workload=workload,
-                           rollout_cache=run.rollout_cache)
+                           rollout_cache=run.rollout_cache, compiled=run.compile != "off")
     elif not isinstance(plan, Plan):
         plan = Plan.load(plan)
     return plan, graph

@@ -58,6 +58,20 @@ drawn; ``mismatch/logp_*`` measures the gap. Memory: 1/r of the compute-dtype
 model per rank plus the KV cache (``rollout_engine`` docstring), priced by
 ``search/rollout.py``.
 
+[Note: compiled PPO]
+Where ``build_program`` compiles (``PPORun.compile="auto"``: a GPU, ep = cp = 1), the policy and
+reference programs run through ``torch.compile`` (``dynamic=False``), and PPO's shapes vary: responses
+stop early, the last scoring chunk is short, a prefix grows per decode step without a rollout engine.
+So the engine pads every input on the right to a fixed shape before the program sees it and cuts the
+outputs back (``fixed_width``): the sequence to the plan's ``seq_len`` (what the plan was searched and
+priced for; a longer one to the next multiple of 64, at most the model's context), the rows to the
+fewest this engine already compiled (in that grad mode) that hold them: a short last chunk reuses the
+full chunk's graph. A pipelined mini-batch pads its width only (its rows are the same every step). A causal policy's outputs at the real positions do not read the padded ones, and
+padded rows and positions get no gradient, so the step is the eager one up to the padded GEMMs'
+rounding (tested against it on gloo). An engine compiles one graph per grad mode and row count: the
+training micro-batch; the scoring chunk (the same rows); and, without a rollout engine, the rollout batch. A policy that is not causal, or a mixture of experts whose routing capacity
+counts padded tokens, would change under padding: run those with ``compile="off"``.
+
 Which models a run takes (reference, factory, Hugging Face config), their initial weights, vocabulary
 and rollout: ``runtime/ppo_policy.py``.
 
@@ -128,6 +142,19 @@ from autoshard.runtime.rl_options import RLOptions
 log = logging.getLogger(__name__)
 
 
+PAD_MULTIPLE = 64
+"""A compiled engine pads a sequence longer than the plan's ``seq_len`` to a multiple of this (module note: compiled PPO)."""
+
+
+def fixed_width(width: int, planned: int, longest: int) -> int:
+    """The padded width of a ``width``-token input of a compiled engine: the plan's ``planned`` sequence
+    length when it fits, else the next multiple of ``PAD_MULTIPLE``, at most ``longest`` (the model's
+    context) and never less than ``width`` (a model refuses what is too long for it itself)."""
+    if width <= planned:
+        return planned
+    return max(width, min(longest, -(-width // PAD_MULTIPLE) * PAD_MULTIPLE))
+
+
 class GroupReducer:
     """``Reducer`` over a named process group of the runtime (SUM all-reduce, in place)."""
 
@@ -168,6 +195,8 @@ class ProgramEngine:
             raise EngineError("a frozen reference engine never samples; build it without a rollout engine")
         self.rollout = rollout
         self._weights_version = 0  # bumped by step() and load_state_dict() (rollout engine note)
+        self.fixed_shapes = program.compile_options is not None  # module note: compiled PPO
+        self._row_buckets: dict[bool, list[int]] = {True: [], False: []}  # per grad mode: row counts compiled
         if frozen:
             program.gm.requires_grad_(False)
 
@@ -193,10 +222,30 @@ class ProgramEngine:
                 f"forward with autograd on a pipeline program (pp={self.program.plan.mesh.pp}): its backward runs "
                 "inside the schedule; train through accumulate(tokens, loss_fn, stats), or call forward under no_grad"
             )
-        logits, values = self.program.forward(tokens)
+        rows, width = tokens.shape
+        logits, values = self.program.forward(self._padded(tokens, rows=True))
         if not torch.is_grad_enabled():
             self._reset_regather()  # no backward will consume the ZeRO-3 records of this forward
-        return self._actions(logits, values)
+        return self._actions(logits[:rows, :width], values[:rows, :width])
+
+    def _padded(self, tokens: torch.Tensor, *, rows: bool) -> torch.Tensor:
+        """``tokens`` on a compiled program's fixed shape (module note: compiled PPO; ``rows``: pad the rows
+        too); as they are on an eager one."""
+        if not self.fixed_shapes:
+            return tokens
+        count, width = tokens.shape
+        pad_rows = self._row_bucket(count) - count if rows else 0
+        target = fixed_width(width, self.program.plan.seq_len, self.max_seq_len)
+        return torch.nn.functional.pad(tokens, (0, target - width, 0, pad_rows))
+
+    def _row_bucket(self, count: int) -> int:
+        """The fewest rows already compiled (in this grad mode) that hold ``count``, else ``count`` (a new one)."""
+        buckets = self._row_buckets[torch.is_grad_enabled()]
+        fits = [bucket for bucket in buckets if bucket >= count]
+        if fits:
+            return min(fits)
+        buckets.append(count)
+        return count
 
     def _actions(self, logits: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(logits [B, S, V] restricted to the first ``vocab_size`` ids, values) (``runtime/ppo_policy.py``)."""
@@ -277,14 +326,18 @@ class ProgramEngine:
         # on the device (stays zero off the last stage): one host read per mini-batch, in _sum_over_pp
         sums = {key: torch.zeros_like(value, device=self.device) for key, value in stats.items()}
 
+        width = tokens.shape[1]
+
         def micro_loss(outputs: Any, index: torch.Tensor) -> torch.Tensor:
-            loss, parts = loss_fn(*self._actions(*outputs), index)
+            logits, values = outputs
+            loss, parts = loss_fn(*self._actions(logits[:, :width], values[:, :width]), index)
             for key, value in parts.items():
                 sums[key] += value.detach().double()
             return loss * scale
 
         index = torch.arange(rows, device=self.device)
-        self.program.pipeline.train_step(self._stage_inputs(tokens), index, micro_loss, mean=False,
+        # a mini-batch's rows are the same every step: only the width is padded (module note: compiled PPO)
+        self.program.pipeline.train_step(self._stage_inputs(self._padded(tokens, rows=False)), index, micro_loss, mean=False,
                                          num_micro_batches=self._micro_batches(rows, micro_batch))
         for key, value in self._sum_over_pp(sums).items():
             stats[key] += value
@@ -378,6 +431,11 @@ class PPORun:
     profile: bool = False
     """Record one step with torch.profiler: a Chrome trace per rank next to ``metrics`` (``runtime/step_profile.py``)."""
     rollout_cache: bool = True
+    compile: str = "auto"
+    """The policy's and reference's programs: ``"auto"`` compiles them where ``build_program`` would (a GPU,
+    ep = cp = 1) on fixed padded shapes (module note: compiled PPO), ``"on"`` everywhere, ``"off"`` eager."""
+    compile_backend: str = "inductor"
+    """``torch.compile`` backend of compiled programs (the CPU tests use ``"aot_eager"``)."""
     context: int | None = None
     """A reference model's positions (prompt + response); None: ``MODEL_MAX_SEQ_LEN`` (32, what the tasks need)."""
     """Sample on the KV-cached rollout layout resharded from the training shards each step
@@ -400,6 +458,7 @@ def build_engines(
     weights: Any = None,
     vocab_size: int | None = None,
     reference_model: PolicyModel | None = None,
+    options: Any = None,
 ) -> tuple[ProgramEngine, ProgramEngine]:
     """(policy, frozen reference) engines over ``plan`` (and ``reference_plan``, default ``plan``).
 
@@ -409,7 +468,8 @@ def build_engines(
     ``RankContext`` (module note: the frozen reference). ``vocab_size``: PPO's action count (default: the tasks' ``len(VOCAB)``; wider
     logits are restricted to it, ``runtime/ppo_policy.py``). ``rollout_cache`` (default: on
     when the plan has pp == 1) gives the policy a ``RolloutEngine`` (module note: the rollout
-    engine); a model without the reference models' cache API recomputes instead (logged).
+    engine); a model without the reference models' cache API recomputes instead (logged). ``options``: both
+    programs' ``BuildOptions`` (default ``Compile.AUTO``; module note: compiled PPO).
     """
     from autoshard.runtime.optimizer import OptimizerConfig
     from autoshard.runtime.build_options import BuildOptions, Compile
@@ -427,16 +487,13 @@ def build_engines(
     actions = len(VOCAB) if vocab_size is None else vocab_size
     train = TrainSpec(global_batch=plan.global_batch, seq_len=plan.seq_len, precision=plan.precision)
     adamw = OptimizerConfig(name="adamw", lr=lr, betas=(0.9, 0.99), weight_decay=0.0, max_grad_norm=1.0)
-    # eager programs: PPO runs them on varying shapes (scoring, generation without the KV-cache
-    # engine), and a compiled graph (dynamic=False) would recompile per shape; compiled PPO is untested
-    policy_program = build_program(model, graph, plan, optimizer=adamw, device=device,
-                                   options=BuildOptions(compile=Compile.OFF), weights=weights)
+    options = options or BuildOptions(compile=Compile.AUTO)  # compiled: ProgramEngine pads to fixed shapes
+    policy_program = build_program(model, graph, plan, optimizer=adamw, device=device, options=options, weights=weights)
     ref_module, ref_weights = (model, weights) if reference_model is None else (reference_model.module,
                                                                                  reference_model.weights)
     reference_program = build_program(
         ref_module, graph, reference_plan, ctx=policy_program.ctx, weights=ref_weights,
-        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device,
-        options=BuildOptions(compile=Compile.OFF),
+        optimizer=OptimizerConfig(name="sgd", lr=1.0, max_grad_norm=None), device=device, options=options,
     )
     use_cache = True if rollout_cache is None else rollout_cache  # pp > 1 too: the stages' owners broadcast the reshard
     unsupported = rollout_cache_unsupported(model)
@@ -491,6 +548,7 @@ def sharded_trainer(
     ``nn.Module`` brings its own values) gives the initial weights of policy and reference;
     ``graph`` (default: captured from it) is what ``plan`` was searched against.
     """
+    from autoshard.runtime.build_options import BuildOptions
     from autoshard.runtime.ppo import PPOTrainer
     from autoshard.runtime.rl_data import build_task, run_tokenizer
     from autoshard.runtime.tasks import task_vocab_size
@@ -513,6 +571,7 @@ def sharded_trainer(
     policy, reference = build_engines(
         module, graph, plan, lr=run.lr, reference_plan=reference_plan, device=device, rollout_cache=run.rollout_cache,
         weights=policy_model.weights, vocab_size=task_vocab_size(task), reference_model=reference_model,
+        options=BuildOptions(compile=run.compile, backend=run.compile_backend),
     )
     config = ppo_config(run, policy.dp.world_size, sampling.max_new_tokens, sampling, plan)
     flops_per_token = 6.0 * sum(p.numel() for p in module.parameters())
@@ -733,6 +792,8 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="record one step's Chrome trace per rank next to --metrics")
     parser.add_argument("--no-rollout-cache", action="store_true",
                         help="sample by recomputing prefixes through the sharded program (no rollout copy of the weights)")
+    parser.add_argument("--compile", choices=("auto", "on", "off"), default=PPORun.compile,
+                        help="compile the programs on fixed padded shapes (auto: on a GPU; default %(default)s)")
     add_rl_arguments(parser)
 
 
@@ -745,6 +806,7 @@ def run_from_args(args: argparse.Namespace) -> PPORun:
         global_batch=args.batch, metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every,
         resume=args.resume, plot=args.plot, live=not args.no_live, rollout_cache=not args.no_rollout_cache,
         profile=args.profile, data=source_from_args(args), rl=options_from_args(args), context=args.context,
+        compile=args.compile,
     )
 
 

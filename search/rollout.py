@@ -92,6 +92,9 @@ class RolloutWorkload:
     mini_batches: int = 2
     forwards: int = 2
     """Scoring forwards per sequence: old log-probs (and values) and the KL reference."""
+    compiled: bool = False
+    """Whether PPO's programs run compiled where the runtime compiles (``runtime/ppo_program`` note "compiled
+    PPO"): scoring is then priced compiled too (``layer_terms.runs_compiled``)."""
 
     def __post_init__(self) -> None:
         for name in ("sequences", "prompt_len", "response_len", "epochs", "mini_batches"):
@@ -321,11 +324,12 @@ def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int) -> dict[str
 
 def score_s(graph: ModelGraph, cluster: Cluster, plan: Plan, work: RolloutWorkload) -> float:
     """Seconds of the scoring forwards (module docstring): the plan's per-layer forward times of one micro-batch
-    (``cost_model.plan_layer_costs``, the eager program PPO runs), once per micro-batch of each rank's sequences."""
+    (``cost_model.plan_layer_costs``, compiled or eager as ``work.compiled`` says PPO runs them), once per
+    micro-batch of each rank's sequences."""
     sched = plan.schedule
     train = TrainSpec(global_batch=sched.micro_batch * sched.num_micro_batches * plan.mesh.dp, seq_len=plan.seq_len,
-                      precision=plan.precision, compiled=False)
-    # under no_grad: a layer's host floor is the inference one (layer_terms.eager_host_s)
+                      precision=plan.precision, compiled=work.compiled)
+    # under no_grad: an eager layer's host floor is the inference one (layer_terms.eager_host_s; 0 compiled)
     forward = sum(cost.fwd_s - cost.detail["fwd_compute_s"]
                   + max(cost.detail["fwd_device_s"], cost.detail["fwd_inference_host_s"])
                   for cost in plan_layer_costs(graph, plan, cluster, train))

@@ -9,6 +9,8 @@ losses, entropy, gradient norm) at rtol 1e-5:
   (``ModuleEngine``, same 64 prompts); ``Mesh(pp=2)`` GPipe with GRPO (k3 KL in the loss,
   4 responses per prompt), against single-process GRPO with the same ``PPOConfig``. Both
   pp ranks must report bitwise-equal metrics (the last stage's statistics reach both).
+  The 1F1B case runs a second time compiled (``PPORun(compile="on")``, backend ``aot_eager``): the
+  stages on padded fixed shapes (``ppo_program`` note "compiled PPO") reproduce it too.
 * one 4-rank gloo job: ``Mesh(pp=2, dp_shard=2)`` with ZeRO-3 attention and ZeRO-2 MLPs
   under 1F1B, against data-parallel ``ModuleEngine`` PPO over two ranks (full replicas,
   gradients summed), run on ranks {0, 1} and {2, 3} of the same job.
@@ -59,11 +61,12 @@ def _mixed(name: str) -> dict:
     return {"state": "zero3" if name.endswith("attn") else "zero2" if name.endswith("mlp") else "replicate"}
 
 
-def _train(rank, world_size, plan, graph, rl=RLOptions()):
+def _train(rank, world_size, plan, graph, rl=RLOptions(), compile="auto"):
     torch.set_num_threads(1)
-    trainer = sharded_trainer(PPORun(steps=STEPS, rl=rl), plan, graph=graph)
+    trainer = sharded_trainer(PPORun(steps=STEPS, rl=rl, compile=compile, compile_backend="aot_eager"), plan, graph=graph)
     assert trainer.policy.pipelined
-    return {"metrics": train_loop(trainer, STEPS), "config": trainer.config}
+    return {"metrics": train_loop(trainer, STEPS), "config": trainer.config,
+            "compiled": trainer.policy.program.compile_options is not None and trainer.policy.fixed_shapes}
 
 
 def _refused(rank, world_size, plan, graph):
@@ -105,6 +108,8 @@ def results2(graph):
     cases = {
         "refused": functools.partial(_refused, plan=_plan(graph, pp2, "gpipe"), graph=graph),
         "1f1b": functools.partial(_train, plan=_plan(graph, pp2, "1f1b"), graph=graph),
+        # compiled stages on padded shapes (ppo_program note "compiled PPO"; aot_eager: the same joint graphs)
+        "1f1b_compiled": functools.partial(_train, plan=_plan(graph, pp2, "1f1b"), graph=graph, compile="on"),
         "interleaved": functools.partial(_train, plan=_plan(graph, pp2, "interleaved_1f1b", virtual=2), graph=graph),
         "grpo": functools.partial(_train, plan=_plan(graph, pp2, "gpipe", micro_batches=2), graph=graph, rl=GRPO),
     }
@@ -144,8 +149,9 @@ def _assert_same_run(got, want, what):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["1f1b", "interleaved"])
+@pytest.mark.parametrize("name", ["1f1b", "interleaved", "1f1b_compiled"])
 def test_pp2_ppo_matches_single_process(results2, name):
+    assert results2[name][0]["compiled"] == name.endswith("compiled")
     _assert_same_run(results2[name][0]["metrics"], _single(), name)
 
 

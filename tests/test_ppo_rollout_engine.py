@@ -191,3 +191,6 @@ def test_no_rollout_cache_flag_reaches_the_worker():
         flags = cli_ppo._worker_flags(args, "llama:tiny", Path("plan.json"))
         assert ("--no-rollout-cache" in flags) is not cache
         assert run_from_args(worker.parse_args(flags)).rollout_cache is cache
+    for extra, mode in (([], "auto"), (["--compile", "off"], "off"), (["--compile", "on"], "on")):
+        args = cli.parse_args(["llama:tiny", "--cluster", "cpu:1x2", *extra])
+        assert run_from_args(worker.parse_args(cli_ppo._worker_flags(args, "llama:tiny", Path("plan.json")))).compile == mode

@@ -21,6 +21,9 @@ One spawned job runs every case (``_harness`` note "spawned jobs are expensive")
 * ``resume``: 2 steps under the mixed plan, checkpoint, resume under the DDP
   plan (another plan, same dp size): steps 3–4 equal the uninterrupted mixed
   run's (policy, reference, AdamW moments, step and RNG restored).
+* ``compiled``: the mixed plan with compiled programs (``PPORun(compile="on")``, backend
+  ``aot_eager``), inputs padded to fixed shapes (``ppo_program`` note "compiled PPO"): the mixed
+  run's first ``CLOSE_STEPS`` steps at rtol 1e-4.
 * ``cli_join``: ``autoshard ppo ... --plan`` inside an existing job (``RANK``
   and ``WORLD_SIZE`` set) joins it instead of launching torchrun; rank 0
   writes the metrics and the plot.
@@ -72,6 +75,16 @@ def _train(rank, world_size, plan, graph, steps):
     torch.set_num_threads(1)
     trainer = sharded_trainer(PPORun(steps=steps), plan, graph=graph)
     return train_loop(trainer, steps)
+
+
+def _compiled(rank, world_size, plan, graph, steps):
+    """``_train`` with compiled programs (backend ``aot_eager``: the joint graphs, no code generation)."""
+    torch.set_num_threads(1)
+    trainer = sharded_trainer(PPORun(steps=steps, compile="on", compile_backend="aot_eager"), plan, graph=graph)
+    metrics = train_loop(trainer, steps)
+    engines = (trainer.policy, trainer.reference)
+    return {"metrics": metrics, "compiled": [e.program.compile_options is not None for e in engines],
+            "rows": [dict(e._row_buckets) for e in engines]}
 
 
 def _module_ddp(rank, world_size, steps):
@@ -131,6 +144,7 @@ def results(graph, tmp_path_factory):
         "tp": functools.partial(_train, plan=plans["tp"], graph=graph, steps=TP_STEPS),
         "resume": functools.partial(_resume, first_plan=plans["mixed"], second_plan=plans["ddp"], graph=graph, root=root),
         "mixed": functools.partial(_train, plan=plans["mixed"], graph=graph, steps=STEPS),
+        "compiled": functools.partial(_compiled, plan=plans["mixed"], graph=graph, steps=CLOSE_STEPS),
         "ddp": functools.partial(_train, plan=plans["ddp"], graph=graph, steps=STEPS),
     }
     return {**run_gloo_cases(cases, 2, timeout_s=600), "root": root}
@@ -160,6 +174,19 @@ def test_ddp_plan_gives_the_same_curve(results):
                                    msg=lambda m, key=key: f"{key}: {m}")
     assert _last10(ddp) >= THRESHOLD
     assert abs(_last10(ddp) - _last10(mixed)) < 0.2
+
+
+@pytest.mark.slow
+def test_compiled_programs_give_the_eager_curve(results):
+    """Compiled programs on padded fixed shapes (ppo_program note "compiled PPO") train as the eager ones."""
+    mixed = results["mixed"][0]
+    for rank, compiled in enumerate(results["compiled"]):
+        assert compiled["compiled"] == [True, True]
+        # one row count per grad mode: 32 sequences per rank, scored and trained in chunks of 16
+        assert compiled["rows"] == [{True: [16], False: [16]}, {True: [], False: [16]}], compiled["rows"]
+        for key in COMPARED:
+            torch.testing.assert_close(_series(compiled["metrics"], key), _series(mixed, key, CLOSE_STEPS), rtol=1e-4,
+                                       atol=1e-5, msg=lambda m, key=key, rank=rank: f"rank {rank} {key}: {m}")
 
 
 @pytest.mark.slow
@@ -215,6 +242,51 @@ def test_cli_joins_an_existing_job(results):
 
 
 # --------------------------------------------------------------------------- CLI, in process
+
+
+@pytest.mark.parametrize("width, planned, longest, want", [
+    (9, 16, 32, 16),     # the plan's sequence length
+    (16, 16, 32, 16),
+    (17, 16, 512, 64),   # longer: the next multiple of 64
+    (70, 16, 100, 100),  # ... at most the model's context
+    (120, 16, 100, 120), # a model refuses what is too long for it itself
+])
+def test_fixed_width(width, planned, longest, want):
+    from autoshard.runtime.ppo_program import fixed_width
+
+    assert fixed_width(width, planned, longest) == want
+
+
+def test_compiled_engine_pads_to_fixed_shapes():
+    """A compiled engine pads on the right to (row bucket, the plan's seq_len) and cuts the outputs back; an
+    eager one passes the tokens as they are (ppo_program note "compiled PPO")."""
+    from types import SimpleNamespace
+
+    from autoshard.runtime.ppo_program import ProgramEngine
+
+    seen = []
+
+    def forward(tokens):
+        seen.append(tuple(tokens.shape))
+        return tokens[..., None].float().expand(*tokens.shape, 3), tokens.float() * 2
+
+    engine = ProgramEngine.__new__(ProgramEngine)
+    engine.program = SimpleNamespace(plan=SimpleNamespace(seq_len=12, mesh=Mesh()), forward=forward, pipeline=None,
+                                     regather=None)
+    engine.vocab_size, engine.max_seq_len, engine.rollout = 3, 64, None
+    engine.fixed_shapes, engine._row_buckets = True, {True: [], False: []}
+    tokens = torch.arange(1, 1 + 8 * 5).reshape(8, 5)
+    logits, values = engine.forward(tokens)
+    assert seen == [(8, 12)] and logits.shape == (8, 5, 3) and torch.equal(values, tokens.float() * 2)
+    engine.forward(tokens[:3])  # a short chunk takes the compiled 8 rows
+    with torch.no_grad():
+        engine.forward(tokens[:3])  # another grad mode: its own rows
+        engine.forward(tokens[:5, :2])
+    assert seen[1:] == [(8, 12), (3, 12), (5, 12)]
+    assert engine._row_buckets == {True: [8], False: [3, 5]}
+    engine.fixed_shapes = False
+    engine.forward(tokens[:3])
+    assert seen[-1] == (3, 5)
 
 
 @pytest.mark.parametrize(

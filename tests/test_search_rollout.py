@@ -239,6 +239,11 @@ def test_eager_host_floor(tiny):
     assert sum(c.fwd_s for c in costs) == pytest.approx(forward_kernels * 1e-3)  # the training floor
     # two scoring forwards (policy and reference) of one micro-batch each, at the inference floor
     assert R.score_s(graph, slow, plan, work) == pytest.approx(2 * forward_kernels * 3e-3)
+    # PPO's programs compiled (runtime/ppo_program note "compiled PPO"): no host floor in the scoring forwards
+    compiled_work = dataclasses.replace(work, compiled=True)
+    compiled_costs = plan_layer_costs(graph, plan, slow, dataclasses.replace(train, compiled=True, precision=plan.precision))
+    assert R.score_s(graph, slow, plan, compiled_work) == pytest.approx(2 * sum(c.fwd_s for c in compiled_costs))
+    assert R.score_s(graph, slow, plan, compiled_work) < 0.1 * R.score_s(graph, slow, plan, work)
 
 
 def test_eager_probe_is_gpu_only():
