@@ -169,7 +169,7 @@ def cmd_ppo(args: argparse.Namespace, console: Any) -> int:
     from autoshard.runtime.ppo_policy import rollout_cache_unsupported
 
     workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(
-        args.batch, task.prompt_len, sampling, compiled=args.compile != "off")
+        args.batch, task.prompt_len, sampling, compiled=args.compile != "off", algo=options.algo)
     plan = _resolve_plan(args, graph, cluster, console, workload)
     _check_batch(args, plan, task)
     if _under_torchrun():
@@ -235,13 +235,14 @@ def _under_torchrun() -> bool:
     return "RANK" in os.environ and "WORLD_SIZE" in os.environ
 
 
-def rollout_workload(batch: int, prompt_len: int, sampling: Any, mini_batches: int = 2, compiled: bool = True) -> Any:
+def rollout_workload(batch: int, prompt_len: int, sampling: Any, mini_batches: int = 2, compiled: bool = True,
+                     algo: str = "ppo") -> Any:
     """What one RL step samples, for pricing the rollout layout (``search/rollout.py``); ``compiled``: PPO's
-    programs compile where the runtime compiles (``--compile`` other than off)."""
+    programs compile where the runtime compiles (``--compile`` other than off); ``algo``: GRPO has no GAE loop."""
     from autoshard.search.rollout import RolloutWorkload
 
     return RolloutWorkload(sequences=batch, prompt_len=max(1, prompt_len), response_len=sampling.max_new_tokens,
-                           mini_batches=mini_batches, compiled=compiled)
+                           mini_batches=mini_batches, compiled=compiled, gae=algo == "ppo")
 
 
 def _resolve_plan(args: argparse.Namespace, graph: Any, cluster: Any, console: Any, workload: Any = None) -> Any:

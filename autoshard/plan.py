@@ -388,6 +388,7 @@ class RolloutOption(Record):
     score_s: float = at_least(0.0, 0)
     train_s: float = at_least(0.0, 0)
     train_step_s: float = at_least(0.0, 0)
+    advantages_s: float = at_least(0.0, 0)  # rewards, KL and GAE on the host-bound small tensors (search/rollout.py)
     reshard_bytes: int = at_least(0, 0)  # received per rank per sync
     reshard_plan: str = ""  # the sync's steps per parameter, counted (search/rollout.reshard)
     weights_bytes: int = at_least(0, 0)  # the rollout replica's shard on one rank

@@ -221,7 +221,8 @@ def rollout_lines(plan: Plan) -> list[str]:
         f"reshard training → rollout: {format_bytes(c.reshard_bytes)} received per rank, {format_seconds(c.reshard_s)}"
         + (f" | per parameter: {c.reshard_plan}" if c.reshard_plan else ""),
         f"predicted RL step {format_seconds(c.rl_step_s)} = generate {format_seconds(c.generate_s)} + reshard "
-        f"{format_seconds(c.reshard_s)} + score {format_seconds(c.score_s)} + train {format_seconds(c.train_s)} "
+        f"{format_seconds(c.reshard_s)} + score {format_seconds(c.score_s)} + advantages "
+        f"{format_seconds(c.advantages_s)} + train {format_seconds(c.train_s)} "
         f"| peak/rank {format_bytes(c.peak_bytes)}",
     ]
     others = [o for o in r.options if o.tp != r.tp]

@@ -123,7 +123,7 @@ def _plan(run: Any, cluster: str, plan: Any) -> tuple[Any, Any]:
     if plan is None:  # the training plan and the rollout layout together, as `autoshard ppo` searches them
         task, sampling = build_task(run.task, run.data, run.rl, context=policy_context(policy.module), tokenizer=tokenizer)
         workload = None if rollout_cache_unsupported(policy.module) else rollout_workload(
-            run.global_batch, task.prompt_len, sampling, run.mini_batches, compiled=run.compile != "off")
+            run.global_batch, task.prompt_len, sampling, run.mini_batches, compiled=run.compile != "off", algo=run.rl.algo)
         plan = search_plan(graph, load_cluster(cluster, None), run.global_batch, workload=workload,
                            rollout_cache=run.rollout_cache, compiled=run.compile != "off")
     elif not isinstance(plan, Plan):

@@ -36,10 +36,11 @@ def run_rows(folder: Path) -> list[dict]:
         measured = {
             "generate": _median(rows, "time/generate"), "reshard": _median(rows, "time/weight_sync"),
             "score": _median(rows, "time/logprobs") + _median(rows, "time/reference") + _median(rows, "time/values"),
-            "train": _median(rows, "time/train"), "step": _median(rows, "time/step"),
+            "advantages": _median(rows, "time/advantages"), "train": _median(rows, "time/train"),
+            "step": _median(rows, "time/step"),
         }
-        predicted = {"generate": c["generate_s"], "reshard": c["reshard_s"], "score": c["score_s"], "train": c["train_s"],
-                     "step": c["rl_step_s"]}
+        predicted = {"generate": c["generate_s"], "reshard": c["reshard_s"], "score": c["score_s"],
+                     "advantages": c.get("advantages_s", 0.0), "train": c["train_s"], "step": c["rl_step_s"]}
         tokens = rollout["sequences"] * _median(rows, "response/length")
         mesh = plan["mesh"]
         out.append({"run": metrics.stem, "world": mesh["dp_replicate"] * mesh["dp_shard"] * mesh["tp"] * mesh["pp"] * mesh["cp"],
@@ -57,12 +58,12 @@ def _err(m: float, p: float) -> str:
 def main(folder: str) -> int:
     root = Path(folder)
     runs = run_rows(root)
-    print("| run | model | GPUs | training | rollout tp | generate m / p | reshard m / p | score m / p | train m / p | "
-          "RL step m / p | error | rollout tok/s | peak GB m / p |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| run | model | GPUs | training | rollout tp | generate m / p | reshard m / p | score m / p | advantages m / p "
+          "| train m / p | RL step m / p | error | rollout tok/s | peak GB m / p |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in runs:
         m, p = r["measured"], r["predicted"]
-        cells = " | ".join(f"{m[k]:.3g} / {p[k]:.3g}" for k in ("generate", "reshard", "score", "train", "step"))
+        cells = " | ".join(f"{m[k]:.3g} / {p[k]:.3g}" for k in ("generate", "reshard", "score", "advantages", "train", "step"))
         print(f"| {r['run']} | {r['model']} | {r['world']} | {r['training_mesh']} | {r['rollout_tp']} | {cells} | "
               f"{_err(m['step'], p['step'])} | {r['rollout_tokens_per_s']:,.0f} | {r['peak_gb']:.1f} / {r['predicted_peak_gb']:.1f} |")
     floors = [json.loads(line) for line in (root / "floor.jsonl").read_text().splitlines()] if (root / "floor.jsonl").exists() else []

@@ -39,6 +39,9 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
   the training plan, in its micro-batches, each the sum of the layers' forward times
   (``cost_model.plan_layer_costs``: compute and critical communication), plus about half
   of a step's exposed data-parallel communication (the forward's gathers) per mini-batch.
+* **advantages**: rewards, KL and GAE on ``[b, R]`` tensors, host-bound: GAE's loop runs
+  ``GAE_KERNELS`` ops per response token (counted), each at the calibrated eager host time per
+  kernel (``eager_kernel_s``, else ``kernel_overhead_s``); GRPO has no loop (``work.gae``).
 * **train**: ``epochs · mini_batches · step_time_s`` of the training plan.
 
 Memory per rank: the training peak plus the rollout weights ``W_r`` and the KV
@@ -61,6 +64,7 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from autoshard.cluster import Cluster
+from autoshard.data_parallel import data_parallel_form
 from autoshard.errors import AutoshardError
 from autoshard.graph import ROLLOUT_SHARD_DIM, LayerInfo, ModelGraph, ParamInfo, rollout_shard_dim, rollout_split_refusal
 from autoshard.plan import Plan, RolloutOption, RolloutPlan
@@ -77,6 +81,9 @@ GRAPH_KERNEL_S = 1.3e-6
 ``graph_compiled_kernel_s`` (``autoshard/calibrate.py``; 1.3–1.4 µs in the compiled steps of llama:1.3b and llama:7b
 on an H200, less their weight and cache reads; the eager-captured steps' 3.4–3.7 µs is ``graph_kernel_s``)."""
 BYTES = {"fp32": 4, "bf16": 2}
+GAE_KERNELS = 8
+"""Ops (views excluded) of one response token of ``runtime/ppo_losses.gae``'s loop: counted under a dispatch mode
+(4 muls, 2 adds, 1 sub, 1 copy; the test counts them again)."""
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,9 @@ class RolloutWorkload:
     mini_batches: int = 2
     forwards: int = 2
     """Scoring forwards per sequence: old log-probs (and values) and the KL reference."""
+    gae: bool = True
+    """Whether advantages come from PPO's GAE (a loop over the response tokens, ``runtime/ppo_losses.gae``);
+    False for GRPO (group-relative, no loop)."""
     compiled: bool = False
     """Whether PPO's programs run compiled where the runtime compiles (``runtime/ppo_program`` note "compiled
     PPO"): scoring is then priced compiled too (``layer_terms.runs_compiled``)."""
@@ -276,8 +286,10 @@ def generate_s(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: Ro
             "decode_comm_s": decode_steps * step["comm_s"], "generate_s": prefill_s + decode_s, "group_batch": batch}
 
 
-def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int) -> dict[str, float]:
-    """Seconds, bytes received per rank and the largest gathered tensor of the weight sync (module docstring)."""
+def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, compiled: bool = False) -> dict[str, float]:
+    """Seconds, bytes received per rank and the largest gathered tensor of the weight sync (module docstring).
+    A layer is gathered over dp_shard where the program holds it sharded: ZeRO-3, and ZeRO-1/2 gathered inside a
+    compiled forward (``compiled``: PPO compiles its programs; ``autoshard/data_parallel.py``)."""
     mesh, p = plan.mesh, BYTES[plan.precision]
     strategies = {s.layer: s for s in plan.layers}
     hbm = layer_terms.hbm_bandwidth(cluster)
@@ -292,7 +304,9 @@ def reshard(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int) -> dict[str
         e = param.numel * p
         tp = mesh.tp if s.tp == "megatron" and mesh.tp > 1 and param.tp_role in ROLLOUT_SHARD_DIM else 1
         ep = mesh.ep if s.ep and param.tp_role == "expert" else 1
-        zero = mesh.dp_shard if s.state == "zero3" and mesh.dp_shard > 1 else 1
+        held = data_parallel_form(s, mesh, plan.schedule.num_micro_batches,
+                                  compiled and layer_terms.runs_compiled(mesh, cluster), layer.kind).held
+        zero = mesh.dp_shard if held == "shard" and mesh.dp_shard > 1 else 1
         if param.tp_role == "expert":
             zero = max(1, zero // ep) if zero > 1 else 1
         rdim = _shard_dim(param, r)
@@ -337,6 +351,14 @@ def score_s(graph: ModelGraph, cluster: Cluster, plan: Plan, work: RolloutWorklo
     return work.forwards * (chunks * forward + work.mini_batches * plan.predictions.exposed_comm_s / 2.0)
 
 
+def advantages_s(cluster: Cluster, work: RolloutWorkload) -> float:
+    """Seconds of the advantages phase (module docstring): GAE's ``GAE_KERNELS`` per response token, host-bound."""
+    if not work.gae:
+        return 0.0
+    per_kernel = cluster.calibration.get("eager_kernel_s") or layer_terms.kernel_overhead_s(cluster)
+    return work.response_len * GAE_KERNELS * per_kernel
+
+
 def train_s(plan: Plan, work: RolloutWorkload) -> float:
     """Seconds of the optimizer steps of one RL step."""
     return work.epochs * work.mini_batches * plan.predictions.step_time_s
@@ -362,16 +384,17 @@ def reference_bytes(plan: Plan) -> float:
 def price(graph: ModelGraph, cluster: Cluster, plan: Plan, r: int, work: RolloutWorkload) -> RolloutOption:
     """Every term of one RL step with training ``plan`` and rollout groups of ``r``."""
     gen = generate_s(graph, cluster, plan, r, work)
-    sync = reshard(graph, cluster, plan, r)
-    score, train = score_s(graph, cluster, plan, work), train_s(plan, work)
+    sync = reshard(graph, cluster, plan, r, work.compiled)
+    score, train, advantages = score_s(graph, cluster, plan, work), train_s(plan, work), advantages_s(cluster, work)
     p = BYTES[plan.precision]
     weights = rollout_weight_bytes(graph, r, p)
     kv = kv_cache_bytes(graph, r, gen["group_batch"], work.seq_len, p)
     ref = reference_bytes(plan)
     sampling = sampling_peak_bytes(graph, plan, r, work, sync["reshard_transient_bytes"]) + ref
     return RolloutOption(
-        tp=r, rl_step_s=gen["generate_s"] + sync["reshard_s"] + score + train, generate_s=gen["generate_s"],
-        reshard_s=sync["reshard_s"], reshard_plan=sync["reshard_plan"], score_s=score, train_s=train, train_step_s=plan.predictions.step_time_s,
+        tp=r, rl_step_s=gen["generate_s"] + sync["reshard_s"] + score + advantages + train, generate_s=gen["generate_s"],
+        reshard_s=sync["reshard_s"], reshard_plan=sync["reshard_plan"], score_s=score, train_s=train,
+        train_step_s=plan.predictions.step_time_s, advantages_s=advantages,
         reshard_bytes=int(sync["reshard_bytes"]), weights_bytes=int(weights), kv_cache_bytes=int(kv),
         # the engine keeps its KV cache (and decode graph) between steps: it is there while training too
         peak_bytes=int(max(plan.predictions.peak_memory_bytes + weights + ref + kv, sampling)),

@@ -69,6 +69,41 @@ def test_reshard_bytes_follow_the_gathers_the_runtime_runs(tiny):
     # rollout tp=1 from training tp=2: each split parameter gathered over 2 ranks (half arrives)
     split = 1024 + 2 * BLOCK_SPLIT + 1024
     assert R.reshard(graph, _cluster(), tp2, 1)["reshard_bytes"] == pytest.approx(split * 4 / 2)
+    # ZeRO-1 in a compiled program with one micro-batch is held as ZeRO-3's shard (autoshard/data_parallel.py):
+    # gathered like it when PPO compiles (on a GPU), a local slice when eager or on CPU ranks (never compiled)
+    zero1 = _plan(graph, Mesh(dp_shard=4), state="zero1")
+    assert R.reshard(graph, _cluster(), zero1, 1, compiled=True)["reshard_bytes"] == pytest.approx(WHOLE * 4 * 3 / 4)
+    assert R.reshard(graph, _cluster(), zero1, 1)["reshard_bytes"] == 0
+    from autoshard.cli_search import load_cluster
+
+    assert R.reshard(graph, load_cluster("cpu:1x4", None), zero1, 1, compiled=True)["reshard_bytes"] == 0
+
+
+def test_advantages_are_priced_per_response_token_of_gae():
+    """GAE's loop: its ops per response token counted again here (views excluded), each at the calibrated eager
+    host time per kernel; GRPO has no loop."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from autoshard.runtime.ppo_losses import gae
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops += not func.is_view
+            return func(*args, **(kwargs or {}))
+
+    counts = []
+    for length in (8, 16):
+        rewards = torch.randn(4, length)
+        with Count() as count:
+            gae(rewards, torch.randn(4, length), torch.ones(4, length), 1.0, 0.95)
+        counts.append(count.ops)
+    assert (counts[1] - counts[0]) / 8 == R.GAE_KERNELS
+    cluster = _cluster().with_calibration({"eager_kernel_s": 2e-5})
+    work = R.RolloutWorkload(sequences=64, prompt_len=128, response_len=128)
+    assert R.advantages_s(cluster, work) == pytest.approx(128 * R.GAE_KERNELS * 2e-5)
+    assert R.advantages_s(cluster, dataclasses.replace(work, gae=False)) == 0.0
 
 
 def _cluster(memory_gib: float = 80):
@@ -117,7 +152,8 @@ def test_co_plan_keeps_the_fastest_fitting_layout_and_records_the_rest(tiny):
     best = min(rollout.options, key=lambda o: o.rl_step_s)
     assert rollout.tp == best.tp and rollout.chosen == best and rollout.dp == 4 // best.tp
     for o in rollout.options:
-        assert o.rl_step_s == pytest.approx(o.generate_s + o.reshard_s + o.score_s + o.train_s)
+        assert o.rl_step_s == pytest.approx(o.generate_s + o.reshard_s + o.score_s + o.advantages_s + o.train_s)
+        assert o.advantages_s == R.advantages_s(_cluster(), work) > 0
         assert o.train_s == pytest.approx(2 * 0.01)  # 1 epoch × 2 mini-batches
     # a device too small for any sampling peak: every layout refused, with why
     with pytest.raises(AutoshardError, match="no rollout layout fits"):
