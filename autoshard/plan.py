@@ -50,8 +50,8 @@ regular file or nothing (``file_io.atomic_write``). ``load`` reads by
 nesting ≤ 64, no duplicate keys), checks every field's type, enum and range
 (``autoshard/_plan_schema.py``) and names the JSON path of the first bad one.
 Every field must be present (a plan without ``global_batch`` is damaged, not
-defaulted) but ``Predictions.OPTIONAL_ON_LOAD`` and ``Fingerprints.OPTIONAL_ON_LOAD``,
-added after the first plans were written; unknown fields are refused; the mesh's world size is at most
+defaulted) but each record's ``OPTIONAL_ON_LOAD`` fields (``Predictions``, ``Fingerprints``,
+``RolloutOption``, ...), added after the first plans were written; unknown fields are refused; the mesh's world size is at most
 ``file_io.MAX_WORLD_SIZE`` (2**20).
 
 Invariants checked on construction and load: mesh degrees >= 1 and ``ep``
@@ -380,6 +380,8 @@ def cluster_fingerprint(cluster: Any) -> str:
 class RolloutOption(Record):
     """One rollout layout priced with its training plan (``search/rollout.py``): an RL step's seconds and a
     rank's bytes; ``refusal`` says why it was not chosen when it does not fit."""
+
+    OPTIONAL_ON_LOAD: ClassVar[frozenset[str]] = frozenset({"advantages_s"})  # priced from 2026-11-28 on
 
     tp: int = at_least(1, 1)
     rl_step_s: float = at_least(0.0, 0)

@@ -39,9 +39,11 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
   the training plan, in its micro-batches, each the sum of the layers' forward times
   (``cost_model.plan_layer_costs``: compute and critical communication), plus about half
   of a step's exposed data-parallel communication (the forward's gathers) per mini-batch.
-* **advantages**: rewards, KL and GAE on ``[b, R]`` tensors, host-bound: GAE's loop runs
-  ``GAE_KERNELS`` ops per response token (counted), each at the calibrated eager host time per
-  kernel (``eager_kernel_s``, else ``kernel_overhead_s``); GRPO has no loop (``work.gae``).
+* **advantages**: rewards, KL and GAE on ``[b, R]`` tensors, host-bound: GAE's loop dispatches
+  ``GAE_OPS`` ops per response token (counted), each at the calibrated eager per-op time
+  ``kernel_overhead_s``; GRPO has no loop (``work.gae``). (The eager probe's ``eager_kernel_s``, 29–34 µs,
+  is a model step's time per counted kernel, module calls and autograd included; GAE's ops took
+  12–17 µs each in the three runs of ``benchmarks/results/rl_step_compiled_h200x4_2026-11-28``.)
 * **train**: ``epochs · mini_batches · step_time_s`` of the training plan.
 
 Memory per rank: the training peak plus the rollout weights ``W_r`` and the KV
@@ -81,9 +83,10 @@ GRAPH_KERNEL_S = 1.3e-6
 ``graph_compiled_kernel_s`` (``autoshard/calibrate.py``; 1.3–1.4 µs in the compiled steps of llama:1.3b and llama:7b
 on an H200, less their weight and cache reads; the eager-captured steps' 3.4–3.7 µs is ``graph_kernel_s``)."""
 BYTES = {"fp32": 4, "bf16": 2}
-GAE_KERNELS = 8
-"""Ops (views excluded) of one response token of ``runtime/ppo_losses.gae``'s loop: counted under a dispatch mode
-(4 muls, 2 adds, 1 sub, 1 copy; the test counts them again)."""
+GAE_OPS = 14
+"""Dispatched ops of one response token of ``runtime/ppo_losses.gae``'s loop, views included (each pays the eager
+per-op host time): counted under a dispatch mode (6 selects, 4 muls, 2 adds, 1 sub, 1 copy; the test counts
+them again)."""
 
 
 @dataclass(frozen=True)
@@ -352,11 +355,10 @@ def score_s(graph: ModelGraph, cluster: Cluster, plan: Plan, work: RolloutWorklo
 
 
 def advantages_s(cluster: Cluster, work: RolloutWorkload) -> float:
-    """Seconds of the advantages phase (module docstring): GAE's ``GAE_KERNELS`` per response token, host-bound."""
+    """Seconds of the advantages phase (module docstring): GAE's ``GAE_OPS`` per response token, host-bound."""
     if not work.gae:
         return 0.0
-    per_kernel = cluster.calibration.get("eager_kernel_s") or layer_terms.kernel_overhead_s(cluster)
-    return work.response_len * GAE_KERNELS * per_kernel
+    return work.response_len * GAE_OPS * layer_terms.kernel_overhead_s(cluster)
 
 
 def train_s(plan: Plan, work: RolloutWorkload) -> float:
