@@ -351,7 +351,8 @@ def interleaved_peak_bytes(static: float, chunks: Sequence[Sequence[LayerLive]],
 
     Each forward of chunk c leaves ``ΣA_c`` live until its micro-batch's backward of c; an action holds the
     other live micro-batch chunks' activations plus its own working set, as ``step_peak_bytes`` prices one
-    stage's: a forward ``max_i [A≤i + (1 + prefetch)·H_i]``, a backward ``max_i [A≤i + G_i]`` (over c's layers).
+    stage's: a forward ``max_i [A≤i + (1 + prefetch)·H_i]``, a backward ``max_i [A≤i + max(B_i, Gr_i)]`` (over
+    c's layers; B_i the layer's backward buffers, Gr_i its gradients).
     A chunk's gradients are live from its first backward on (during it, all of them)::
 
         peak = static − ΣGr + max over actions [Gr of the chunks backed so far + others' A + working set]"""

@@ -2,7 +2,7 @@
 
 An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
 
-    rl_step = generate + reshard + score + train
+    rl_step = generate + reshard + score + advantages + train
 
 * **generate**: KV-cached sampling on the rollout layout (``runtime/rollout_engine.py``):
   groups of ``r`` consecutive ranks, each a Megatron shard of degree r of the policy
