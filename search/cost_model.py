@@ -236,7 +236,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "10"  # plans record it (fingerprints); bump when a prediction of the same plan changes
+COST_MODEL_VERSION = "11"  # plans record it (fingerprints); bump when a prediction of the same plan changes
 
 
 @dataclass(frozen=True)
