@@ -39,11 +39,12 @@ import copy
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from autoshard import cluster_io
+from autoshard.cluster import Cluster
 from autoshard.errors import PlanError
 from autoshard.train import TrainSpec
 
 if TYPE_CHECKING:
-    from autoshard.cluster import Cluster
     from autoshard.plan import Plan
 
 RECORDED_CLUSTER_NAME = "recorded-in-plan"
@@ -92,9 +93,6 @@ def cluster_of(plan: Plan) -> Cluster:
 
     Raises ``PlanError`` when the plan did not record one (a hand-written plan).
     """
-    from autoshard import cluster_io
-    from autoshard.cluster import Cluster
-
     spec = copy.deepcopy(dict(plan.fingerprints.cluster_spec))
     if not spec:
         raise PlanError(
@@ -115,8 +113,6 @@ def cluster_of(plan: Plan) -> Cluster:
 def cluster_for(plan: Plan, cluster: str | None = None, calibration: str | Path | None = None) -> Cluster:
     """The cluster ``explain`` and ``report`` price ``plan`` on: ``cluster`` (a preset string or cluster file,
     ``--cluster``) or else the plan's own (``cluster_of``), with the ``calibration`` file applied when given."""
-    from autoshard.cluster import Cluster
-
     chosen = Cluster.load(cluster) if cluster else cluster_of(plan)
     return chosen if calibration is None else chosen.with_calibration(calibration)
 

@@ -102,10 +102,11 @@ from torch import nn
 
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
+from autoshard.models import build
 from autoshard.passes._capture_blocks import recognise_layers
-from autoshard.passes._capture_inputs import InputSpec, ModelInputs, bind_example
 from autoshard.passes._capture_costs import MATMUL_OPS
 from autoshard.passes._capture_export import Accum, Exported, GraphView, edges, export, price
+from autoshard.passes._capture_inputs import InputSpec, ModelInputs, bind_example
 from autoshard.passes._capture_layers import (
     LayerSpec,
     dtype_name,
@@ -231,8 +232,6 @@ def capture_reference(
     ``"meta"`` and ``torch.bfloat16``: 16-bit saved activations, as Korthikanti
     et al. assume). Raises ``ModelError`` (a ``CaptureError``) for an unknown spec.
     """
-    from autoshard.models import build  # models import autoshard.graph; keep the pass importable alone
-
     device = overrides.pop("device", "meta")
     dtype = overrides.pop("dtype", torch.bfloat16)
     model = build(spec, device=device, dtype=dtype, **overrides)

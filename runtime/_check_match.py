@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from autoshard.graph import ModelGraph
 from autoshard.passes.context import MESH_ORDER, coords_of
 from autoshard.plan import Mesh
-from autoshard.runtime._check_trace import Issued
+from autoshard.runtime._check_trace import Issued, format_bytes
 
 RoleKey = tuple[int, int, int, int]  # (pp, cp, tp, dp class)
 
@@ -252,8 +252,6 @@ def _describe(rank: int, first_rank: int, axis: str, k: int, want: Issued | None
 
 
 def _size(c: Issued) -> str:
-    from autoshard.runtime._check_trace import format_bytes
-
     return "unsized" if c.nbytes is None else format_bytes(c.nbytes)
 
 

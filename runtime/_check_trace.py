@@ -46,6 +46,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
+from autoshard.passes._capture_saved import _fused_sdpa
 from autoshard.runtime.live_bytes import LiveBytes
 
 # op name (without overload) → collective kind; None: moves nothing (see module docstring)
@@ -151,8 +152,6 @@ SDPA = torch.ops.aten.scaled_dot_product_attention.default
 def device_sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, *, scale=None, enable_gqa=False):
     """``aten.scaled_dot_product_attention`` as a CPU or CUDA device runs it: on meta tensors the fused (flash)
     op, elsewhere the op itself (module docstring, Kernels)."""
-    from autoshard.passes._capture_saved import _fused_sdpa
-
     return _fused_sdpa(query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa)
 
 

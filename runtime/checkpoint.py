@@ -83,6 +83,7 @@ from autoshard.runtime._checkpoint_files import (
     temporary_dir,
     write_sidecar,
 )
+from autoshard.runtime.mesh import build_device_mesh
 
 try:  # private, present in torch 2.11-2.13: DTensor's own local-shape rule
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
@@ -561,7 +562,6 @@ def _program_mesh(program: Any) -> DeviceMesh:
     mesh = getattr(program, "device_mesh", None)
     if mesh is not None:
         return mesh
-    from autoshard.runtime.mesh import build_device_mesh
 
     return build_device_mesh(program.plan.mesh, torch.device(program.ctx.device).type)
 

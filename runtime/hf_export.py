@@ -74,7 +74,10 @@ from typing import Any
 
 import torch
 
+from autoshard.cluster_io import parse_quantity
 from autoshard.errors import AutoshardError
+from autoshard.models.hf import load_hf_config
+from autoshard.models.source import is_hf_config_spec
 from autoshard.runtime._checkpoint_files import (
     CheckpointInfo,
     SafeFileSystemReader,
@@ -85,6 +88,7 @@ from autoshard.runtime._checkpoint_files import (
     resolve_checkpoint,
 )
 from autoshard.runtime._safetensors_source import INDEX_NAME, SUFFIX, _plan_shards
+from autoshard.runtime.checkpoint import MODEL_PREFIX, _broadcast_from_first, _world, program_state, save
 
 CONFIG_EXTRA = "hf_config"  # checkpoint extras key holding the HF config dict
 DEFAULT_MAX_SHARD_SIZE = "5GB"  # HF units: KB/MB/GB = 10^3.., KiB/MiB/GiB = 2^10..
@@ -226,9 +230,6 @@ def _config_from_dict(data: Mapping[str, Any], source: str) -> Any:
 def resolve_config(config: Any, info: CheckpointInfo | None = None) -> tuple[Any, str]:
     """(HF config, where it came from): ``config`` itself, else what checkpoint ``info`` records
     (module docstring "Where config.json comes from")."""
-    from autoshard.models.hf import load_hf_config
-    from autoshard.models.source import is_hf_config_spec
-
     _transformers()
     if isinstance(config, (str, os.PathLike)):
         return load_hf_config(config), str(config)
@@ -270,8 +271,6 @@ def parse_dtype(value: str | torch.dtype) -> torch.dtype:
 
 def parse_size(value: int | str) -> int:
     """``"5GB"`` → 5·10⁹ bytes, ``"2GiB"`` → 2·2³⁰, an int as bytes; must be > 0."""
-    from autoshard.cluster_io import parse_quantity
-
     try:
         size = int(parse_quantity(value, "bytes", "max_shard_size"))
     except AutoshardError as err:
@@ -311,8 +310,6 @@ class _CheckpointTensors:
 
     def read(self, fqn: str) -> torch.Tensor:
         import torch.distributed.checkpoint as dcp
-
-        from autoshard.runtime.checkpoint import MODEL_PREFIX
 
         record = self.info.tensors[MODEL_PREFIX + fqn]
         out = torch.empty(record.shape, dtype=dtype_from_name(record.dtype))
@@ -371,8 +368,6 @@ def export_checkpoint(
     checkpoint, ``ExportError`` / ``ModelError`` for a bad config or names that
     do not match it, before anything is written.
     """
-    from autoshard.runtime.checkpoint import MODEL_PREFIX
-
     source = resolve_checkpoint(checkpoint)
     info = read_info(source)
     hf_config, config_source = resolve_config(config, info)
@@ -441,8 +436,6 @@ def export_program(
     ``export_checkpoint`` on it (module docstring "Live programs"). Every rank
     returns the result, or raises rank 0's error.
     """
-    from autoshard.runtime.checkpoint import _broadcast_from_first, _world, program_state, save
-
     hf_config, _ = resolve_config(config)
     saved = {fqn: tuple(p.global_shape) for fqn, p in program.param_placements.items()}
     _match(saved, hf_config, "the program")  # refuse on every rank, before any collective

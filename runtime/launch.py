@@ -116,7 +116,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from autoshard.cluster import check_calibration
 from autoshard.errors import AutoshardError, PlanError
+from autoshard.plan import MESH_AXES, Plan
+from autoshard.plan_reuse import cluster_of
 from autoshard.runtime.launch_child import (
     AGENT_FILE,
     DEBUG_ENV,
@@ -182,8 +185,6 @@ def _live_world_size() -> int:
 
 def plan_from_env(*, check: bool = True) -> Any:
     """The ``Plan`` named by ``AUTOSHARD_PLAN`` (set by ``autoshard run``), checked against the world size."""
-    from autoshard.plan import Plan
-
     path = os.environ.get(PLAN_ENV)
     if not path:
         raise PlanError(f"{PLAN_ENV} is not set; start this script with `{_USAGE}`")
@@ -225,8 +226,6 @@ def build_launch(
     profile: str | os.PathLike | None = None,
 ) -> LaunchSpec:
     """Validate the plan and arguments and build the torchrun command (module docstring, steps 1-4)."""
-    from autoshard.plan import Plan
-
     plan_path = Path(plan_path).absolute()
     plan = Plan.load(plan_path)
     if calibration is not None:
@@ -263,9 +262,6 @@ def _check_calibration(plan: Any, path: Path) -> Path:
     """``path`` once it reads as a calibration file whose figures are the ones the plan was searched with
     (its recorded cluster keeps its fingerprint; a hand-written plan records none: the file alone is checked).
     A bad file is a ``ClusterError``, a mismatch a ``PlanError``, here, before any rank starts."""
-    from autoshard.cluster import check_calibration
-    from autoshard.plan_reuse import cluster_of
-
     if not plan.fingerprints.cluster_spec:
         check_calibration(path)
         return path
@@ -340,8 +336,6 @@ def _nproc_per_node(plan: Any, plan_path: Path, nnodes: int, forced: int | None)
 
 def _mesh_axes(mesh: Any) -> str:
     """The mesh axes of degree > 1, e.g. ``dp_shard=2 tp=2`` (``str(mesh)`` also lists the 1s)."""
-    from autoshard.plan import MESH_AXES
-
     return " ".join(f"{axis}={getattr(mesh, axis)}" for axis in MESH_AXES if getattr(mesh, axis) > 1) or "1 rank"
 
 

@@ -46,6 +46,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Sequence
 
+from autoshard.errors import AutoshardError
+from autoshard.quiet_warnings import filter_third_party_warnings
+
 RUN_DIR_ENV = "AUTOSHARD_RUN_DIR"  # the launcher's temporary directory of heartbeats and error files
 TIMEOUT_ENV = "AUTOSHARD_TIMEOUT_S"
 DEBUG_ENV = "AUTOSHARD_DEBUG"
@@ -81,8 +84,6 @@ def timeout_s() -> float:
     except ValueError:
         value = float("nan")
     if not 0 < value < float("inf"):
-        from autoshard.errors import AutoshardError
-
         raise AutoshardError(f"{TIMEOUT_ENV}={text!r} must be a positive number of seconds (default {DEFAULT_TIMEOUT_S:g})")
     return value
 
@@ -108,8 +109,6 @@ def record_rank_error(err: BaseException) -> None:
     An ``AutoshardError`` is a user error (the launcher exits 2), anything
     else internal (exit 1; its traceback is kept for the launcher to print).
     """
-    from autoshard.errors import AutoshardError
-
     user = isinstance(err, AutoshardError)
     message = " ".join(str(err).split()) or type(err).__name__
     if not user:
@@ -177,8 +176,6 @@ def _destroy_process_group() -> None:
 
 
 def _filter_warnings() -> None:
-    from autoshard.quiet_warnings import filter_third_party_warnings
-
     filter_third_party_warnings(debug=os.environ.get(DEBUG_ENV) == "1")
 
 
@@ -200,8 +197,6 @@ def rank_main(command: Sequence[str]) -> int:
     except KeyboardInterrupt:
         code = 130
     except BaseException as err:  # noqa: BLE001 - every failure is reported, then the rank exits
-        from autoshard.errors import AutoshardError
-
         record_rank_error(err)
         if run_dir is None or os.environ.get(DEBUG_ENV) == "1":
             traceback.print_exc()

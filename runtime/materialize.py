@@ -75,8 +75,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 from autoshard.errors import AutoshardError
-from autoshard.passes._graph_utils import meta_twin  # re-exported: build_program's and tests' entry point
 from autoshard.init import InitRule, init_region
+from autoshard.passes._graph_utils import meta_twin  # re-exported: build_program's and tests' entry point
+from autoshard.runtime._checkpoint_files import Blocks, CheckpointError, SIDECAR, SafeFileSystemReader, WeightsOnlyLoadPlanner, read_info, read_metadata_safely, resolve_checkpoint
+from autoshard.runtime._safetensors_source import SafetensorsSource
+from autoshard.runtime.checkpoint import LocalShard, MODEL_PREFIX, _check_fingerprint, to_dtensor
 
 Region = tuple[slice, ...]
 
@@ -317,8 +320,6 @@ class Safetensors:
     strict: bool = True
 
     def bind(self, model: nn.Module) -> Any:
-        from autoshard.runtime._safetensors_source import SafetensorsSource
-
         return _SafetensorsReader(SafetensorsSource(self.path, name_map=self.name_map, strict=self.strict), model)
 
 
@@ -407,8 +408,6 @@ class Checkpoint:
 
 class _CheckpointReader(_Reader):
     def __init__(self, spec: Checkpoint, model: nn.Module) -> None:
-        from autoshard.runtime._checkpoint_files import read_info, resolve_checkpoint
-
         self.directory = resolve_checkpoint(spec.path)
         self.info = read_info(self.directory)
         self.spec, self.model = spec, model
@@ -418,9 +417,6 @@ class _CheckpointReader(_Reader):
         return f"checkpoint {self.directory}"
 
     def check(self, expected: Mapping[str, tuple[int, ...]]) -> None:
-        from autoshard.runtime._checkpoint_files import CheckpointError
-        from autoshard.runtime.checkpoint import MODEL_PREFIX, _check_fingerprint
-
         _check_fingerprint(self.info, self.spec.model_fingerprint, self.directory)
         saved = {k.removeprefix(MODEL_PREFIX): r for k, r in self.info.tensors.items() if k.startswith(MODEL_PREFIX)}
         for fqn, shape in expected.items():
@@ -439,11 +435,6 @@ class _CheckpointReader(_Reader):
     def regions(self, wanted: list[Wanted], device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         """One ``dcp.load`` per parameter (no collective): only one region, and the saved chunks it overlaps, live."""
         import torch.distributed.checkpoint as dcp
-
-        from autoshard.runtime._checkpoint_files import (
-            Blocks, SafeFileSystemReader, WeightsOnlyLoadPlanner, read_metadata_safely,
-        )
-        from autoshard.runtime.checkpoint import MODEL_PREFIX, LocalShard, to_dtensor
 
         metadata = read_metadata_safely(self.directory)
         for item in wanted:
@@ -471,8 +462,6 @@ def bind_source(weights: Any, model: nn.Module, *, release: bool = False) -> Any
     if weights is None:
         return FromModule(model, release=release) if has_data(model) else Initialize().bind(model)
     if isinstance(weights, (str, os.PathLike)):
-        from autoshard.runtime._checkpoint_files import SIDECAR
-
         path = Path(weights)
         weights = Checkpoint(path) if (path / SIDECAR).is_file() else Safetensors(path)
     if isinstance(weights, FromModule):

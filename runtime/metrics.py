@@ -33,7 +33,7 @@ import torch
 
 from autoshard.errors import AutoshardError
 from autoshard.file_io import METRICS_FILE, atomic_write, parse_json_strict, read_bounded_text
-from autoshard.progress import Update
+from autoshard.progress import Update, reporter
 
 PHASES = ("weight_sync", "generate", "logprobs", "reference", "values", "advantages", "train")
 
@@ -211,8 +211,6 @@ class LiveSummary:
     """
 
     def __init__(self, total_steps: int | None = None, progress: Callable[[Update], None] | None = None) -> None:
-        from autoshard.progress import reporter
-
         self.total_steps = total_steps
         self.progress = progress if progress is not None else reporter(interval_s=HEARTBEAT_S)
         self.first_step = 0

@@ -32,6 +32,8 @@ from typing import Sequence
 
 from autoshard import file_io
 from autoshard.errors import AutoshardError
+from autoshard.plan import Plan
+from autoshard.runtime.metrics import read_metrics, read_run_info
 
 PANELS: tuple[tuple[str, str], ...] = (
     ("reward/mean", "reward"),
@@ -69,8 +71,6 @@ def min_max_band(values: Sequence[float], smooth: float) -> tuple[list[float], l
 
 def run_title(jsonl_path: str | Path) -> str:
     """The figure's title (module docstring): model · task · ranks (mesh) · precision, or the file name."""
-    from autoshard.runtime.metrics import read_run_info
-
     path = Path(jsonl_path)
     info = read_run_info(path)
     if info:
@@ -82,8 +82,6 @@ def run_title(jsonl_path: str | Path) -> str:
         return " · ".join(parts)
     plan_path = path.with_name(f"{path.stem}.plan.json")
     if plan_path.is_file():
-        from autoshard.plan import Plan
-
         try:
             plan = Plan.load(plan_path)
         except AutoshardError:
@@ -106,8 +104,6 @@ def plot_metrics(jsonl_path: str | Path, out_png: str | Path, smooth: float = DE
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from autoshard.runtime.metrics import read_metrics
 
     check_smooth(smooth)
     path = Path(jsonl_path)

@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from autoshard.runtime import checkpoint as ckpt
+from autoshard.runtime.mesh import build_device_mesh
 from autoshard.runtime.optimizer import MOMENTS
 
 _ENGINES = ("policy", "reference")
@@ -73,8 +74,6 @@ def _state(trainer: Any, graph: Any, mesh: Any) -> ckpt.CheckpointState:
 
 
 def _device_mesh(trainer: Any) -> Any:
-    from autoshard.runtime.mesh import build_device_mesh
-
     program = trainer.policy.program
     return build_device_mesh(program.plan.mesh, torch.device(program.ctx.device).type)
 

@@ -38,6 +38,15 @@ from typing import Any
 
 import torch
 
+from autoshard.errors import ModelError
+from autoshard.models import build
+from autoshard.models.hf import actor_critic, load_hf_config
+from autoshard.models.source import build_from_factory, is_factory_spec, is_hf_config_spec
+from autoshard.passes.capture import capture
+from autoshard.runtime.hf_export import hf_name_map
+from autoshard.runtime.materialize import Initialize, Layered, Safetensors
+from autoshard.runtime.tasks import VOCAB, check_vocab
+
 MODEL_MAX_SEQ_LEN = 32  # the reference run's context (ppo_demo); prompts + responses of every task fit
 
 
@@ -66,9 +75,6 @@ def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, wei
     values as ``init_weights(seed)``), so no rank ever holds the whole model (sharded PPO runs)."""
     from pathlib import Path
 
-    from autoshard.errors import ModelError
-    from autoshard.models.source import build_from_factory, is_factory_spec, is_hf_config_spec
-
     spec = spec.strip()
     if is_hf_config_spec(spec):
         return _load_hf_policy(str(Path(spec).expanduser().resolve()), seed, weights)
@@ -77,8 +83,6 @@ def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, wei
                          f"safetensors; {spec!r} builds its own weights (a factory may load them itself)")
     if not is_factory_spec(spec):
         if on_shards:
-            from autoshard.runtime.materialize import Initialize
-
             module = build_policy_model(spec, seed, "meta", vocab_size=vocab_size, context=context)
             return PolicyModel(module, spec, Initialize(seed))
         return PolicyModel(build_policy_model(spec, seed, device, vocab_size=vocab_size, context=context), spec)
@@ -88,8 +92,6 @@ def load_policy(spec: str, seed: int, device: str | torch.device = "cpu", *, wei
     torch.manual_seed(seed)  # the factory's own init, the same on every rank (check_same_weights)
     module = build_from_factory(spec, device=device, dtype=torch.float32)
     if torch.device(device).type != "meta" and any(p.is_meta for p in module.parameters()):
-        from autoshard.runtime.materialize import Initialize
-
         return PolicyModel(module, spec, Initialize(seed), user=True)  # a module left on meta: init on shards
     return PolicyModel(module, spec, user=True)
 
@@ -98,16 +100,10 @@ def _load_hf_policy(path: str, seed: int, weights: str | None) -> PolicyModel:
     """An HF actor-critic on meta; its shards initialised by HF's rules or read from ``weights``."""
     from pathlib import Path
 
-    from autoshard.errors import ModelError
-    from autoshard.models.hf import actor_critic, load_hf_config
-    from autoshard.runtime.materialize import Initialize, Layered, Safetensors
-
     config = load_hf_config(path)
     module = actor_critic(config, device="meta", dtype=torch.float32)
     source: Any = Initialize(seed)
     if weights is not None:
-        from autoshard.runtime.hf_export import hf_name_map
-
         if not Path(weights).expanduser().exists():
             raise ModelError(f"weights {weights!r}: no such file or directory; give a Hugging Face model directory "
                              "with *.safetensors (save_pretrained writes them)")
@@ -121,9 +117,6 @@ def load_reference(spec: str, policy: torch.nn.Module, seed: int, device: str | 
     refused (``ModelError``) unless its parameters have the policy's names and shapes: it runs under the
     policy's plan and graph."""
     from pathlib import Path
-
-    from autoshard.errors import ModelError
-    from autoshard.models.source import is_hf_config_spec
 
     weights = None
     if is_hf_config_spec(spec) and Path(spec).expanduser().is_dir() and any(Path(spec).expanduser().glob("*.safetensors")):
@@ -145,9 +138,6 @@ def build_policy_model(spec: str, seed: int, device: str | torch.device = "cpu",
                        vocab_size: int | None = None, context: int | None = None) -> torch.nn.Module:
     """The reference model ``spec`` with ``vocab_size`` (default the task vocabulary) and ``context`` positions
     (default ``MODEL_MAX_SEQ_LEN``), initialised from ``seed`` (any MODEL: ``load_policy``)."""
-    from autoshard.models import build
-    from autoshard.runtime.tasks import VOCAB
-
     vocab_size = len(VOCAB) if vocab_size is None else vocab_size
     return build(spec, seed=seed, device=device, vocab_size=vocab_size, max_seq_len=context or MODEL_MAX_SEQ_LEN)
 
@@ -163,8 +153,6 @@ def policy_vocab(model: torch.nn.Module) -> int | None:
 
 def check_policy_vocab(model: torch.nn.Module, name: str, task: Any) -> None:
     """``TaskError`` (both sizes named) when ``model``'s vocabulary is smaller than ``task``'s (module note)."""
-    from autoshard.runtime.tasks import check_vocab
-
     size = policy_vocab(model)
     if size is not None:  # unknown: ProgramEngine checks the logits' width at the first forward
         check_vocab(task, size, what=f"model {name!r}")
@@ -207,8 +195,6 @@ def check_same_weights(model: torch.nn.Module, name: str, device: str | torch.de
     a different model."""
     import torch.distributed as dist
 
-    from autoshard.errors import ModelError
-
     if not dist.is_initialized() or dist.get_world_size() == 1 or any(p.is_meta for p in model.parameters()):
         return
     with torch.no_grad():
@@ -223,8 +209,6 @@ def check_same_weights(model: torch.nn.Module, name: str, device: str | torch.de
 
 def capture_policy(model: torch.nn.Module, spec: str) -> Any:
     """The ``ModelGraph`` plans for ``model`` are searched against (short sequences: the model is small)."""
-    from autoshard.passes.capture import capture
-
     return capture(model, name=spec, seq_lens=(8, 16))
 
 

@@ -123,6 +123,16 @@ import torch
 
 from autoshard.errors import AutoshardError, PlanError
 from autoshard.kernels import collectives
+from autoshard.plan import Plan
+from autoshard.plan_reuse import cluster_of
+from autoshard.runtime.build_options import BuildOptions, Compile
+from autoshard.runtime.launch import check_world
+from autoshard.runtime.launch_child import record_rank_error, timeout_s
+from autoshard.runtime.metrics import LiveSummary, MetricsWriter, truncate_metrics, write_run_info
+from autoshard.runtime.optimizer import OptimizerConfig
+from autoshard.runtime.plot import plot_metrics
+from autoshard.runtime.ppo import PPOConfig, PPOTrainer
+from autoshard.runtime.ppo_checkpoint import load_ppo, save_ppo
 from autoshard.runtime.ppo_engine import EngineError
 from autoshard.runtime.ppo_policy import (  # noqa: F401  (re-exported: the run's model)
     MODEL_MAX_SEQ_LEN,
@@ -137,7 +147,20 @@ from autoshard.runtime.ppo_policy import (  # noqa: F401  (re-exported: the run'
     policy_vocab,
     rollout_cache_unsupported,
 )
-from autoshard.runtime.rl_options import RLOptions
+from autoshard.runtime.program import build_program
+from autoshard.runtime.rl_data import build_task, run_tokenizer
+from autoshard.runtime.rl_options import (
+    RLOptions,
+    add_rl_arguments,
+    options_from_args,
+    rl_config_fields,
+    source_from_args,
+)
+from autoshard.runtime.rollout import SamplingConfig
+from autoshard.runtime.rollout_engine import RolloutEngine
+from autoshard.runtime.step_profile import profiled_step, record_step, trace_path
+from autoshard.runtime.tasks import VOCAB, task_vocab_size
+from autoshard.train import TrainSpec
 
 log = logging.getLogger(__name__)
 
@@ -471,13 +494,6 @@ def build_engines(
     engine); a model without the reference models' cache API recomputes instead (logged). ``options``: both
     programs' ``BuildOptions`` (default ``Compile.AUTO``; module note: compiled PPO).
     """
-    from autoshard.runtime.optimizer import OptimizerConfig
-    from autoshard.runtime.build_options import BuildOptions, Compile
-    from autoshard.runtime.program import build_program
-    from autoshard.runtime.rollout_engine import RolloutEngine
-    from autoshard.runtime.tasks import VOCAB
-    from autoshard.train import TrainSpec
-
     reference_plan = plan if reference_plan is None else reference_plan
     if reference_plan.mesh != plan.mesh:
         raise PlanError(
@@ -513,10 +529,6 @@ def ppo_config(run: PPORun, dp: int, max_new_tokens: int, sampling: Any = None, 
     options; ``sampling`` (default: ``max_new_tokens`` at temperature 1) from ``rl_data.build_task``.
     A ``plan`` searched for this RL workload (one with a rollout section, ``search/rollout.py``) sets the
     micro-batch to the one it was priced and fitted with, when that divides a rank's mini-batch."""
-    from autoshard.runtime.ppo import PPOConfig
-    from autoshard.runtime.rl_options import rl_config_fields
-    from autoshard.runtime.rollout import SamplingConfig
-
     if run.global_batch % dp:
         raise PlanError(
             f"global batch {run.global_batch} is not divisible by the plan's dp={dp}; "
@@ -548,11 +560,6 @@ def sharded_trainer(
     ``nn.Module`` brings its own values) gives the initial weights of policy and reference;
     ``graph`` (default: captured from it) is what ``plan`` was searched against.
     """
-    from autoshard.runtime.build_options import BuildOptions
-    from autoshard.runtime.ppo import PPOTrainer
-    from autoshard.runtime.rl_data import build_task, run_tokenizer
-    from autoshard.runtime.tasks import task_vocab_size
-
     tokenizer = run_tokenizer(run.data)
     if model is None:
         model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=tokenizer.vocab_size,
@@ -586,9 +593,6 @@ def _replica_peak_flops(plan: Any) -> float | None:
     plan's precision, from the cluster the plan recorded; ``None`` (MFU reported as NaN) when
     the plan records no cluster. MFU then counts 6·params FLOPs per trained token of this
     data-parallel rank against the replica's peak, so tensor/pipeline ranks are not counted twice."""
-    from autoshard.errors import AutoshardError
-    from autoshard.plan_reuse import cluster_of
-
     try:
         device_peak = cluster_of(plan).peak_flops(plan.precision)
     except AutoshardError:
@@ -630,7 +634,6 @@ def _reporter(run: PPORun, rank: int) -> tuple[Callable[[dict[str, float]], None
     others nothing."""
     if rank != 0:
         return None, lambda step: None, lambda: None
-    from autoshard.runtime.metrics import LiveSummary, MetricsWriter
 
     writer = MetricsWriter(run.metrics) if run.metrics else None
     summary = LiveSummary(run.steps) if run.live else None  # one line per step in a log, a live row on a terminal
@@ -664,8 +667,6 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     """
     import torch.distributed as dist
 
-    from autoshard.runtime.ppo_checkpoint import load_ppo, save_ppo
-
     if run.resume and not run.checkpoint:
         raise AutoshardError("resume=True needs a checkpoint directory; pass --checkpoint DIR")
     if run.plot and not run.metrics:
@@ -673,14 +674,11 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     rank = dist.get_rank()
     report, start, close = _reporter(run, rank)
     if rank == 0 and run.metrics:
-        from autoshard.runtime.metrics import write_run_info
-
         task_name = run.task if run.data is None else f"prompts:{run.data.prompts}"
         write_run_info(run.metrics, {"model": run.model, "task": task_name, "algo": run.rl.algo,
                                      "world_size": plan.mesh.world_size,
                                      "mesh": str(plan.mesh), "schedule": str(plan.schedule),
                                      "precision": plan.precision, "global_batch": run.global_batch})
-    from autoshard.runtime.rl_data import run_tokenizer
 
     model = load_policy(run.model, run.seed, device, weights=run.weights, vocab_size=run_tokenizer(run.data).vocab_size,
                         context=run.context, on_shards=True)
@@ -697,8 +695,6 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
         if rank == 0:
             print(f"resumed from {run.checkpoint} at step {loaded.step} (saved with dp={loaded.extras.get('dp')})")
             if run.metrics:  # the rows after the checkpoint are written again: none twice
-                from autoshard.runtime.metrics import truncate_metrics
-
                 truncate_metrics(run.metrics, loaded.step)
 
     def checkpoint(step: int) -> None:
@@ -713,8 +709,6 @@ def run_ppo(run: PPORun, plan: Any, *, graph: Any = None, device: str = "cpu") -
     if run.checkpoint:
         save_ppo(run.checkpoint, trainer, graph)
     if rank == 0 and run.plot:
-        from autoshard.runtime.plot import plot_metrics
-
         print(f"training curves: {plot_metrics(run.metrics, run.plot)}")
     return history
 
@@ -723,7 +717,6 @@ def _profiler(run: PPORun, rank: int, trainer: Any, device: str) -> Callable[[in
     """With ``run.profile``: record one step of this run (``step_profile.profiled_step``) to this rank's trace."""
     if not run.profile:
         return None
-    from autoshard.runtime.step_profile import profiled_step, record_step, trace_path
 
     if not run.metrics:
         raise AutoshardError("profile=True writes its trace next to the metrics file; pass --metrics FILE.jsonl")
@@ -760,8 +753,6 @@ def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
     """
     import torch.distributed as dist
 
-    from autoshard.runtime.launch import check_world
-
     check_world(plan)
     if dist.is_initialized():
         return False
@@ -772,8 +763,6 @@ def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
 
 def worker_arguments(parser: argparse.ArgumentParser) -> None:
     """The worker's flags (``autoshard ppo`` passes them through torchrun)."""
-    from autoshard.runtime.rl_options import add_rl_arguments
-
     parser.add_argument("--plan", required=True, help="plan JSON for this model and world size")
     parser.add_argument("--model", default=PPORun.model,
                         help="MODEL: reference spec, package.module:factory, file.py:factory or HF config (default %(default)s)")
@@ -799,8 +788,6 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_from_args(args: argparse.Namespace) -> PPORun:
     """The ``PPORun`` of parsed worker flags."""
-    from autoshard.runtime.rl_options import options_from_args, source_from_args
-
     return PPORun(
         model=args.model, weights=args.weights, task=args.task, steps=args.steps, seed=args.seed,
         global_batch=args.batch, metrics=args.metrics, checkpoint=args.checkpoint, save_every=args.save_every,
@@ -812,9 +799,6 @@ def run_from_args(args: argparse.Namespace) -> PPORun:
 
 def worker_main(argv: Sequence[str] | None = None) -> int:
     """``python -m autoshard.runtime.ppo_program --plan PLAN.json ...`` on every torchrun rank."""
-    from autoshard.plan import Plan
-    from autoshard.runtime.launch_child import record_rank_error, timeout_s
-
     parser = argparse.ArgumentParser(prog="python -m autoshard.runtime.ppo_program", description=__doc__.split("\n\n")[0])
     worker_arguments(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))

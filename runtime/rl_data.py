@@ -44,8 +44,15 @@ from typing import Any, Callable, Iterable, Protocol, Sequence
 import torch
 
 from autoshard.errors import AutoshardError
-from autoshard.runtime.rl_options import DEFAULT_PROMPT_NEW_TOKENS, PromptSource, RLOptions
-from autoshard.runtime.rl_options import LONG_PROMPT_CHOICES as LONG_PROMPTS
+from autoshard.runtime.rl_options import (
+    DEFAULT_PROMPT_NEW_TOKENS,
+    LONG_PROMPT_CHOICES as LONG_PROMPTS,
+    PromptSource,
+    RLOptions,
+)
+from autoshard.runtime.rl_reward import resolve_reward, score
+from autoshard.runtime.rollout import SamplingConfig
+from autoshard.runtime.tasks import EOS_ID, PAD_ID, TASK_PRESETS, VOCAB, decode, encode, get_task
 
 
 class PromptDataError(AutoshardError):
@@ -130,18 +137,12 @@ class CharTokenizer:
     """The tasks' 16-token character vocabulary (``runtime/tasks``): digits and ``, + = :``."""
 
     def __init__(self) -> None:
-        from autoshard.runtime.tasks import EOS_ID, PAD_ID, VOCAB
-
         self.vocab_size, self.pad_id, self.eos_id = len(VOCAB), PAD_ID, EOS_ID
 
     def encode(self, text: str) -> list[int]:
-        from autoshard.runtime.tasks import encode
-
         return encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        from autoshard.runtime.tasks import decode
-
         return decode(list(ids))
 
 
@@ -283,8 +284,6 @@ class PromptTask:
     def rewards(self, prompts: torch.Tensor, responses: torch.Tensor,
                 response_mask: torch.Tensor) -> tuple[torch.Tensor, None]:
         """(seq_reward [n] from the reward function, None): one float per response, checked (``rl_reward``)."""
-        from autoshard.runtime.rl_reward import score
-
         index = self.dataset_index(prompts).tolist()
         lengths = response_mask.sum(1).long().tolist()
         ids = [row[:length] for row, length in zip(responses.cpu().tolist(), lengths)]
@@ -305,13 +304,8 @@ def build_task(task_name: str, data: PromptSource | None, options: RLOptions, *,
 
     ``context`` is the policy's longest sequence; a prompt set gets ``context − max_new_tokens`` as its budget.
     """
-    from autoshard.runtime.rl_reward import resolve_reward
-    from autoshard.runtime.rollout import SamplingConfig
-
     tokenizer = tokenizer if tokenizer is not None else run_tokenizer(data)
     if data is None:
-        from autoshard.runtime.tasks import TASK_PRESETS, get_task
-
         task = get_task(task_name, **TASK_PRESETS.get(task_name, {}))
         new_tokens = options.max_new_tokens or task.max_response_len
     else:

@@ -21,6 +21,8 @@ import argparse
 from dataclasses import dataclass
 from typing import Any
 
+from autoshard.errors import AutoshardError
+
 DEFAULT_GROUP = 4
 LONG_PROMPT_CHOICES = ("refuse", "truncate")
 DEFAULT_PROMPT_NEW_TOKENS = 16
@@ -126,8 +128,6 @@ def add_rl_arguments(parser: argparse.ArgumentParser) -> None:
 
 def source_from_args(args: argparse.Namespace) -> PromptSource | None:
     """The ``PromptSource`` of parsed flags (None without ``--prompts``); ``--prompts`` and ``--reward`` go together."""
-    from autoshard.errors import AutoshardError
-
     if (args.prompts is None) != (args.reward is None):
         given, missing = ("--prompts", "--reward") if args.reward is None else ("--reward", "--prompts")
         raise AutoshardError(f"{given} needs {missing}: a prompt set is scored by a reward function "

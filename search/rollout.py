@@ -69,6 +69,7 @@ from autoshard.cluster import Cluster
 from autoshard.data_parallel import data_parallel_form
 from autoshard.errors import AutoshardError
 from autoshard.graph import ROLLOUT_SHARD_DIM, LayerInfo, ModelGraph, ParamInfo, rollout_shard_dim, rollout_split_refusal
+from autoshard.models import build, config_for
 from autoshard.plan import Plan, RolloutOption, RolloutPlan
 from autoshard.search import comm, layer_terms
 from autoshard.search.cost_model import plan_layer_costs
@@ -187,8 +188,6 @@ def _counted_decode_ops(model_name: str) -> float | None:
     """Ops of one decode step of the reference model ``model_name`` (the step ``runtime/rollout_graph.py``
     captures), counted on ``meta`` with one and two blocks: stem + L · block. None for other models."""
     try:
-        from autoshard.models import config_for
-
         layers = config_for(model_name).num_layers
     except Exception:  # noqa: BLE001 - not a reference model: the training forward's kernel count instead
         return None
@@ -202,8 +201,6 @@ def count_decode_ops(model_name: str, **overrides: Any) -> int:
     config ``overrides``, counted on ``meta`` (batch 1: the count does not depend on it)."""
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
-
-    from autoshard.models import build
 
     class _Count(TorchDispatchMode):
         ops = 0

@@ -37,6 +37,7 @@ import dataclasses
 from dataclasses import dataclass
 
 from autoshard.cluster import Cluster, DeviceSpec, LinkSpec
+from autoshard.cluster_presets import PRESETS
 from autoshard.graph import LayerInfo, ModelGraph, ParamInfo
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.search.cost_model import LayerCost, MemoryBreakdown
@@ -174,8 +175,6 @@ def synthetic_graph(cfg: SyntheticConfig) -> ModelGraph:
 def synthetic_cluster(preset: str = "h100-sxm", nodes: int = 1, *, devices_per_node: int | None = None,
                       inter_node_bandwidth: float | None = None, memory_bytes: int | None = None) -> Cluster:
     """A ``Cluster`` from ``cluster_presets.PRESETS[preset]`` with optional overrides."""
-    from autoshard.cluster_presets import PRESETS
-
     spec = PRESETS[preset]
     device_fields = {f.name for f in dataclasses.fields(DeviceSpec)}
     device = DeviceSpec(**{k: v for k, v in spec["device"].items() if k in device_fields})

@@ -30,6 +30,8 @@ import torch
 from torch import nn
 
 from autoshard.errors import ModelError
+from autoshard.models import FAMILIES, build, parse_spec
+from autoshard.models.hf import actor_critic, load_hf_config
 
 
 def is_factory_spec(spec: str) -> bool:
@@ -40,8 +42,6 @@ def is_factory_spec(spec: str) -> bool:
 
 
 def _importable(name: str) -> bool:
-    from autoshard.models import FAMILIES
-
     if name.lower() in FAMILIES:
         return False
     _cwd_on_path()
@@ -129,7 +129,6 @@ def load_model(spec: str, *, device: str | torch.device = "meta", dtype: torch.d
     if is_hf_config_spec(spec):
         if overrides:
             raise ModelError(f"model {spec!r}: config overrides ({', '.join(overrides)}) apply to reference models only")
-        from autoshard.models.hf import actor_critic, load_hf_config
 
         return actor_critic(load_hf_config(spec), device=device, dtype=dtype), str(Path(spec.strip()).expanduser())
     if Path(spec.strip()).expanduser().is_dir():
@@ -139,7 +138,6 @@ def load_model(spec: str, *, device: str | torch.device = "meta", dtype: torch.d
         if overrides:
             raise ModelError(f"model {spec!r}: config overrides ({', '.join(overrides)}) apply to reference models only")
         return build_from_factory(spec, device=device, dtype=dtype), spec.strip()
-    from autoshard.models import build, parse_spec
 
     family, size = parse_spec(spec)
     name = f"{family}:{size}"
