@@ -16,6 +16,8 @@
 # floor.jsonl, reshard.jsonl; benchmarks/rl_summary.py $OUT prints the table. PROFILE=1: every run records its
 # second step (--profile) and benchmarks/trace_phases.py writes <run>.phases.md (per phase: compute,
 # collectives and idle device time, top CPU ops); the traces themselves are not kept (size).
+# A run still going 15 s before its limit gets SIGABRT in every rank (PYTHONFAULTHANDLER=1): each rank's Python
+# stack lands in <run>.log, so a stalled run says where it stalled.
 set -u
 ROOT="$(pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -32,6 +34,7 @@ LIMIT="${LIMIT:-300}"
 mkdir -p "$OUT" "$WORK"
 source "$ROOT/benchmarks/gpu_env.sh"
 export PYTORCH_CUDA_ALLOC_CONF="${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}"  # PPO's shapes vary per step
+export PYTHONFAULTHANDLER=1  # a rank sent SIGABRT prints its Python stack (the stall watcher in ppo())
 left() { echo $((BUDGET_S - SECONDS)); }
 
 N="$(nvidia-smi -L 2>/dev/null | wc -l)"
@@ -51,15 +54,19 @@ ppo() {  # ppo NAME GPUS MODEL RTP
   local t0=$SECONDS lim=$(( $(left) < LIMIT ? $(left) : LIMIT ))
   [[ $lim -lt 30 ]] && { echo "=== $1 skipped: budget"; return; }
   local n=$(( $(tr -cd , <<< "$2" | wc -c) + 1 ))
+  # the stall watcher: 15 s before the limit, every rank of this run dumps its stack (header note)
+  ( sleep $((lim - 15)); pkill -ABRT -f "ppo_program.*--metrics $OUT/$1.jsonl" ) & local watcher=$!
   CUDA_VISIBLE_DEVICES="$2" timeout "$lim" "$PYTHON" -m autoshard ppo "$3" --cluster "$OUT/cluster_x$n.json" \
     --calibration "$OUT/cal.json" --precision bf16 --prompts "$WORK/prompts.jsonl" --tokenizer bytes --context $((PROMPT + NEW)) \
     --reward "$ROOT/benchmarks/rl_bench.py:length_reward" --max-new-tokens "$NEW" --batch "$BATCH" \
     --steps "$STEPS" --rollout-tp "$4" --metrics "$OUT/$1.jsonl" ${PROFILE:+--profile} -q > "$OUT/$1.log" 2>&1
+  local rc=$?
+  kill "$watcher" 2>/dev/null
   if [[ -n "${PROFILE:-}" ]]; then
     "$PYTHON" benchmarks/trace_phases.py "$OUT/$1".rank*.trace.json > "$OUT/$1.phases.md" 2>&1
     rm -f "$OUT/$1".rank*.trace.json
   fi
-  echo "=== $1 rc=$? in $((SECONDS - t0))s: $(tail -1 "$OUT/$1.log" | cut -c1-200)"
+  echo "=== $1 rc=$rc in $((SECONDS - t0))s: $(tail -1 "$OUT/$1.log" | cut -c1-200)"
 }
 
 for run in $RUNS1; do
