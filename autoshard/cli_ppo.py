@@ -72,6 +72,7 @@ from typing import Any
 from autoshard import file_io
 from autoshard.cli_args import positive_int as _positive_int  # one parser for positive-int flags across the CLI
 from autoshard.errors import AutoshardError
+from autoshard.runtime.build_options import Compile
 
 DEFAULT_STEPS = 150
 SEARCH_TIME_LIMIT_S = 30.0
@@ -106,7 +107,7 @@ def add_ppo_arguments(parser: argparse.ArgumentParser) -> None:
                         "a Chrome trace per rank next to --metrics (METRICS.rankR.trace.json) for `autoshard report "
                         "PLAN --measured`")
     parser.add_argument("--no-rollout-cache", action="store_true", help="sample by recomputing prefixes through the sharded program instead of the KV-cached rollout replica (less memory, slower)")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default="auto",
+    parser.add_argument("--compile", choices=[mode.value for mode in Compile], default=Compile.AUTO.value,
                         help="run the policy and reference programs through torch.compile on fixed padded shapes: "
                              "'auto' (default) where the runtime compiles (a GPU), 'off' eager; the search prices what runs")
     from autoshard.runtime.rl_options import add_rl_arguments

@@ -4,8 +4,9 @@
 
 For every ``x*.plan.json`` with a rollout section and its ``x*.jsonl`` metrics, this prices the same training
 plan and rollout layout again (``search/rollout.price``: the model captured on ``meta`` as ``autoshard ppo``
-captures it, the folder's ``cluster_xN.json`` with its ``cal.json``, the recorded workload; PPO's programs
-compiled unless the run's ``--compile`` said off) and prints the measured phases beside the recorded and the
+captures it with the campaign's bytes tokenizer (258 ids), the folder's ``cluster_xN.json`` with its
+``cal.json``, the recorded workload; PPO with compiled programs, as ``rl_campaign.sh`` runs it: the run files
+record neither ``--compile`` nor the algorithm) and prints the measured phases beside the recorded and the
 re-priced prediction. The plan is not searched again: its error is about the plan that ran.
 """
 

@@ -66,11 +66,13 @@ So the engine pads every input on the right to a fixed shape before the program 
 outputs back (``fixed_width``): the sequence to the plan's ``seq_len`` (what the plan was searched and
 priced for; a longer one to the next multiple of 64, at most the model's context), the rows to the
 fewest this engine already compiled (in that grad mode) that hold them: a short last chunk reuses the
-full chunk's graph. A pipelined mini-batch pads its width only (its rows are the same every step). A causal policy's outputs at the real positions do not read the padded ones, and
-padded rows and positions get no gradient, so the step is the eager one up to the padded GEMMs'
-rounding (tested against it on gloo). An engine compiles one graph per grad mode and row count: the
-training micro-batch; the scoring chunk (the same rows); and, without a rollout engine, the rollout batch. A policy that is not causal, or a mixture of experts whose routing capacity
-counts padded tokens, would change under padding: run those with ``compile="off"``.
+full chunk's graph. A pipelined mini-batch pads its width only (its rows are the same every step).
+A causal policy's outputs at the real positions do not read the padded ones, and padded rows and
+positions get no gradient, so the step is the eager one up to the padded GEMMs' rounding (tested
+against it on gloo). An engine compiles one graph per grad mode and row count: the training
+micro-batch; the scoring chunk (the same rows); and, without a rollout engine, the rollout batch.
+A policy that is not causal, or a mixture of experts whose routing capacity counts padded tokens,
+would change under padding: run those with ``compile="off"``.
 
 Which models a run takes (reference, factory, Hugging Face config), their initial weights, vocabulary
 and rollout: ``runtime/ppo_policy.py``.
@@ -781,7 +783,7 @@ def worker_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--profile", action="store_true", help="record one step's Chrome trace per rank next to --metrics")
     parser.add_argument("--no-rollout-cache", action="store_true",
                         help="sample by recomputing prefixes through the sharded program (no rollout copy of the weights)")
-    parser.add_argument("--compile", choices=("auto", "on", "off"), default=PPORun.compile,
+    parser.add_argument("--compile", choices=[mode.value for mode in Compile], default=PPORun.compile,
                         help="compile the programs on fixed padded shapes (auto: on a GPU; default %(default)s)")
     add_rl_arguments(parser)
 

@@ -41,9 +41,8 @@ An RL step (PPO or GRPO, ``runtime/ppo.py``) is::
   of a step's exposed data-parallel communication (the forward's gathers) per mini-batch.
 * **advantages**: rewards, KL and GAE on ``[b, R]`` tensors, host-bound: GAE's loop dispatches
   ``GAE_OPS`` ops per response token (counted), each at the calibrated eager per-op time
-  ``kernel_overhead_s``; GRPO has no loop (``work.gae``). (The eager probe's ``eager_kernel_s``, 29–34 µs,
-  is a model step's time per counted kernel, module calls and autograd included; GAE's ops took
-  12–17 µs each in the three runs of ``benchmarks/results/rl_step_compiled_h200x4_2026-11-28``.)
+  ``kernel_overhead_s``; GRPO has no loop (``work.gae``). (Not the eager probe's ``eager_kernel_s``:
+  that is a model step's time per counted kernel, module calls and autograd included.)
 * **train**: ``epochs · mini_batches · step_time_s`` of the training plan.
 
 Memory per rank: the training peak plus the rollout weights ``W_r`` and the KV
