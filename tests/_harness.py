@@ -90,7 +90,8 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 HAS_FAKE_PG = FakeStore is not None
 HAS_LOCAL_TENSOR = LocalTensorMode is not None
 
-_STARTUP_S = 60.0  # spawn + import torch + rendezvous, on two busy cores
+_STARTUP_S = 180.0  # spawn + import torch + rendezvous, on two busy cores; a session's first job also waits
+# for the forkserver's preload (imports and ``_export_warm``: ~30 s on an idle core)
 _GRACE_S = 10.0  # lets gloo's own timeout error (more informative) arrive first
 _POLL_S = 0.05
 

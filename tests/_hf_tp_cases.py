@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 
 import torch
 
@@ -20,6 +21,7 @@ from autoshard.passes import capture
 from autoshard.passes.context import RankContext
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime import BuildOptions, build_program
+from autoshard.runtime import export_cache
 from autoshard.runtime.rollout_engine import unshard
 from autoshard.search.space import is_tp_able
 from autoshard.train import TrainSpec
@@ -42,18 +44,27 @@ CONFIGS = {
 
 @contextlib.contextmanager
 def attention_path(name: str):
-    """HF's ``repeat_kv`` path for ``"<model>+repeat_kv"`` (module docstring); nothing otherwise."""
+    """HF's ``repeat_kv`` path for ``"<model>+repeat_kv"`` (module docstring); nothing otherwise.
+
+    The switch is process-global state the export cache cannot see (``runtime/export_cache.py`` note "the
+    key"): the same twin would find the SDPA path's graph cached, or leave its own for a plain build. So
+    the cache is off inside."""
     if not name.endswith("+repeat_kv"):
         yield
         return
     from transformers.integrations import sdpa_attention
 
-    saved = sdpa_attention.use_gqa_in_sdpa
+    saved, cache = sdpa_attention.use_gqa_in_sdpa, os.environ.get(export_cache.ENV)
     sdpa_attention.use_gqa_in_sdpa = lambda *args, **kwargs: False
+    os.environ[export_cache.ENV] = "0"
     try:
         yield
     finally:
         sdpa_attention.use_gqa_in_sdpa = saved
+        if cache is None:
+            del os.environ[export_cache.ENV]
+        else:
+            os.environ[export_cache.ENV] = cache
 
 
 def config_of(name: str):

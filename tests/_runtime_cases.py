@@ -39,7 +39,9 @@ def batches():
 
 @functools.lru_cache(maxsize=None)
 def graph_of(spec: str):
-    return capture(build(spec), seq_lens=(8, 16))
+    """The captured graph, from a meta build (the same graph as a CPU build's, no op run: the gloo jobs'
+    forkserver captures these once, ``_export_warm``)."""
+    return capture(build(spec, device="meta"), seq_lens=(8, 16))
 
 
 def make_plan(spec: str, mesh: Mesh, choose) -> Plan:

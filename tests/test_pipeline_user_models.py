@@ -7,7 +7,8 @@ inside a stage, and GPT-2's tied ``wte`` / ``lm_head`` is held by both pp ranks
 (``passes/split_pipeline.py``, [Note: parameters shared between pp ranks]). Each trains 3 SGD steps
 (2 micro-batches, clipping on; ``tests/_runtime_cases.py``) under pp=2 on 2 gloo ranks and
 pp=2 × dp_shard=2 (ZeRO-1/2/3) on 4, GPT-2 also interleaved (4 virtual stages), with compiled stages
-(``aot_eager``) and under pp=2 × tp=2; one gloo job per test. Losses on every rank, the final
+(``aot_eager``) and under pp=2 × tp=2; one gloo job per world size, the parent's captured graphs carried
+to the ranks. Losses on every rank, the final
 parameters (rebuilt from every rank's shards) and an inference ``forward`` match plain PyTorch at
 rtol 1e-5.
 
@@ -209,12 +210,12 @@ def make_plan(name: str, mesh: Mesh, state: str = "replicate", schedule: str = "
                 schedule=Schedule(name=schedule, num_micro_batches=MICRO, virtual_stages=virtual))
 
 
-def train_case(rank, world_size, name: str, plan: Plan, backend: str | None = None):
+def train_case(rank, world_size, name: str, plan: Plan, backend: str | None = None, graph=None):
     """Build ``plan`` for ``name`` (eager, or each stage compiled with ``backend``), run an inference forward,
-    train; losses, forward, shards, placements."""
+    train; losses, forward, shards, placements. ``graph``: the parent's capture (else captured here)."""
     del rank, world_size
     options = BuildOptions(compile=True, backend=backend) if backend else BuildOptions(compile=False)
-    program = build_program(build(name), graph_of(name), plan, TRAIN, optimizer=OPT, options=options)
+    program = build_program(build(name), graph or graph_of(name), plan, TRAIN, optimizer=OPT, options=options)
     forward = program(_probe())
     losses = [program.step(program.local_batch(tokens), loss_fn).loss for tokens in batches()]
     out = {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
@@ -251,11 +252,6 @@ def check(results: list[dict], name: str, mesh: Mesh) -> None:
         torch.testing.assert_close(value, ref_params[fqn], rtol=1e-5, atol=1e-6, msg=lambda m, fqn=fqn: f"{fqn}: {m}")
 
 
-def _run(name: str, plan: Plan, backend: str | None = None) -> list[dict]:
-    return run_gloo_cases({name: functools.partial(train_case, name=name, plan=plan, backend=backend)},
-                          plan.mesh.world_size, timeout_s=300)[name]
-
-
 # --------------------------------------------------------------------------- Hugging Face policies (gloo)
 
 HF = ("llama", "qwen2", "mixtral", "gpt2")
@@ -265,12 +261,39 @@ HF_WORLD4 = {  # case → (mesh, state, schedule)
     "gpt2": (PP2_DP2, "zero2", "1f1b"), "gpt2_zero3": (PP2_DP2, "zero3", "gpipe"),
     "gpt2_tp2": (Mesh(pp=2, tp=2), "replicate", "1f1b"),  # the tied weight vocab-parallel: each tp rank its rows
 }
+# world 2: every HF policy on pp 2; GPT-2 also with compiled stages and interleaved (4 virtual stages)
+HF_WORLD2 = {  # case → (model, plan, stage backend)
+    **{name: (name, lambda name=name: make_plan(name, PP2), None) for name in HF},
+    "gpt2_compiled": ("gpt2", lambda: make_plan("gpt2", PP2), "aot_eager"),
+    "gpt2_interleaved": ("gpt2", lambda: make_plan("gpt2", PP2, schedule="interleaved_1f1b", virtual=2), None),
+}
+
+
+def _case(name: str, plan: Plan, backend: str | None = None):
+    """A job case; the parent's captured graph travels with it, so no rank captures the model."""
+    return functools.partial(train_case, name=name, plan=plan, backend=backend, graph=graph_of(name))
+
+
+@pytest.fixture(scope="module")
+def hf_results2():
+    """Every world-2 HF case in one gloo job (``_harness`` note "spawned jobs are expensive")."""
+    return run_gloo_cases({case: _case(name, plan(), backend) for case, (name, plan, backend) in HF_WORLD2.items()},
+                          2, timeout_s=600)
+
+
+@pytest.fixture(scope="module")
+def hf_results4():
+    jobs = {}
+    for case, (mesh, state, schedule) in HF_WORLD4.items():
+        name = case.split("_")[0]
+        jobs[case] = _case(name, make_plan(name, mesh, state, schedule))
+    return run_gloo_cases(jobs, 4, timeout_s=600)
 
 
 @pytest.mark.parametrize("name", HF)
 @pytest.mark.slow
-def test_hf_policy_pp2_matches_single_device(name):
-    results = _run(name, make_plan(name, PP2))
+def test_hf_policy_pp2_matches_single_device(hf_results2, name):
+    results = hf_results2[name]
     check(results, name, PP2)
     if name == "gpt2":  # the tied wte/lm_head: owned by the first stage's rank, mirrored on the last
         assert [(s.fqn, s.owner, s.mirrors) for s in results[0]["shared"]] == [("model.wte.weight", 0, (1,))]
@@ -280,28 +303,28 @@ def test_hf_policy_pp2_matches_single_device(name):
 
 
 @pytest.mark.slow
-def test_tied_gpt2_compiled_stages_match_single_device():
+def test_tied_gpt2_compiled_stages_match_single_device(hf_results2):
     """Each stage a ``torch.compile`` module (``aot_eager``: the joint graph, no code generation): the mirror's
     values are copied in place before the step, its gradient read after it."""
-    results = _run("gpt2", make_plan("gpt2", PP2), backend="aot_eager")
+    results = hf_results2["gpt2_compiled"]
     assert all(all(r["compiled"]) for r in results)
     check(results, "gpt2", PP2)
 
 
 @pytest.mark.slow
-def test_tied_gpt2_interleaved_matches_single_device():
+def test_tied_gpt2_interleaved_matches_single_device(hf_results2):
     """4 virtual stages on 2 ranks: the tied weight on stage 0 (rank 0) and stage 3 (rank 1)."""
-    results = _run("gpt2", make_plan("gpt2", PP2, schedule="interleaved_1f1b", virtual=2))
+    results = hf_results2["gpt2_interleaved"]
     check(results, "gpt2", PP2)
     assert [(s.fqn, s.owner, s.mirrors) for s in results[1]["shared"]] == [("model.wte.weight", 0, (1,))]
 
 
 @pytest.mark.parametrize("case", list(HF_WORLD4))
 @pytest.mark.slow
-def test_hf_policy_world4_matches_single_device(case):
+def test_hf_policy_world4_matches_single_device(hf_results4, case):
     name = case.split("_")[0]
-    mesh, state, schedule = HF_WORLD4[case]
-    results = _run(name, make_plan(name, mesh, state, schedule))
+    mesh = HF_WORLD4[case][0]
+    results = hf_results4[case]
     check(results, name, mesh)
     if name == "gpt2":  # ZeRO-3 too: the last stage gathers its own copy (a weight-derived node), nothing else crosses
         assert all([s.fqn for s in r["shared"]] == ["model.wte.weight"] for r in results)
@@ -322,8 +345,7 @@ USER_CASES = {  # case → (model, mesh); pp=1 cases: the plain data-parallel pr
 
 @pytest.fixture(scope="module")
 def user_results():
-    jobs = {case: functools.partial(train_case, name=name, plan=make_plan(name, mesh, "zero3" if mesh.pp == 1 else
-                                                                        "replicate"))
+    jobs = {case: _case(name, make_plan(name, mesh, "zero3" if mesh.pp == 1 else "replicate"))
             for case, (name, mesh) in USER_CASES.items()}
     return run_gloo_cases(jobs, 2, timeout_s=300)
 
