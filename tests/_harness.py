@@ -45,6 +45,13 @@ exports the reference models most jobs build (``_export_warm``), so a rank's
 gave a child fresh is handed over per job instead: ``sys.path``, the
 environment (``OMP_NUM_THREADS=1`` among it) and ``fn`` pickled by the parent.
 
+[Note: kernels in ranks]
+Ranks run the quantization kernels' pure-torch reference, not the Triton kernels under the
+interpreter (``TRITON_INTERPRET=0`` in their environment; ``kernels/ops.py`` decides per call): the
+interpreter costs about 0.1-0.3 s of a core per launch, most of a quantized job's time, and the two
+are bit-identical (``tests/test_kernels.py`` checks it over sizes, formats and NaN policies). A job
+that tests the Triton kernels themselves across ranks opts in with ``with interpreted_kernels():``.
+
 [Note: deadlines]
 ``timeout_s`` is both the gloo timeout of every collective (a hung collective
 raises inside the child, whose traceback then reaches the parent) and the
@@ -234,6 +241,28 @@ def _worker(rank, world_size, backend, init_file, timeout_s, results, parent, jo
     dist.destroy_process_group()
 
 
+_RANKS_INTERPRET_KERNELS = False
+
+
+@contextlib.contextmanager
+def interpreted_kernels() -> Iterator[None]:
+    """Jobs started inside run the Triton kernels under the interpreter when the parent does (note "kernels in ranks")."""
+    global _RANKS_INTERPRET_KERNELS
+    saved, _RANKS_INTERPRET_KERNELS = _RANKS_INTERPRET_KERNELS, True
+    try:
+        yield
+    finally:
+        _RANKS_INTERPRET_KERNELS = saved
+
+
+def _child_environ() -> dict[str, str]:
+    """The environment a job's ranks take (note "kernels in ranks")."""
+    environ = dict(os.environ)
+    if not _RANKS_INTERPRET_KERNELS:
+        environ["TRITON_INTERPRET"] = "0"
+    return environ
+
+
 @contextlib.contextmanager
 def _single_threaded_children() -> Iterator[None]:
     """Children inherit ``OMP_NUM_THREADS=1`` (read when they import torch), and the forkserver this
@@ -342,7 +371,7 @@ def _spawn(fn, world_size: int, backend: str, args, kwargs, timeout_s: float) ->
                     proc = ctx.Process(
                         target=_worker,
                         args=(rank, world_size, backend, init_file, timeout_s, results,
-                              (list(sys.path), dict(os.environ)), job),
+                              (list(sys.path), _child_environ()), job),
                         daemon=True,
                     )
                     proc.start()
@@ -436,6 +465,7 @@ __all__ = [
     "LocalRanks",
     "RankFailedError",
     "fake_world",
+    "interpreted_kernels",
     "local_ranks",
     "run_gloo",
     "run_gloo_cases",

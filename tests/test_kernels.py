@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from _harness import run_gloo_cases
+from _harness import interpreted_kernels, run_gloo_cases
 from autoshard.errors import AutoshardError
 from autoshard.kernels import QuantizationError, QuantLayout, dequantize, dequantize_reduce, quantize, uses_triton
 from autoshard.kernels import comm, reference
@@ -360,7 +360,8 @@ def _world_cases(world: int) -> dict:
 
 @pytest.fixture(scope="module", params=[2, 4], ids=["world2", "world4"])
 def gloo_results(request):
-    return request.param, run_gloo_cases(_world_cases(request.param), request.param, timeout_s=180)
+    with interpreted_kernels():  # the Triton kernels themselves across ranks (_harness note "kernels in ranks")
+        return request.param, run_gloo_cases(_world_cases(request.param), request.param, timeout_s=180)
 
 
 @pytest.mark.slow

@@ -354,7 +354,6 @@ def curve_dataset():
 
 def curve_case(rank, world_size, weight_comm):
     """ZeRO-3 tiny GPT, AdamW, CURVE_STEPS steps on the fixed dataset; returns the per-step losses."""
-    os.environ["TRITON_INTERPRET"] = "0"  # reference kernels (bit-identical to Triton, tests/test_kernels.py): speed
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda _l: {"state": "zero3", "weight_comm": weight_comm})
     plan = dataclasses.replace(plan, schedule=Schedule(num_micro_batches=1))
     train = TrainSpec(global_batch=CURVE_BATCH, seq_len=CURVE_SEQ, precision="fp32")
