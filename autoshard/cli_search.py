@@ -403,11 +403,11 @@ def run_plan(request: PlanRequest, console: Any, progress_console: Any) -> None:
     train = _train_spec(request, old)
     check_seq_len(spec, train.seq_len)
     with Stages(progress_console) as stages:
-        graph = with_compiled_activations(spec, capture_model(spec, stages), cluster, train, stages)
-        if request.reuse:
-            plan = _reuse(old, request.reuse, graph, cluster, train)
-        else:
-            plan = _search(request, graph, cluster, train, old, stages)
+        graph = capture_model(spec, stages)
+        if old is not None:  # a plan that does not fit is refused before the compiled-activation trace
+            _check_old(old, old_path, graph, cluster if request.reuse else None, train if request.reuse else None)
+        graph = with_compiled_activations(spec, graph, cluster, train, stages)
+        plan = old if request.reuse else _search(request, graph, cluster, train, old, stages)
         stages.done()
     _report(console, request, plan, old, stages.seconds, cluster)
 
@@ -442,26 +442,23 @@ def _train_spec(request: PlanRequest, old: Any) -> Any:
     return TrainSpec(**{k: v for k, v in base.items() if v is not None})
 
 
-def _reuse(plan: Any, path: Path, graph: Any, cluster: Any, train: Any) -> Any:
+def _check_old(plan: Any, path: Path, graph: Any, cluster: Any, train: Any) -> None:
+    """Refuse the ``--plan`` / ``--retarget`` plan at ``path`` made for another model (and, reused, another
+    cluster or training shape), naming the file."""
     from autoshard.plan_reuse import check_train
 
     try:
         plan.check_compatible(graph=graph, cluster=cluster)
     except PlanError as err:
         raise PlanError(f"{path}: {err}") from None
-    check_train(plan, train, source=str(path))
-    return plan
+    if train is not None:
+        check_train(plan, train, source=str(path))
 
 
 def _search(request: PlanRequest, graph: Any, cluster: Any, train: Any, old: Any, stages: Stages) -> Any:
     from autoshard.search import Constraints, solve
     from autoshard.search.solver import DEFAULT_TIME_LIMIT_S
 
-    if old is not None:  # --retarget: the model must be the same, the cluster is meant to differ
-        try:
-            old.check_compatible(graph=graph)
-        except PlanError as err:
-            raise PlanError(f"{request.retarget}: {err}") from None
     constraints = Constraints(pin=expand_pins(request.pins, graph), mesh=dict(request.mesh),
                               max_memory_bytes=request.max_memory_bytes)
     limit = request.time_limit_s or DEFAULT_TIME_LIMIT_S
@@ -521,7 +518,7 @@ def run_explain(path: Path, layer: str, top: int, cluster_spec: str | None, max_
         graph = capture_model(spec, stages)
         stages.done()
     train = train_of(plan)
-    _reuse(plan, path, graph, cluster, train)  # the model and cluster must be the plan's
+    _check_old(plan, path, graph, cluster, train)  # the model and cluster must be the plan's
     explanation = explain_layer(plan, graph, cluster, train, layer, k=top,
                                 constraints=Constraints(max_memory_bytes=max_memory_bytes))
     console.print(format_explanation(explanation))

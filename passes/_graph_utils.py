@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import copy
+import hashlib
+import pickle
 from typing import Any
 
 import torch
@@ -12,6 +14,8 @@ from autoshard.passes.context import pass_state
 from autoshard.plan import Plan
 
 META_KEY = "autoshard"  # the one node.meta / gm.meta key the passes write (STYLE.md)
+# "0" turns off every per-process cache keyed by ``structure_key`` (the export cache, compiled-activation scales)
+STRUCTURE_CACHE_ENV = "AUTOSHARD_EXPORT_CACHE"
 
 
 def layer_of_path(path: str, layer_names: list[str]) -> str | None:
@@ -99,6 +103,19 @@ def retarget_device(gm: fx.GraphModule, traced: torch.device, target: torch.devi
                 node.kwargs = {k: swap(v) for k, v in node.kwargs.items()}
         module.recompile()
     return changed
+
+
+def structure_key(twin: nn.Module, *extra: Any) -> str | None:
+    """SHA-256 of what a trace of the meta twin ``twin`` depends on besides process-global state: every
+    module's class by name and identity and its ``__dict__`` (sizes, flags, meta parameters and buffers),
+    and ``extra`` (example inputs as meta tensors, shape specs, options), pickled; None when that does not
+    pickle (a lambda or a hook on a module). ``runtime/export_cache.py`` note "the key" says what it cannot see."""
+    classes = sorted({(type(m).__module__, type(m).__qualname__, id(type(m))) for m in twin.modules()})
+    try:
+        blob = pickle.dumps((twin, *extra, classes), protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception:  # noqa: BLE001 - anything unpicklable: no key, so no cache
+        return None
+    return hashlib.sha256(blob).hexdigest()
 
 
 def meta_twin(model: nn.Module) -> nn.Module:

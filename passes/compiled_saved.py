@@ -27,12 +27,16 @@ gradient; what it saves itself belongs to no block and is not counted. Views sha
 storage and are counted once; placeholders (parameters, inputs) are not activations.
 
 Cost: one AOT trace of the whole model on meta tensors (about 10 s for a 1.3B, 24-block model on a
-2-core CPU), so callers run it once per model and sequence length and only for plans a GPU compiles.
+2-core CPU), so callers run it only for plans a GPU compiles, and a process runs it once per model
+structure, input shapes and block layers: later calls read the scale measured first (keyed by
+``_graph_utils.structure_key``, as the export cache is; ``AUTOSHARD_EXPORT_CACHE=0`` turns both off).
+A failed trace is not remembered.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
 import re
 from typing import Any, Callable
 
@@ -42,8 +46,9 @@ from torch import nn
 from autoshard.errors import CaptureError
 from autoshard.graph import ModelGraph
 from autoshard.passes._capture_saved import GpuKernelProfile
-from autoshard.passes._graph_utils import meta_twin
+from autoshard.passes._graph_utils import STRUCTURE_CACHE_ENV, meta_twin, structure_key
 
+_SCALES: dict[str, float] = {}  # structure key → scale (module docstring, "Cost")
 _VIEW_OPS = ("view", "_unsafe_view", "t", "transpose", "detach", "permute", "reshape", "expand", "alias")
 
 
@@ -128,6 +133,9 @@ def compiled_saved_scale(model: nn.Module, graph: ModelGraph, seq_len: int, micr
         model = meta_twin(model)
     inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs) if example_inputs \
         else (torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"),)
+    key = None if os.environ.get(STRUCTURE_CACHE_ENV, "1") == "0" else structure_key(model, inputs, blocks, embeddings)
+    if key in _SCALES:
+        return _SCALES[key]
 
     def step(*args: Any) -> torch.Tensor:
         outputs = model(*args)
@@ -149,7 +157,10 @@ def compiled_saved_scale(model: nn.Module, graph: ModelGraph, seq_len: int, micr
     if default <= 0:
         raise CaptureError(f"{graph.model_name}: no block layer saved activations in the traced step "
                            "(module paths did not match the captured layers)")
-    return min(min_cut / default, 1.0)
+    scale = min(min_cut / default, 1.0)
+    if key is not None:
+        _SCALES[key] = scale
+    return scale
 
 
 def with_compiled_saved_scale(graph: ModelGraph, model: nn.Module, seq_len: int, micro_batch: int = 1) -> ModelGraph:

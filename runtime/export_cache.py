@@ -22,9 +22,7 @@ graphs are kept, least recently used first out.
 from __future__ import annotations
 
 import copy
-import hashlib
 import os
-import pickle
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -32,7 +30,9 @@ from typing import Any, Callable
 import torch
 from torch import nn
 
-ENV = "AUTOSHARD_EXPORT_CACHE"
+from autoshard.passes._graph_utils import STRUCTURE_CACHE_ENV, structure_key
+
+ENV = STRUCTURE_CACHE_ENV
 CACHE_SIZE = 8
 
 
@@ -49,12 +49,7 @@ _CACHE: OrderedDict[str, torch.fx.GraphModule] = OrderedDict()
 
 def export_key(twin: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) -> str | None:
     """The cache key of exporting ``twin`` with these inputs (note "the key"), or None when it cannot be formed."""
-    classes = sorted({(type(m).__module__, type(m).__qualname__, id(type(m))) for m in twin.modules()})
-    try:
-        blob = pickle.dumps((twin, args, kwargs, dynamic_shapes, classes), protocol=pickle.HIGHEST_PROTOCOL)
-    except Exception:  # noqa: BLE001 - anything unpicklable: export without the cache
-        return None
-    return hashlib.sha256(blob).hexdigest()
+    return structure_key(twin, args, kwargs, dynamic_shapes)
 
 
 def cached_export(twin: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,

@@ -78,3 +78,24 @@ def test_deep_models_trace_a_few_blocks_that_stand_for_all(monkeypatch):
     whole = with_compiled_saved_scale(graph, original("llama:125m", device="meta", dtype=torch.bfloat16), 32)
     assert abs(out.compiled_saved_scale - whole.compiled_saved_scale) < 0.02, (out.compiled_saved_scale,
                                                                                 whole.compiled_saved_scale)
+
+
+def test_scale_is_traced_once_per_structure_and_shape(monkeypatch):
+    """A second model of the same structure and shapes reads the first's scale; another sequence length, or
+    the cache turned off, traces again (here into a ``torch.compile`` that fails, so a trace is seen)."""
+    from autoshard.errors import CaptureError
+    from autoshard.passes import compiled_saved
+
+    graph = capture_reference("gpt:tiny", seq_lens=(8, 16))
+    first = compiled_saved.compiled_saved_scale(build("gpt:tiny", device="meta"), graph, 16)
+
+    def no_trace(*args, **kwargs):
+        raise RuntimeError("traced again")
+
+    monkeypatch.setattr(torch, "compile", no_trace)
+    assert compiled_saved.compiled_saved_scale(build("gpt:tiny", device="meta"), graph, 16) == first
+    with pytest.raises(CaptureError, match="traced again"):
+        compiled_saved.compiled_saved_scale(build("gpt:tiny", device="meta"), graph, 32)
+    monkeypatch.setenv("AUTOSHARD_EXPORT_CACHE", "0")
+    with pytest.raises(CaptureError, match="traced again"):
+        compiled_saved.compiled_saved_scale(build("gpt:tiny", device="meta"), graph, 16)
