@@ -368,7 +368,6 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
     import torch.distributed as dist
 
     from autoshard.runtime import ppo_program as P
-    from autoshard.runtime.launch_child import timeout_s
     from autoshard.runtime.rl_options import options_from_args, source_from_args
 
     run = P.PPORun(
@@ -378,7 +377,7 @@ def _train_here(args: argparse.Namespace, spec: str, plan: Any) -> int:
         profile=getattr(args, "profile", False), data=source_from_args(args), rl=options_from_args(args),
         compile=getattr(args, "compile", "auto"),
     )
-    created = P.init_distributed(plan, timeout_s=timeout_s())
+    created = P.init_distributed(plan)
     try:
         P.run_ppo(run, plan, device=P.worker_device())
     finally:

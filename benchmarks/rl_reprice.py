@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 import tarfile
 import tempfile
@@ -24,18 +23,12 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.append(str(ROOT))
 
-PHASES = {"generate": ("time/generate",), "reshard": ("time/weight_sync",),
-          "score": ("time/logprobs", "time/reference", "time/values"), "advantages": ("time/advantages",),
-          "train": ("time/train",), "step": ("time/step",)}
 PRICED = {"generate": "generate_s", "reshard": "reshard_s", "score": "score_s", "advantages": "advantages_s",
           "train": "train_s", "step": "rl_step_s"}
 
 
-def _median(rows: list[dict], keys: tuple[str, ...]) -> float:
-    return sum(statistics.median(r.get(k, 0.0) for r in rows) for k in keys)
-
-
 def reprice(folder: Path) -> list[dict]:
+    from benchmarks.rl_summary import measured_phases
     from autoshard.cli_search import load_cluster
     from autoshard.plan import Plan
     from autoshard.runtime.ppo_program import capture_policy, load_policy
@@ -45,7 +38,7 @@ def reprice(folder: Path) -> list[dict]:
     for plan_file in sorted(folder.glob("x*.plan.json")):
         metrics = plan_file.with_name(plan_file.name.replace(".plan.json", ".jsonl"))
         rows = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()] if metrics.exists() else []
-        rows = [r for r in rows if "time/step" in r][1:]  # the first step compiles: left out, as rl_summary does
+        rows = [r for r in rows if "time/step" in r]  # measured_phases leaves out the first (it compiles)
         plan = Plan.load(plan_file)
         if not rows or not plan.rollout:
             continue
@@ -58,13 +51,15 @@ def reprice(folder: Path) -> list[dict]:
                                  epochs=roll.epochs, mini_batches=roll.mini_batches, compiled=True)
         option = R.price(graph, cluster, plan, roll.tp, work)
         out.append({"run": plan_file.name.split(".plan")[0], "model": plan.model_name, "world": world, "tp": roll.tp,
-                    "measured": {k: _median(rows, keys) for k, keys in PHASES.items()},
+                    "measured": measured_phases(rows),
                     "recorded": {k: getattr(roll.chosen, f) for k, f in PRICED.items()},
                     "repriced": {k: getattr(option, f) for k, f in PRICED.items()}})
     return out
 
 
 def main(argv: list[str] | None = None) -> int:
+    from benchmarks.rl_summary import PHASES
+
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("folder", type=Path)
     args = parser.parse_args(argv)

@@ -15,9 +15,20 @@ import sys
 from pathlib import Path
 
 
+# phase → the metrics (summed) it is measured by; the plan's rollout section prices each (module docstring)
+PHASES = {"generate": ("time/generate",), "reshard": ("time/weight_sync",),
+          "score": ("time/logprobs", "time/reference", "time/values"), "advantages": ("time/advantages",),
+          "train": ("time/train",), "step": ("time/step",)}
+
+
 def _median(rows: list[dict], key: str) -> float:
     values = [r.get(key, 0.0) for r in rows[1:]] or [r.get(key, 0.0) for r in rows]
     return statistics.median(values) if values else 0.0
+
+
+def measured_phases(rows: list[dict]) -> dict[str, float]:
+    """Per phase of ``PHASES``, the median over steps 2.. of ``rows`` (the metrics of the steps, in order)."""
+    return {phase: sum(_median(rows, key) for key in keys) for phase, keys in PHASES.items()}
 
 
 def run_rows(folder: Path) -> list[dict]:
@@ -33,12 +44,7 @@ def run_rows(folder: Path) -> list[dict]:
         if rollout is None:
             continue
         c = rollout["chosen"]
-        measured = {
-            "generate": _median(rows, "time/generate"), "reshard": _median(rows, "time/weight_sync"),
-            "score": _median(rows, "time/logprobs") + _median(rows, "time/reference") + _median(rows, "time/values"),
-            "advantages": _median(rows, "time/advantages"), "train": _median(rows, "time/train"),
-            "step": _median(rows, "time/step"),
-        }
+        measured = measured_phases(rows)
         predicted = {"generate": c["generate_s"], "reshard": c["reshard_s"], "score": c["score_s"],
                      "advantages": c.get("advantages_s", 0.0), "train": c["train_s"], "step": c["rl_step_s"]}
         tokens = rollout["sequences"] * _median(rows, "response/length")

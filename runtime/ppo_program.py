@@ -747,11 +747,12 @@ def worker_device() -> str:
     return "cpu"
 
 
-def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
+def init_distributed(plan: Any, collective_timeout_s: float | None = None) -> bool:
     """Join the torchrun job (env ``RANK``/``WORLD_SIZE``) unless a process group exists; True when it created one.
 
     Checks the plan's world size against ``WORLD_SIZE`` first, so a mismatch
-    fails here instead of hanging in a collective.
+    fails here instead of hanging in a collective. ``collective_timeout_s``: each collective's limit, by
+    default ``AUTOSHARD_TIMEOUT_S`` (``launch_child.timeout_s``), as the launcher's watchdog.
     """
     import torch.distributed as dist
 
@@ -759,7 +760,8 @@ def init_distributed(plan: Any, timeout_s: float = 600.0) -> bool:
     if dist.is_initialized():
         return False
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s))
+    limit = timeout_s() if collective_timeout_s is None else collective_timeout_s
+    dist.init_process_group(backend, timeout=timedelta(seconds=limit))
     return True
 
 
@@ -805,7 +807,7 @@ def worker_main(argv: Sequence[str] | None = None) -> int:
     worker_arguments(parser)
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     plan = Plan.load(args.plan)
-    created = init_distributed(plan, timeout_s=timeout_s())  # AUTOSHARD_TIMEOUT_S, as the launcher's watchdog
+    created = init_distributed(plan)
     try:
         run_ppo(run_from_args(args), plan, device=worker_device())
     except AutoshardError as err:
