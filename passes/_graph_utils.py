@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import os
 import pickle
 from typing import Any
 
@@ -108,8 +109,11 @@ def retarget_device(gm: fx.GraphModule, traced: torch.device, target: torch.devi
 def structure_key(twin: nn.Module, *extra: Any) -> str | None:
     """SHA-256 of what a trace of the meta twin ``twin`` depends on besides process-global state: every
     module's class by name and identity and its ``__dict__`` (sizes, flags, meta parameters and buffers),
-    and ``extra`` (example inputs as meta tensors, shape specs, options), pickled; None when that does not
-    pickle (a lambda or a hook on a module). ``runtime/export_cache.py`` note "the key" says what it cannot see."""
+    and ``extra`` (example inputs as meta tensors, shape specs, options), pickled: the key of the per-process
+    caches of traces (``runtime/export_cache.py``, whose note "the key" says what it cannot see). None, so no
+    caching, when that does not pickle (a lambda or a hook on a module) or ``STRUCTURE_CACHE_ENV`` is "0"."""
+    if os.environ.get(STRUCTURE_CACHE_ENV, "1") == "0":
+        return None
     classes = sorted({(type(m).__module__, type(m).__qualname__, id(type(m))) for m in twin.modules()})
     try:
         blob = pickle.dumps((twin, *extra, classes), protocol=pickle.HIGHEST_PROTOCOL)

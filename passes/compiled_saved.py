@@ -36,7 +36,6 @@ A failed trace is not remembered.
 from __future__ import annotations
 
 import dataclasses
-import os
 import re
 from typing import Any, Callable
 
@@ -46,7 +45,7 @@ from torch import nn
 from autoshard.errors import CaptureError
 from autoshard.graph import ModelGraph
 from autoshard.passes._capture_saved import GpuKernelProfile
-from autoshard.passes._graph_utils import STRUCTURE_CACHE_ENV, meta_twin, structure_key
+from autoshard.passes._graph_utils import meta_twin, structure_key
 
 _SCALES: dict[str, float] = {}  # structure key → scale (module docstring, "Cost")
 _VIEW_OPS = ("view", "_unsafe_view", "t", "transpose", "detach", "permute", "reshape", "expand", "alias")
@@ -133,7 +132,7 @@ def compiled_saved_scale(model: nn.Module, graph: ModelGraph, seq_len: int, micr
         model = meta_twin(model)
     inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs) if example_inputs \
         else (torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"),)
-    key = None if os.environ.get(STRUCTURE_CACHE_ENV, "1") == "0" else structure_key(model, inputs, blocks, embeddings)
+    key = structure_key(model, inputs, blocks, embeddings)
     if key in _SCALES:
         return _SCALES[key]
 

@@ -22,7 +22,6 @@ graphs are kept, least recently used first out.
 from __future__ import annotations
 
 import copy
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -55,7 +54,7 @@ def export_key(twin: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any) 
 def cached_export(twin: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
                   export: Callable[[], torch.fx.GraphModule]) -> torch.fx.GraphModule:
     """``export()``'s graph, or a copy of the one exported earlier for the same key (module docstring)."""
-    key = None if os.environ.get(ENV, "1") == "0" else export_key(twin, args, kwargs, dynamic_shapes)
+    key = export_key(twin, args, kwargs, dynamic_shapes)  # None: no cache (unpicklable, or ENV "0")
     if key is None:
         stats.uncached += 1
         return export()
