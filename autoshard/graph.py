@@ -134,6 +134,14 @@ class LayerInfo:
     # collectives move s·h per micro-batch, not T·h (``passes/_capture_blocks.py``). ``output_bytes_per_token``
     # still counts what leaves the layer (the root-level ``tok + pos`` add attributed to it: ``[B, S, h]``)
     batch_free_output: bool = False
+    # the backward's working set beside the saved activations and the other layers' gradients, measured on meta
+    # (``passes/_capture_grad.py``): its peak (W = per token · T + fixed), the share of the layer's own gradient bytes made by
+    # then (f), and what is left when its backward ends (negative: it freed more than it made); per class, the
+    # largest member's, so structurally identical layers keep one price
+    grad_working_per_token: float = 0.0
+    grad_working_fixed_bytes: float = 0.0  # W's part that does not grow with the tokens (weight-shaped copies)
+    grad_working_param_fraction: float = 0.0
+    grad_working_end_per_token: float = 0.0
 
     @property
     def param_count(self) -> int:

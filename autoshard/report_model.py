@@ -40,7 +40,7 @@ Memory over the step (``MemorySample``: what the rank holds from that instant on
 gradients (the fp32 step gradients in the optimizer step included), optimizer states, activations, buffers
 (gathers, backward buffers, pipeline receive buffers, the optimizer step's bucket copies). It follows
 ``memory.step_peak_bytes``' timeline: a forward reaching layer ``i`` holds the activations of its layers
-``≤ i`` for every micro-batch in flight and ``(1 + prefetch)·H_i``; a backward reaching ``i`` frees layer
+``≤ i`` for every micro-batch in flight and ``(2 + prefetch)·H_i``; a backward reaching ``i`` frees layer
 ``i``'s activations after it, holds ``G_i`` (or its own new gradient when larger, in the first backward),
 and gradients exist from a layer's first backward to the optimizer step's end. On one stage its peak (with
 the optimizer step's and the build's, ``build_bytes``) is ``Predictions.memory_by_stage``; with pipelines

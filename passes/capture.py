@@ -41,6 +41,9 @@ Steps:
    routed to the kernels a GPU runs (bool dropout masks; flash attention saves
    no scores), storages deduplicated, parameters excluded. Models that cannot
    run on meta are measured on their own device instead (logged).
+4b. The backward's working set (``_capture_grad``): one forward and backward on meta at ``s2``, live
+   storages counted per layer's backward window; per class the largest member's (not in ``class_id``:
+   structurally identical layers differ in it only by a few bytes at the stack's ends).
 5. Per-token coefficients by a two-point fit. For a quantity ``Q`` measured at
    both points, with ``q_i = Q(b, s_i) / (b·s_i)``:
 
@@ -119,6 +122,7 @@ from autoshard.passes._capture_layers import (
 )
 from autoshard.passes._capture_proxy import make_proxy
 from autoshard.passes._capture_report import format_coverage, format_layer_table
+from autoshard.passes._capture_grad import GradWorking, measure_grad_working
 from autoshard.passes._capture_saved import SavedBytes, measure_saved
 from autoshard.passes._capture_tp import tp_refusals
 from autoshard.progress import ProgressFn, Update
@@ -183,6 +187,7 @@ def capture(
         roles = param_roles(model, layers, vocab, recognised.roles)
         step(1, "saved activations")
         saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
+        working = [_measure_grad_working(model, layers, example.inputs(s), model_name) for s in example.seq_lens]
     step(2, "layer costs")
     ordered = _execution_order(layers, view.layer_order)
     params = layer_params(ordered, roles)
@@ -195,6 +200,7 @@ def capture(
         points = [point.get(spec.name, Accum()) for point in view.costs]
         info = _layer_info(spec, index, params[spec.name], points, [s[spec.name] for s in saved], example, meta)
         infos.append(replace(info, class_id=_class_id(info)))
+    infos = _with_grad_working(infos, working, [example.batch * s for s in example.seq_lens])
     step(3, f"{len(infos)} layers captured")
     rank = {spec.name: i for i, spec in enumerate(ordered)}
     return ModelGraph(
@@ -415,6 +421,44 @@ def _measure_saved(
         return measure_saved(model, layers, weight_roles, inputs, on_meta=False)
 
 
+def _measure_grad_working(model: nn.Module, layers: list[LayerSpec], inputs: tuple,
+                          model_name: str) -> dict[str, GradWorking]:
+    """``_capture_grad``'s measurement, or none (logged) for a model whose backward cannot run on meta."""
+    try:
+        return measure_grad_working(model, layers, inputs)
+    except Exception as exc:  # the cost model then prices no backward working set, as before it was measured
+        log.warning("capture: meta backward of %s failed (%s: %s); backward working set not priced",
+                    model_name, type(exc).__name__, exc)
+        return {}
+
+
+def _with_grad_working(infos: list[LayerInfo], working: list[dict[str, GradWorking]],
+                       tokens: list[int]) -> list[LayerInfo]:
+    """Each layer with its class's backward working set (step 4b): ``W`` fitted through the two points as
+    ``per_token·T + fixed`` (a weight-shaped copy does not grow with T; a negative part is dropped, as
+    ``_fit`` does), ``f`` and ``end`` at ``s2``; per class the largest of the members'."""
+    (t1, t2), (first, second) = tokens, working
+    fitted: dict[str, tuple[float, float, float, float]] = {}
+    for info in infos:
+        w1, w2 = first.get(info.name, GradWorking()), second.get(info.name, GradWorking())
+        slope = (w2.peak - w1.peak) / (t2 - t1)
+        fixed = w2.peak - slope * t2
+        if slope < 0 or fixed < 0:
+            slope, fixed = w2.peak / t2, 0.0
+        fitted[info.name] = (slope, fixed, w2.param_fraction, w2.end / t2)
+    by_class: dict[str, list[tuple[float, float, float, float]]] = {}
+    for info in infos:
+        by_class.setdefault(info.class_id, []).append(fitted[info.name])
+    out = []
+    for info in infos:
+        members = by_class[info.class_id]
+        out.append(replace(info, grad_working_per_token=max(m[0] for m in members),
+                           grad_working_fixed_bytes=max(m[1] for m in members),
+                           grad_working_param_fraction=max(members, key=lambda m: m[0] * t2 + m[1])[2],
+                           grad_working_end_per_token=max(m[3] for m in members)))
+    return out
+
+
 def _tp_refusals(program: _Program, ordered: list[LayerSpec], params: dict, roles: dict[int, str]) -> dict[str, str]:
     """Layer name → why tp cannot split it (``_capture_tp``), named with the full model's parameter names."""
     found = tp_refusals(program.exported, lambda fqn: roles.get(id(program.module.get_parameter(fqn)), "replicate"))
@@ -524,7 +568,7 @@ def _class_id(info: LayerInfo) -> str:
     numbers = {
         f.name: float(f"{getattr(info, f.name):.9g}")
         for f in fields(LayerInfo)
-        if isinstance(getattr(info, f.name), float)
+        if isinstance(getattr(info, f.name), float) and not f.name.startswith("grad_working")
     }
     blob = {
         "kind": info.kind,

@@ -1,6 +1,6 @@
 """What one rank's program issues and holds under fake tensors: the dispatch mode of ``autoshard/check.py``.
 
-``Trace`` is a ``LiveBytes`` (``runtime/live_bytes.py``) that counts meta
+``Trace`` is a ``LiveBytes`` (``autoshard/live_bytes.py``) that counts meta
 storages and, beside the bytes, records every collective the program issues,
 as the dispatcher sees it:
 
@@ -47,7 +47,7 @@ import torch.distributed as dist
 from torch.utils._pytree import tree_flatten
 
 from autoshard.passes._capture_saved import _fused_sdpa
-from autoshard.runtime.live_bytes import LiveBytes
+from autoshard.live_bytes import LiveBytes
 
 # op name (without overload) → collective kind; None: moves nothing (see module docstring)
 KINDS: dict[str, str | None] = {

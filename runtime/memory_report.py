@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from autoshard.runtime.live_bytes import LiveBytes
+from autoshard.live_bytes import LiveBytes
 
 
 @dataclass(frozen=True)

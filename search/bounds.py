@@ -14,7 +14,7 @@ on a rank ``< j`` in *every* placement CP-SAT may choose (``cpsat_model.stage_wi
 interleaved schedules have fixed chunks) and ``φ_j = min_{k<j} f_k``. Summing
 the memory rows of ranks ``0…j−1``:
 
-    Σ_{l∈L_j} (S_l + φ_j·Â_l) + max(max_{c∈L_j} min_s G_c, (1 + prefetch)·max_{c∈L_j} min_s H_c)  ≤  j·M
+    Σ_{l∈L_j} (S_l + φ_j·Â_l) + max(max_{c∈L_j} min_s G_c, (2 + prefetch)·max_{c∈L_j} min_s H_c)  ≤  j·M
                                                                                         (row j)
 
 Row ``p`` is the summed row of every rank with the least in-flight count;
@@ -55,6 +55,7 @@ import numpy as np
 from autoshard.plan import Mesh, Schedule
 from autoshard.search.cpsat_model import stage_windows
 from autoshard.search.evaluate import Option, interleaved_block_stages
+from autoshard.search.memory import gather_copies
 from autoshard.search.pipeline import in_flight, virtual_stages
 
 LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-4, 4, 49)])  # × (time scale / memory scale)
@@ -153,7 +154,7 @@ def table_bounds(options: Sequence[Sequence[Option]], layer_counts: np.ndarray, 
     min_buffer = np.array([min(o.buffer_bytes for o in opts) for opts in options])  # (C,)
     min_gathered = np.array([min(o.gathered_bytes for o in opts) for opts in options])  # (C,)
     buffers = np.maximum(np.where(rows.counts > 0, min_buffer[None, :], 0.0).max(axis=1),  # (R,)
-                         (1 + schedule.prefetch) * np.where(rows.counts > 0, min_gathered[None, :], 0.0).max(axis=1))
+                         gather_copies(schedule.prefetch) * np.where(rows.counts > 0, min_gathered[None, :], 0.0).max(axis=1))
     if p == 1:  # one stage: the timeline rows (memory.step_peak_bytes) are ≥ Σ S_floor + ΣA, not ≥ that + buffers
         buffers = np.zeros_like(buffers)
     time_lb, mem_lb = math.inf, math.inf

@@ -137,18 +137,18 @@ parameter tensor costs at least ``OPTIMIZER_KERNELS_PER_TENSOR·o`` (AdamW 11; m
 Memory per rank: ``search/memory.py`` (ZeRO model states with shard degree N,
 Korthikanti activations). Whole plan (``predict``): per pipeline rank k, the forward/backward
 peak ``memory.step_peak_bytes``: it follows the rank's schedule through its layers. A forward reaching
-layer i holds the other in-flight micro-batches' activations, ``A≤i`` and ``(1 + prefetch)·H_i`` of
+layer i holds the other in-flight micro-batches' activations, ``A≤i`` and ``(2 + prefetch)·H_i`` of
 gathers; the step's first backward reaching layer i (in reverse) holds ``A≤i``, the gradients of the
 layers after i (``Gr>i``) and layer i's buffers ``G_i`` (or, without buffers, its own gradient ``Gr_i``); later backwards hold every
 gradient. With f_k = ``pipeline.in_flight`` (1 on one stage) and m micro-batches::
 
-    peak_k = Σ (params + optimizer) + max( (f − 1)·Σ A + max_i [A≤i + (1 + prefetch)·H_i] + [m > f]·Σ Gr,
+    peak_k = Σ (params + optimizer) + max( (f − 1)·Σ A + max_i [A≤i + (2 + prefetch)·H_i] + [m > f]·Σ Gr,
                                            (f − 1)·Σ A + max_i [A≤i + Gr>i + max(G_i, Gr_i)],
                                            (f − 1 − [m ≤ f])·Σ A + Σ Gr + max_i [A≤i + G_i]  (m ≥ 2) )
 
 Gradients exist only from the step's first backward on (the runtime, like
 ``zero_grad(set_to_none=True)``, drops them after each update). An interleaved rank keeps the
-order-free bound ``Σ (params + grads + optimizer) + max(max G, (1 + prefetch)·max H) + f_k·Σ A``,
+order-free bound ``Σ (params + grads + optimizer) + max(max G, (2 + prefetch)·max H) + f_k·Σ A``,
 never below the timeline, and so does the search for every pipeline (``search/evaluate.py``: its
 CP-SAT rows have no layer order across stage boundaries); on one stage the search prices the timeline
 too (docs/cost-model.md, "Memory per rank"). A pipeline rank adds its receive buffers, ``m`` per boundary its
@@ -236,7 +236,7 @@ __all__ = [
     "usable_memory_bytes",
 ]
 
-COST_MODEL_VERSION = "11"  # plans record it (fingerprints); bump when a prediction of the same plan changes
+COST_MODEL_VERSION = "12"  # plans record it (fingerprints); bump when a prediction of the same plan changes
 
 
 @dataclass(frozen=True)
@@ -311,7 +311,7 @@ def _layer_cost(layer: LayerInfo, strategy: LayerStrategy, mesh: Mesh, cluster: 
                                       schedule.bucket_bytes, cluster.runs_on_cpu,
                                       layer_terms.runs_compiled(mesh, cluster, train))
     # a recomputed layer's backward holds its activations again (memory.rematerialised_bytes)
-    remat = rematerialised_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len)
+    remat = rematerialised_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry)
     return LayerCost(
         fwd_s=compute["fwd_compute_s"] + fwd_comm,
         bwd_s=bwd_compute + bwd_comm,
@@ -544,7 +544,7 @@ class _RankTotals:
             activations=summed.activations * in_flight(plan.schedule, mesh.pp, rank),
             grads_beside_activations=plan.schedule.num_micro_batches > 1 or mesh.pp > 1,
             build_bytes=build_peak_bytes(c.memory for c in mine),
-            optimizer_step_bytes=optimizer_step_peak_bytes(c.memory for c in mine),
+            optimizer_step_bytes=optimizer_step_peak_bytes((c.memory for c in mine), plan.schedule.bucket_bytes),
             step_peak=(_interleaved_peak(static.model_states, costs, ranks, chunks, rank, v, plan, mesh)
                        if v > 1 and chunks is not None else
                        step_peak_bytes(static.model_states, [_live(c) for c in mine], plan.schedule.prefetch,
@@ -621,13 +621,11 @@ def _region_rematerialisation(costs: list[LayerCost], strategies: list[LayerStra
         last = i + 1 == len(costs) or entries[i + 1] or strategies[i + 1].recompute != "full"
         if s.recompute != "full" or not last or i == start:
             continue
-        region = range(start, i + 1)
-        total = sum(costs[j].detail.get("rematerialised_bytes", 0.0) for j in region)
-        total += sum(costs[j].memory.gathered for j in region if j != i)
-        for j in region:
+        held = 0.0  # rematerialised by the region's recompute and not yet freed, when layer j's backward runs
+        for j in range(start, i + 1):
+            held += costs[j].detail.get("rematerialised_bytes", 0.0) + (costs[j - 1].memory.gathered if j > start else 0.0)
             own = costs[j].detail.get("rematerialised_bytes", 0.0)
-            extra = total if j == i else 0.0
-            out[j] = replace(costs[j], memory=replace(costs[j].memory, buffers=costs[j].memory.buffers - own + extra))
+            out[j] = replace(costs[j], memory=replace(costs[j].memory, buffers=costs[j].memory.buffers - own + held))
     return out
 
 
@@ -681,15 +679,17 @@ def boundary_buffer_bytes(layer: LayerInfo, sp: bool, mesh: Mesh, schedule: Sche
 
 def _boundary_buffers(graph: ModelGraph, strategies: list[LayerStrategy], ranks: list[int], mesh: Mesh,
                       schedule: Schedule, train: TrainSpec) -> list[float]:
-    """Per pipeline rank, the receive buffers of the step: ``m`` per boundary it sends across (gradients) and
-    ``m`` per boundary it receives across (activations), each ``boundary_buffer_bytes``."""
+    """Per pipeline rank, the boundary buffers of the step: ``m`` receive buffers per boundary it sends across
+    (gradients) and ``m`` per boundary it receives across (activations), each ``boundary_buffer_bytes``; and,
+    where it sends, the outputs it keeps for their backward (torch.distributed.pipelining holds a stage's
+    output until its micro-batch's backward): ``in_flight`` of them, which no layer saves (a checkpoint
+    region keeps only its input)."""
     out = [0.0] * mesh.pp
     for i in range(len(strategies) - 1):
         if strategies[i].stage != strategies[i + 1].stage:
-            nbytes = schedule.num_micro_batches * boundary_buffer_bytes(graph.layers[i], strategies[i].sp, mesh,
-                                                                       schedule, train)
-            out[ranks[i]] += nbytes
-            out[ranks[i + 1]] += nbytes
+            one = boundary_buffer_bytes(graph.layers[i], strategies[i].sp, mesh, schedule, train)
+            out[ranks[i]] += (schedule.num_micro_batches + in_flight(schedule, mesh.pp, ranks[i])) * one
+            out[ranks[i + 1]] += schedule.num_micro_batches * one
     return out
 
 

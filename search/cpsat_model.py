@@ -18,6 +18,7 @@ from ortools.sat.python import cp_model
 
 from autoshard.plan import LayerStrategy, Mesh, Schedule
 from autoshard.search.evaluate import Option, interleaved_block_stages
+from autoshard.search.memory import gather_copies
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import SolverClass, strategy_key
 
@@ -107,6 +108,12 @@ class _Builder:
     def y_step(self, o: Option) -> int:
         return _kib(o.step_transient_bytes)
 
+    def k_bucket(self, o: Option) -> int:
+        return _kib(o.cost.memory.step_bucketed)
+
+    def pack(self, o: Option) -> int:
+        return int(o.cost.memory.step_pack)
+
     def a_chain(self, o: Option) -> int:
         return int(math.ceil(o.chain_bytes / KIB))
 
@@ -119,10 +126,10 @@ class _Builder:
     # -- optstep_max/<class>/stage<k>: Y_k ≥ optimizer-step bucket copies of every class on rank k
     def add_buffer_max(self, build_rows: bool) -> None:
         """G_k, H_k, Y_k, and X_k with the build rows, per rank (evaluate.py: the per-rank maxima), and the
-        live buffers L_k ≥ G_k, L_k ≥ (1 + prefetch)·H_k (``memory.live_buffers``: a max, convex)."""
+        live buffers L_k ≥ G_k, L_k ≥ (2 + prefetch)·H_k (``memory.live_buffers``: a max, convex)."""
         self.g_rank = self._rank_max(self.g, "G", "buffer_max")
         h_rank = self._rank_max(self.h, "H", "gathered_max")
-        factor = 1 + self.inp.schedule.prefetch
+        factor = gather_copies(self.inp.schedule.prefetch)
         hi = lambda coef: max((coef(o) for opts in self.inp.options for o in opts), default=0)  # noqa: E731
         self.live_rank = []
         for k, (g, h) in enumerate(zip(self.g_rank, h_rank)):
@@ -131,6 +138,7 @@ class _Builder:
             self.model.add(live >= factor * h).with_name(f"live_buffers/stage{k}")
             self.live_rank.append(live)
         self.y_step_rank = self._rank_max(self.y_step, "Y", "optstep_max")
+        self.pack_rank = self._rank_max(self.pack, "PK", "pack_max")
         self.x_rank = self._rank_max(self.x_build, "X", "build_max") if build_rows else None
 
     def _rank_max(self, coef, name: str, family: str) -> list[cp_model.IntVar]:
@@ -187,7 +195,8 @@ class _Builder:
                               self._activation_var(tuple(members), tuple(chain)),
                               self._block_var(sorted_members, self.r, "R") if build_rows else None,
                               self._block_var(sorted_members, self.gr, "Gr") if self.grads_apart else None,
-                              self._block_var(sorted_members, self.o_step, "O"))
+                              self._block_var(sorted_members, self.o_step, "O"),
+                              self._block_var(sorted_members, self.k_bucket, "K"))
             self.block_terms.append(cache[key])
 
     def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
@@ -316,7 +325,7 @@ class _Builder:
                 m.add(self._rank_sum(k, 4) + self.x_rank[k] <= cap_kib).with_name(f"build/stage{k}")
             # The optimizer step (Σ O + max Y: model states, the fp32 gradients it reads, a packed
             # bucket) is not implied by mem/stage<k> either: its gradient copies can exceed activations.
-            m.add(self._rank_sum(k, 6) + self.y_step_rank[k] <= cap_kib).with_name(f"optstep/stage{k}")
+            m.add(self._rank_sum(k, 6) + self.rank_buckets(k) <= cap_kib).with_name(f"optstep/stage{k}")
             m.add(v * self.z >= slots_v * self.t_max + v * self._rank_sum(k, 1)).with_name(f"step/stage{k}")
         if inp.cutoff_s is not None:
             m.add(self.z <= max(int(math.floor(inp.cutoff_s / inp.unit_s)) - 1, 0)).with_name("cutoff")
@@ -333,16 +342,16 @@ class _Builder:
     def add_timeline_rows(self, cap_kib: int, flight: int) -> None:
         """One stage (``memory.step_peak_bytes`` with f = 1): per layer j of block b,
 
-            forward    S − [m = 1]·Gr + A_{<b} + a_{b,≤j} + (1 + prefetch)·H_{b,j}
+            forward    S − [m = 1]·Gr + A_{<b} + a_{b,≤j} + (2 + prefetch)·H_{b,j}
             backward   S − [m = 1]·Gr + A_{<b} + a_{b,≤j} + [m = 1]·(Gr_{>b} + gr_{b,>j}) + max(G, gr)_{b,j}
 
-        (one row with ``max(G, (1 + prefetch)·H)`` when m > 1: every gradient is live from the first
+        (one row with ``max(G, (2 + prefetch)·H)`` when m > 1: every gradient is live from the first
         micro-batch's backward on, which the later micro-batches' rows dominate). Of a run of blocks with
         the same composition only the first and the last need rows: along the run a row changes by the
         same ``A_blk`` (``A_blk − Gr_blk``) per block, so its maximum is at an end."""
         chains = self.inp.block_chain or tuple((False,) * len(m) for m in self.inp.block_classes)
         keys = [(tuple(m), tuple(c)) for m, c in zip(self.inp.block_classes, chains)]
-        factor = 1 + self.inp.schedule.prefetch
+        factor = gather_copies(self.inp.schedule.prefetch)
         ends = {b for b in range(self.num_blocks)
                 if b == 0 or b == self.num_blocks - 1 or keys[b] != keys[b - 1] or keys[b] != keys[b + 1]}
         acts = [terms[3] for terms in self.block_terms]
@@ -365,32 +374,50 @@ class _Builder:
                         row += sum(grads[b + 1:]) + sum(self.class_expr(later, self.gr) for later in members[j + 1:])
                     self.model.add(row <= cap_kib).with_name(f"mem/{name}/block{b}/layer{j}")
 
+    def rank_buckets(self, k: int) -> cp_model.LinearExpr:
+        """The optimizer step's bucket copies on rank k (``memory.optimizer_step_peak_bytes``): ``max(Y_k,
+        min(PK_k · bucket, Σ K))``, the layers' own or a bucket spanning them (``optstep_buckets/stage<k>``)."""
+        bucket_kib = self.inp.schedule.bucket_bytes // KIB
+        if bucket_kib <= 0:
+            return self.y_step_rank[k]
+        hi_pack = max((self.pack(o) for opts in self.inp.options for o in opts), default=0)
+        spanning = self.model.new_int_var(0, hi_pack * bucket_kib, f"KB[{k}]")
+        self.model.add_min_equality(spanning, [self.pack_rank[k] * bucket_kib, self._rank_sum(k, 7)])
+        total = self.model.new_int_var(0, max(hi_pack * bucket_kib, self._ub_expr_y()), f"YB[{k}]")
+        self.model.add(total >= self.y_step_rank[k]).with_name(f"optstep_buckets/stage{k}")
+        self.model.add(total >= spanning).with_name(f"optstep_buckets/stage{k}")
+        return total
+
+    def _ub_expr_y(self) -> int:
+        return max((self.y_step(o) for opts in self.inp.options for o in opts), default=0)
+
     def stage_receive_buffers(self) -> list:
-        """Per rank, its pipeline receive buffers in KiB (evaluate.py: m per boundary its stages cross, each
-        way, of the boundary layer's ``boundary_bytes``). Interleaved: the fixed boundaries. Otherwise rank k
+        """Per rank, its pipeline boundary buffers in KiB (evaluate.py: m per boundary its stages cross, each
+        way, of the boundary layer's ``boundary_bytes``, and ``in_flight`` kept outputs where it sends). Interleaved: the fixed boundaries. Otherwise rank k
         receives activations if k > 0 and gradients if k < p − 1, of the blocks' last class (the largest of
         them when they differ, as ``stage_p2p``)."""
         p, blocks, mb = self.pp, self.inp.block_classes, self.inp.schedule.num_micro_batches
         if p == 1 or not blocks:
             return [0] * p
         last = [members[-1] for members in blocks]
-        q = lambda o: mb * _kib(o.boundary_bytes)  # noqa: E731
+        kept = [math.ceil(in_flight(self.inp.schedule, p, k)) for k in range(p)]  # outputs a sender keeps
         if self.block_stage_fixed is not None:
             fixed, out = self.block_stage_fixed, [0] * p
             for b in range(len(blocks) - 1):
                 if fixed[b] != fixed[b + 1]:
-                    expr = self.class_expr(last[b], q)
-                    out[fixed[b] % p] += expr
-                    out[fixed[b + 1] % p] += expr
+                    sender, receiver = fixed[b] % p, fixed[b + 1] % p
+                    out[sender] += self.class_expr(last[b], lambda o, k=sender: (mb + kept[k]) * _kib(o.boundary_bytes))
+                    out[receiver] += self.class_expr(last[b], lambda o: mb * _kib(o.boundary_bytes))
             return out
         senders = sorted(set(last[:-1]))
+        q = lambda o: _kib(o.boundary_bytes)  # noqa: E731
         if len(senders) == 1:
             expr = self.class_expr(senders[0], q)
         else:
             expr = self.model.new_int_var(0, max(q(o) for c in senders for o in self.inp.options[c]), "Q")
             for c in senders:
                 self.model.add(expr >= self.class_expr(c, q)).with_name("stage_receive/max")
-        return [expr * ((k > 0) + (k < p - 1)) for k in range(p)]
+        return [expr * (mb * ((k > 0) + (k < p - 1)) + (k < p - 1) * kept[k]) for k in range(p)]
 
     def stage_p2p(self) -> list[tuple]:
         """Per rank, (send/recv expression per micro-batch, its upper bound): P of the last layer of

@@ -17,6 +17,7 @@ Per layer ``l`` with strategy ``s`` (``LayerCost`` of the cost function):
     X_l    = build_transient                     bytes, largest parameter region being built
     O_l    = S_l + step_grads                    bytes, what the optimizer step holds (``memory.py``)
     Y_l    = step_transient                      bytes, copies of the gradient bucket being packed
+    K_l    = step_bucketed, step_pack            bytes, pack × its bucketed gradients; its form's pack
     A_l    = activations                         bytes, one micro-batch; A'_l when the layer
                                                  continues a checkpoint region (below)
     P_l    = send/recv of the layer's output     seconds per micro-batch, paid when a stage
@@ -27,11 +28,12 @@ micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
 
     T_r   = Σ t_l + Σ_{l: boundary after l} P_l        tail_r = Σ tail_l
     M_r   = forward/backward peak (``memory.step_peak_bytes``): pp = 1, the timeline of the layers in
-            order; pp > 1, the order-free bound Σ S_l + max(max G_l, (1 + prefetch)·max H_l) + f_r·Σ A_l,
+            order; pp > 1, the order-free bound Σ S_l + max(max G_l, (2 + prefetch)·max H_l) + f_r·Σ A_l,
             ≥ ``predict``'s schedule timeline (the search is conservative for pipelines), + m·Σ Q_l
             over the boundaries r's stages cross, each way (Q_l = ``boundary_bytes``: receive buffers)
     B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
-    O_r   = Σ O_l + max_{l on r} Y_l                        (optimizer step; ``memory.optimizer_step_peak_bytes``)
+    O_r   = Σ O_l + max(max_{l on r} Y_l, min(max pack_l · bucket, Σ_{l on r} K_l))
+                                                        (optimizer step; ``memory.optimizer_step_peak_bytes``)
     peak_r = max(M_r, O_r, B_r)
     step  = max_r [ (m + (p − 1)/v) · max_r' T_r' + tail_r ]
 
@@ -65,7 +67,7 @@ from autoshard.graph import LayerInfo, ModelGraph
 from autoshard.plan import LayerStrategy, Mesh, Predictions, Schedule
 from autoshard.search import cost_model
 from autoshard.search.cost_model import LayerCost
-from autoshard.search.memory import LayerLive, live_buffers, step_peak_bytes
+from autoshard.search.memory import LayerLive, live_buffers, rank_bucket_bytes, step_peak_bytes
 from autoshard.search.pipeline import in_flight, virtual_stages
 from autoshard.search.space import strategy_key
 from autoshard.train import TrainSpec
@@ -248,15 +250,15 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
     """
     pp = mesh.pp
-    t, tail, static, resident, transient, opt, opt_transient = ([0.0] * pp for _ in range(7))
+    t, tail, static, resident, transient, opt, opt_transient, bucketed, pack = ([0.0] * pp for _ in range(9))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
-    receive = [0.0] * pp  # receive buffers: m per boundary a rank's stages cross, each way (cost_model)
+    receive = [0.0] * pp  # m receive buffers per boundary a rank's stages cross, each way, + kept outputs (cost_model)
     for i, (option, r) in enumerate(zip(layer_options, ranks)):
         t[r] += option.time_s
         if i + 1 < len(stages) and stages[i + 1] != stages[i]:
             t[r] += option.p2p_s
-            receive[r] += schedule.num_micro_batches * option.boundary_bytes
+            receive[r] += (schedule.num_micro_batches + in_flight(schedule, pp, r)) * option.boundary_bytes
             receive[ranks[i + 1]] += schedule.num_micro_batches * option.boundary_bytes
         tail[r] += option.tail_s
         static[r] += option.static_bytes
@@ -264,13 +266,16 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
         transient[r] = max(transient[r], option.build_transient_bytes)
         opt[r] += option.optimizer_step_bytes
         opt_transient[r] = max(opt_transient[r], option.step_transient_bytes)
+        bucketed[r] += option.cost.memory.step_bucketed
+        pack[r] = max(pack[r], option.cost.memory.step_pack)
     build = tuple(resident[r] + transient[r] for r in range(pp))  # memory.build_peak_bytes, from the sums
     live = [[] for _ in range(pp)]
     for option, a, r in zip(layer_options, acts, ranks):
         live[r].append(LayerLive(a, option.cost.memory.grads, option.buffer_bytes, option.gathered_bytes))
     memory = tuple(max(step_peak_bytes(static[r], live[r], schedule.prefetch, in_flight(schedule, pp, r),
                                        schedule.num_micro_batches, order_free=pp > 1) + receive[r],
-                       opt[r] + opt_transient[r], build[r]) for r in range(pp))
+                       opt[r] + max(opt_transient[r], rank_bucket_bytes(pack[r], bucketed[r], schedule.bucket_bytes)),
+                       build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)
     per_rank = [slots * t_max + tail[r] for r in range(pp)]

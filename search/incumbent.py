@@ -30,6 +30,7 @@ import numpy as np
 
 from autoshard.plan import Mesh, Schedule
 from autoshard.search.evaluate import Option, evaluate, interleaved_block_stages, rank_of
+from autoshard.search.memory import gather_copies
 from autoshard.search.pipeline import in_flight, virtual_stages
 
 LAMBDA_GRID = np.concatenate([[0.0], np.logspace(-3, 3, 25)])  # × (time scale / memory scale)
@@ -98,7 +99,7 @@ def _rank_memory(options: Sequence[Sequence[Option]], picks: np.ndarray, counts:
     activations = act @ counts.T - np.einsum("kpc,apc->ak", chained, saving)  # (A, P)
     present = counts > 0  # (P, C)
     buffers = np.maximum(np.where(present[None], buf[:, None, :], 0.0).max(axis=2),  # (A, P): memory.live_buffers
-                         (1 + prefetch) * np.where(present[None], gathered[:, None, :], 0.0).max(axis=2))
+                         gather_copies(prefetch) * np.where(present[None], gathered[:, None, :], 0.0).max(axis=2))
     step = static @ counts.T + buffers + flight[None, :] * activations
     build = resident @ counts.T + np.where(present[None], transient[:, None, :], 0.0).max(axis=2)  # (A, P)
     optimizer_step = opt @ counts.T + np.where(present[None], opt_transient[:, None, :], 0.0).max(axis=2)  # (A, P)

@@ -22,6 +22,7 @@ from autoshard.search.memory import (
     StateBytes,
     activation_bytes,
     backward_buffer_bytes,
+    backward_working_bytes,
     build_region_elements,
     build_transient_bytes,
     model_state_memory,
@@ -554,6 +555,7 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     "Optimizer step"). ``host_is_device``: CPU ranks, whose host memory is their device memory.
     ``compiled`` (``runs_compiled``): the loss's form (``loss_bytes``)."""
     states = MemoryBreakdown()
+    gathered_bytes = made_grads = made_elements = 0.0  # the gathered parameters, the gradient the backward makes
     state = memory_state(strategy, form)
     work = step_working_set(form, compute_fp32=sizes.grad == STEP_GRAD_BYTES)
     on_device = strategy.state != "offload" or host_is_device  # offload's step gradient is on the host
@@ -569,6 +571,9 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
         # keeps its gradient and optimizer shards at that shape too, ZeRO-1/2 as flat chunks (ψ/N)
         dim0 = padded[index] if padded is not None and degree > 1 else group.psi
         psi = dim0 if state == "zero3" else group.psi
+        gathered_bytes += sizes.param * dim0
+        made_grads += sizes.grad * dim0
+        made_elements += dim0
         group_states = replace(model_state_memory(psi, state, degree, sizes),
                                buffers=backward_buffer_bytes(form.backward, dim0, sizes))
         if kept:
@@ -581,9 +586,14 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
         if strategy.state == "zero3" and strategy.weight_comm in _QUANTIZED:
             states = states + MemoryBreakdown(buffers=group.psi * comm_bytes_per_element(strategy.weight_comm))
     # quantized wires are reduced one parameter at a time (qgZ), not in buckets; their own transients are not priced
-    pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions],
-                           0 if strategy.grad_comm in _QUANTIZED else bucket_bytes)
+    bucketed = work.pack and strategy.grad_comm not in _QUANTIZED and bucket_bytes > 0
+    pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions], bucket_bytes if bucketed else 0)
+    states = states + MemoryBreakdown(step_bucketed=work.pack * sizes.grad * sum(regions) if bucketed else 0.0,
+                                      step_pack=work.pack if bucketed else 0)
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
+    states = replace(states, buffers=backward_working_bytes(layer, strategy, mesh.tp, sh.tokens, form.backward,
+                                                            states.buffers, gathered_bytes, made_grads,
+                                                            min(made_elements / max(layer.param_count, 1), 1.0)))
     # SP's gathered inputs, saved whole: collective outputs, which a compiled graph keeps as they are (not scaled)
     gathered_inputs = sp_gathered_input_bytes(layer, strategy, mesh.tp, sh.tokens, sizes.param)
     return states + MemoryBreakdown(activations=acts + gathered_inputs + loss_bytes(layer, sh, compiled),

@@ -31,12 +31,25 @@ it into the parameter). ``buffers`` is what one layer holds while its backward r
 packed layer's (re-gathered parameters, unsharded gradient, the reduce-scatter's copy-in,
 ``passes/_zero3.py``); a compiled graph frees each gathered weight before the copy-in exists.
 ``gathered`` is a layer's gathered parameters in the forward, where ``schedule.prefetch`` more heavy
-layers' gathers are in flight. The forward/backward peak places them on the backward's timeline
-(``step_peak_bytes``); a pipelined rank takes ``max(max buffers, (1 + prefetch)·max gathered)``
+layers' gathers are in flight and one gather's flat all-gather output is live beside its copy-out
+(``passes/_zero3.py``: the per-parameter tensors are copied out of it), so ``2 + prefetch`` of them
+(``gather_copies``); its backward re-gather likewise holds ``2p`` for a moment (``backward_working_bytes``).
+The forward/backward peak places them on the backward's timeline (``step_peak_bytes``); a pipelined rank takes ``max(max buffers, (2 + prefetch)·max gathered)``
 over its layers (``live_buffers``), never a sum. The backward prefetch (one layer ahead) and the
 reduce-scatter still pending from the layer after (``passes/recompute.py``, ``passes/_zero3.py``)
 are the neighbouring norms of an attention or MLP layer, which capture makes layers of their own:
 light, so not priced.
+
+Backward working set (``backward_working_bytes``). Besides the activations of the layers before it and
+the gradients of those after it, a layer's backward holds the gradient of its output (and of the residual
+stream beside it), the activation gradients it makes inside (an RMSNorm's fp32 copies, a SwiGLU's ``[T, ffn]``
+gradients) and, by then, a share ``f`` of its own gradient: ``W + f·g``, measured by capture on meta
+(``passes/_capture_grad.py``). The form's buffers come at the backward's end, when the layer has freed its
+saved activations and left its input's gradient (``end``, per token, negative when it freed more), so::
+
+    G_l = max(buffers + end, held + W + f·g, 2·held)   held: the gathered parameters (ZeRO-3, graph gathers)
+
+A model capture could not run backward on meta has ``W = end = 0``: ``G_l`` is the form's buffers.
 
 Activations of one micro-batch (Korthikanti et al. 2022, Table 2), from the
 captured per-token coefficients of ``LayerInfo`` (B = saved_boundary, I =
@@ -85,7 +98,14 @@ where it is a tensor of its own (``step_grads``: 4 bytes × Ψ for "full", Ψ/N 
 the largest bucket, ``max(largest member, min(bucket_bytes, Σ members))`` over the layer's
 gradients in their dtype; one bucket is packed at a time, so a max over layers)::
 
-    optimizer_step = Σ (params + grads + optimizer + step_grads) + max step_transient
+    optimizer_step = Σ (params + grads + optimizer + step_grads) + max(max step_transient, buckets)
+
+A bucket fills with the gradients of consecutive layers (``runtime/_buckets.assign``), so on a rank
+whose layers' gradients are small against ``bucket_bytes`` one bucket holds several layers' and its
+copies exceed any one layer's: ``buckets = min(pack · bucket_bytes, Σ pack · members)`` over the rank's
+bucketed gradients (``rank_bucket_bytes``; the largest ``pack`` of the rank's forms, and every form's
+members summed, where the runtime keys buckets by collective: an upper bound on a rank mixing forms).
+A rank whose layers each fill a bucket is priced by its layers' own ``step_transient``.
 
 The update itself (fused AdamW, SGD) allocates nothing. Offload's chunk is on the host on a GPU
 (not counted), on the device on CPU ranks, where host and device are the same memory: there the
@@ -126,6 +146,8 @@ class MemoryBreakdown:
     build_transient: float = 0.0  # while building: the largest parameter region, read + fp32 copy (a max)
     step_grads: float = 0.0  # optimizer step: fp32 gradients the update reads, when tensors of their own
     step_transient: float = 0.0  # optimizer step: copies of the gradient bucket being packed (a max)
+    step_bucketed: float = 0.0  # optimizer step: pack × the bytes of the gradients that go into buckets (summed)
+    step_pack: int = 0  # optimizer step: copies of a bucket its form makes (a max)
 
     @property
     def total_static(self) -> float:
@@ -161,6 +183,8 @@ class MemoryBreakdown:
             build_transient=max(self.build_transient, other.build_transient),
             step_grads=self.step_grads + other.step_grads,
             step_transient=max(self.step_transient, other.step_transient),
+            step_bucketed=self.step_bucketed + other.step_bucketed,
+            step_pack=max(self.step_pack, other.step_pack),
         )
 
 
@@ -214,6 +238,29 @@ def backward_buffer_bytes(backward: str, psi: float, sizes: StateBytes) -> float
     raise ValueError(f"backward={backward!r}: allowed none, gather_grad_copy, graph_gather, graph_kept")
 
 
+# the forms whose backward holds the layer's gathered parameters throughout (re-gathered, or gathered in the graph)
+_HOLDS_GATHERED = ("gather_grad_copy", "graph_gather")
+
+
+def backward_working_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, tokens: float, backward: str,
+                           buffers: float, gathered: float, grads: float, local_share: float) -> float:
+    """``G_l``: what one layer's backward holds beside the activations and the other layers' gradients
+    (module docstring, "Backward working set"): ``max(buffers + end, held + W + f·grads, 2·held)``, the last
+    the re-gather's flat output beside its copy-out.
+
+    ``buffers`` is the form's (``backward_buffer_bytes``, summed over the layer's groups), ``gathered`` its
+    gathered parameter bytes (held through the backward by the gathering forms), ``grads`` the bytes of the
+    gradient its backward makes (the local, unsharded one), ``local_share`` that gradient's share of the
+    layer's parameters (tp and ep shards); ``W``, ``f`` and ``end`` are capture's (``LayerInfo.grad_working_*``)
+    at ``tokens``, sharded by tp as the layer's interior activations are, and W's fixed, weight-shaped part
+    by ``local_share``."""
+    tp_interior = tp if ((strategy.tp == "megatron" and tp_shardable(layer)) or (strategy.sp and tp > 1)) else 1
+    working = tokens * layer.grad_working_per_token / tp_interior + layer.grad_working_fixed_bytes * local_share
+    end = tokens * layer.grad_working_end_per_token / tp_interior
+    held = gathered if backward in _HOLDS_GATHERED else 0.0
+    return max(buffers + end, held + working + layer.grad_working_param_fraction * grads, 2 * held)
+
+
 TP_SPLIT_ROLES = ("column", "row", "vocab")
 
 
@@ -223,15 +270,17 @@ def tp_shardable(layer: LayerInfo) -> bool:
     return layer.kind == "head" or any(p.tp_role in TP_SPLIT_ROLES for p in layer.params)
 
 
-def rematerialised_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, tokens: float, seq_len: int) -> float:
+def rematerialised_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, tokens: float, seq_len: int,
+                         region_entry: bool = True) -> float:
     """Bytes a recomputed layer's backward holds again: what it saves without recompute less what it keeps
-    (its input under full recompute, all but the attention scores under selective). ``plan``-level pricing
+    (its input under full recompute where it enters its checkpoint region, nothing where it continues one
+    (``region_entry`` False), all but the attention scores under selective). ``plan``-level pricing
     (``cost_model.plan_layer_costs``) puts a whole checkpoint region's sum on the region's last layer,
     where its backward recomputes the region at once; the search prices each layer's own."""
     if strategy.recompute == "none":
         return 0.0
     saved = activation_bytes(layer, replace(strategy, recompute="none"), tp, tokens, seq_len)
-    return max(saved - activation_bytes(layer, strategy, tp, tokens, seq_len), 0.0)
+    return max(saved - activation_bytes(layer, strategy, tp, tokens, seq_len, region_entry=region_entry), 0.0)
 
 
 def activation_bytes(
@@ -275,10 +324,17 @@ def sp_gathered_input_bytes(layer: LayerInfo, strategy: LayerStrategy, tp: int, 
     return tokens * per_token * (1.0 - 1.0 / tp)
 
 
+def gather_copies(prefetch: int) -> int:
+    """Gathered-parameter buffers of one layer's size live at a forward gather (module docstring): the layer's
+    gathered parameters, the flat all-gather output of the one being copied out (freed once its copy-out
+    ends), and ``prefetch`` more in flight."""
+    return 2 + prefetch
+
+
 def live_buffers(max_buffers: float, max_gathered: float, prefetch: int) -> float:
     """Gather / collective buffers live at once on a rank (module docstring): the largest layer's backward
-    buffers, or ``1 + prefetch`` of its forward gathers, whichever is larger."""
-    return max(max_buffers, (1 + prefetch) * max_gathered)
+    buffers, or ``2 + prefetch`` of its forward gathers (``gather_copies``), whichever is larger."""
+    return max(max_buffers, gather_copies(prefetch) * max_gathered)
 
 
 def rank_memory(static: float, grads: float, buffers: float, activations: float, grads_beside_activations: bool) -> float:
@@ -313,7 +369,7 @@ def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, i
     layer i's buffers ``G_i``. Gradients exist only from the step's first backward on. With ``Gr`` the
     gradients and ``A`` the activations of one micro-batch::
 
-        forward       (f − 1)·ΣA + max_i [A≤i + (1 + prefetch)·H_i] + [m > f]·ΣGr   (a forward after a backward)
+        forward       (f − 1)·ΣA + max_i [A≤i + (2 + prefetch)·H_i] + [m > f]·ΣGr   (a forward after a backward)
         1st backward  (f − 1)·ΣA + max_i [A≤i + Gr>i + max(G_i, Gr_i)]
         later ones    (f − 1 − [m ≤ f])·ΣA + ΣGr + max_i [A≤i + G_i]                (m ≥ 2)
         peak = static − ΣGr + the largest
@@ -333,7 +389,7 @@ def step_peak_bytes(static: float, layers: Sequence[LayerLive], prefetch: int, i
     for layer in layers:
         acts += layer.activations
         grads_after = max(grads_after - layer.grads, 0.0)
-        forward = max(forward, acts + (1 + prefetch) * layer.gathered)
+        forward = max(forward, acts + gather_copies(prefetch) * layer.gathered)
         # layer i holds its buffers (which hold its unsharded gradient) or, with none, its own gradient
         first = max(first, acts + grads_after + max(layer.buffers, layer.grads))
         later = max(later, acts + layer.buffers)
@@ -351,7 +407,7 @@ def interleaved_peak_bytes(static: float, chunks: Sequence[Sequence[LayerLive]],
 
     Each forward of chunk c leaves ``ΣA_c`` live until its micro-batch's backward of c; an action holds the
     other live micro-batch chunks' activations plus its own working set, as ``step_peak_bytes`` prices one
-    stage's: a forward ``max_i [A≤i + (1 + prefetch)·H_i]``, a backward ``max_i [A≤i + max(B_i, Gr_i)]`` (over
+    stage's: a forward ``max_i [A≤i + (2 + prefetch)·H_i]``, a backward ``max_i [A≤i + max(B_i, Gr_i)]`` (over
     c's layers; B_i the layer's backward buffers, Gr_i its gradients).
     A chunk's gradients are live from its first backward on (during it, all of them)::
 
@@ -362,7 +418,7 @@ def interleaved_peak_bytes(static: float, chunks: Sequence[Sequence[LayerLive]],
         running = f = b = 0.0
         for layer in chunk:
             running += layer.activations
-            f = max(f, running + (1 + prefetch) * layer.gathered)
+            f = max(f, running + gather_copies(prefetch) * layer.gathered)
             b = max(b, running + max(layer.buffers, layer.grads))
         acts.append(running)
         fwd.append(f)
@@ -429,11 +485,19 @@ def step_pack_bytes(pack: int, member_bytes: Iterable[float], bucket_bytes: int)
     return float(pack * (largest if bucket_bytes <= 0 else max(largest, min(bucket_bytes, sum(sizes)))))
 
 
-def optimizer_step_peak_bytes(layers: Iterable[MemoryBreakdown]) -> float:
-    """Optimizer-step peak of one rank, bytes: ``Σ (params + grads + optimizer + step_grads) + max
-    step_transient`` over the ``MemoryBreakdown`` of every layer the rank holds (module docstring)."""
+def rank_bucket_bytes(pack: int, bucketed: float, bucket_bytes: int) -> float:
+    """Bucket copies of a rank whose buckets span its layers (module docstring): ``min(pack · bucket_bytes,
+    Σ pack · members)``; 0 without bucketing (``bucket_bytes`` 0: one member per bucket, the layers' own)."""
+    return min(pack * bucket_bytes, bucketed) if bucket_bytes > 0 else 0.0
+
+
+def optimizer_step_peak_bytes(layers: Iterable[MemoryBreakdown], bucket_bytes: int = 0) -> float:
+    """Optimizer-step peak of one rank, bytes: ``Σ (params + grads + optimizer + step_grads) + max(max
+    step_transient, rank_bucket_bytes)`` over the ``MemoryBreakdown`` of every layer the rank holds (module
+    docstring); ``bucket_bytes`` is the schedule's."""
     total = sum(layers, MemoryBreakdown())
-    return total.optimizer_step_resident + total.step_transient
+    return total.optimizer_step_resident + max(total.step_transient,
+                                               rank_bucket_bytes(total.step_pack, total.step_bucketed, bucket_bytes))
 
 
 def build_peak_bytes(layers: Iterable[MemoryBreakdown]) -> float:

@@ -2,7 +2,7 @@
 
 Each case builds one rank's program of a 3.4M-parameter Llama (fp32 AdamW, 1 MiB buckets) from the
 model's own parameters, runs a warm-up step (it compiles) and a measured step, all under one
-``runtime/live_bytes.LiveBytes``: the build's peak, the live bytes when the measured step starts
+``autoshard/live_bytes.LiveBytes``: the build's peak, the live bytes when the measured step starts
 (the model states), the peak of its forward and backward and the peak of its optimizer step
 (``ShardedOptimizer.step``: gradient sync, update, write-back). Eager cases run two micro-batches,
 compiled ones (``aot_eager``: the joint graph and partition inductor gets, every op seen by the
@@ -37,7 +37,7 @@ from autoshard.passes import capture
 from autoshard.passes.compiled_saved import with_compiled_saved_scale
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime import BuildOptions, build_program
-from autoshard.runtime.live_bytes import LiveBytes
+from autoshard.live_bytes import LiveBytes
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.search.cost_model import predict
 from autoshard.train import TrainSpec

@@ -2,7 +2,7 @@
 
 The data-parallel states are ``tests/test_live_memory.py``'s; here TP, SP, PP, EP and their mixes with
 ZeRO. Each case builds one rank's program (fp32 AdamW, one bucket per layer group) from the model's own
-parameters, runs a warm-up step and a measured step under one ``runtime/live_bytes.LiveBytes``: the
+parameters, runs a warm-up step and a measured step under one ``autoshard/live_bytes.LiveBytes``: the
 build's peak and the step's (forward, backward and optimizer step). The prediction is
 ``search.cost_model.predict`` for the same plan on CPU ranks (``cpu`` preset): per pipeline rank k,
 ``Predictions.memory_by_stage[k]`` is the largest of its forward/backward, optimizer-step and build
@@ -33,7 +33,7 @@ from autoshard.passes import capture
 from autoshard.passes.context import coords_of
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime import build_program
-from autoshard.runtime.live_bytes import LiveBytes
+from autoshard.live_bytes import LiveBytes
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.search.cost_model import predict
 from autoshard.train import TrainSpec

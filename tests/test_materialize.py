@@ -329,7 +329,7 @@ def test_counter_init_workspace_is_bounded_when_one_row_is_larger_than_a_chunk()
     """An expert weight's ZeRO-3 chunk ``[1, f, h]`` is one dim-0 row of f·h elements: init cuts it along f, so
     its temporaries stay one chunk's workspace (a Mixtral expert slab: 0.44 GiB of int64 index, five such
     temporaries live at once before), and its values are those of any other cut."""
-    from autoshard.runtime.live_bytes import LiveBytes
+    from autoshard.live_bytes import LiveBytes
 
     rule, shape = Normal(0.0, 0.02), (4, 512, 256)  # one row: 131,072 elements, twice the CPU's chunk of 65,536
     region = (slice(1, 2), slice(0, 512), slice(0, 256))

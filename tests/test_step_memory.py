@@ -17,7 +17,7 @@ from autoshard.models import build
 from autoshard.passes import capture
 from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
 from autoshard.runtime import build_program
-from autoshard.runtime.live_bytes import LiveBytes
+from autoshard.live_bytes import LiveBytes
 from autoshard.runtime.optimizer import OptimizerConfig
 from autoshard.train import TrainSpec
 
