@@ -1,5 +1,9 @@
 """autoshard: a compiled-graph parallelism engine for PyTorch."""
 
+from autoshard import _shadow
+
+_shadow.install()  # before anything imports transformers (autoshard/_shadow.py)
+
 from autoshard.errors import (
     AutoshardError,
     CaptureError,

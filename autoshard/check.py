@@ -69,21 +69,11 @@ while the device copies are meta.
   kernel; the built program's SDPA nodes now run the flash op on meta (``_check_trace.
   route_device_kernels``), as capture measures saved activations.
 
-**Known overrun, not a trace artefact** (left: the cost model's change and its gloo proof did not fit
-the time). Data-parallel gradient buckets span layers (``runtime/_buckets.assign``: consecutive
-gradients of one key up to ``Schedule.bucket_bytes``), while ``search/memory.py`` prices
-``step_transient`` per layer (``max(largest member, min(bucket_bytes, Σ members))`` over the layer's
-own gradients). With the default 25 MiB buckets a small model's whole gradient is one or two buckets,
-and ``ShardedOptimizer.sync_grads`` holds the previous bucket's reduced output (``reduced``) while the
-next is packed and reduced. Measured: a tp2 × dp4 MoE (hidden 128, 3 layers, bf16, DDP and ZeRO-1
-layers) step 14.3 MiB traced, 13.4 MiB predicted (+6.9%): two all-reduce outputs of 1.30 MiB together
-against a predicted ``step_transient`` of 0.38 MiB. The live-memory tests use 1 MiB buckets, one per
-layer group, where the per-layer price holds. The fix is a rank-level ``step_transient`` from the
-bucket assignment (and dropping ``reduced`` before the next bucket), proven by a gloo case with
-25 MiB buckets in ``tests/test_live_memory_mixed.py``. At published scales (a rank holds tens of GiB)
-it is under 0.1% (``benchmarks/results/check_scales_cpu_2026-11-27``). Also unpriced, and seen only on
-tiny models (``benchmarks/results/check_property_cpu_2026-11-27``): one op's backward working set (an
-RMSNorm's fp32 copies of its input) and a full-recompute region's activations recreated in its backward.
+**Overruns the check found, and their prices.** Gradient buckets span layers (``runtime/_buckets.assign``),
+the backward holds an activation-gradient working set (an RMSNorm's fp32 copies), a recomputed region's
+members hold what the region recreated, and a ZeRO-3 gather's flat output lives beside its copy-out: all
+priced since cost model 12 (``search/memory.py``). What is left on random plans, and at published scales:
+``benchmarks/results/check_property_cpu_2026-12-07``, ``benchmarks/results/check_scales_cpu_2026-12-07``.
 
 Exit of ``autoshard check``: 0 when every role's collectives match and no
 role overflows; 1 with the first mismatch in one line; 2 for a plan file

@@ -108,8 +108,11 @@ class _Timeline(LiveBytes):
 def measure_grad_working(model: nn.Module, layers: list[LayerSpec], inputs: tuple) -> dict[str, GradWorking]:
     """Per layer, the backward's working set for one forward and backward on ``inputs`` (module docstring).
     The model runs on meta (its parameters replaced) and must be in training mode."""
+    # a tied parameter gets one tensor per name, untied: tied, autograd holds the first use's gradient until
+    # the last use's backward (the head's until the embedding's), which would be charged to every layer
+    # between; it is the owning layer's gradient, priced as such (``tie_weights=False`` below)
     state = {name: torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
-             for name, p in model.named_parameters()}
+             for name, p in model.named_parameters(remove_duplicate=False)}
     state.update({name: torch.empty_like(b, device="meta") for name, b in model.named_buffers()})
     owner = _param_owner(model, layers)
     layer_of = {id(spec.module): spec.name for spec in layers if spec.name != ROOT_LAYER}
@@ -133,7 +136,7 @@ def measure_grad_working(model: nn.Module, layers: list[LayerSpec], inputs: tupl
         with GpuKernelProfile(), timeline, warnings.catch_warnings():
             # the embedding's pre-hook fires though no input needs a gradient, which is what the window needs
             warnings.filterwarnings("ignore", message="Full backward hook is firing")
-            output = functional_call(model, state, args)
+            output = functional_call(model, state, args, tie_weights=False)
             floats = [t for t in tree_leaves(output) if isinstance(t, torch.Tensor) and t.is_floating_point()
                       and t.requires_grad]
             if not floats:
@@ -157,7 +160,7 @@ def _param_owner(model: nn.Module, layers: list[LayerSpec]) -> dict[str, str]:
             continue
         for p in spec.module.parameters(recurse=not spec.direct_only):
             by_id[id(p)] = spec.name
-    return {name: by_id.get(id(p), "") for name, p in model.named_parameters()}
+    return {name: by_id.get(id(p), "") for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def _windows(timeline: _Timeline, grads: dict[int, tuple[str, int]], owner: dict[str, str],

@@ -163,9 +163,10 @@ largest parameter region being read, twice in fp32::
 The optimizer step (``search/memory.py``, "Optimizer step"; the working set each layer's form
 declares, ``autoshard/data_parallel.step_working_set``) holds the model states, the backward's
 gradients until the sync ends, the fp32 gradients the update reads where they are tensors of their
-own (``step_grads``) and the copies of the bucket being packed (``step_transient``, a max)::
+own (``step_grads``) and the copies of the bucket being packed (``step_transient``, a max, or a bucket
+spanning the rank's layers, ``memory.rank_bucket_bytes``)::
 
-    opt_k  = Σ (params + grads + optimizer + step_grads) + max step_transient
+    opt_k  = Σ (params + grads + optimizer + step_grads) + max(max step_transient, buckets)
     rank k's peak = max(peak_k, opt_k, build_k)  (``Predictions.memory_by_stage``; the search's limit)
 
 ``Predictions.build_peak_bytes`` = max_k build_k; ``memory_breakdown["build_transient"]`` is the
@@ -210,6 +211,7 @@ from autoshard.search.memory import (
     interleaved_peak_bytes,
     live_buffers,
     optimizer_step_peak_bytes,
+    rank_bucket_bytes,
     rematerialised_bytes,
     state_bytes,
     step_peak_bytes,
@@ -533,7 +535,8 @@ class _RankTotals:
                                max((c.memory.gathered for c in mine), default=0.0), plan.schedule.prefetch)
         static = MemoryBreakdown(params=summed.params, grads=summed.grads, optimizer=summed.optimizer, buffers=buffers,
                                  host=summed.host, build_transient=summed.build_transient, step_grads=summed.step_grads,
-                                 step_transient=summed.step_transient)
+                                 step_transient=max(summed.step_transient, rank_bucket_bytes(
+                                     summed.step_pack, summed.step_bucketed, plan.schedule.bucket_bytes)))
         return cls(
             compute_s=sum(c.compute_s for c in mine),
             critical_comm_s=sum(c.critical_comm_s for c in mine),
