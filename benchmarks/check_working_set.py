@@ -16,13 +16,20 @@ import json
 import time
 from dataclasses import replace
 
+import sys
+from pathlib import Path
+
 import torch
 
-from autoshard.check import check_plan
-from autoshard.models import build
-from autoshard.passes import capture
-from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule
-from autoshard.train import TrainSpec
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.append(str(ROOT))
+
+from autoshard.check import check_plan  # noqa: E402
+from autoshard.models import build  # noqa: E402
+from autoshard.passes import capture  # noqa: E402
+from autoshard.plan import LayerStrategy, Mesh, Plan, Schedule  # noqa: E402
+from autoshard.train import TrainSpec  # noqa: E402
 
 CONFIG = dict(hidden=512, ffn_hidden=1024, num_heads=8, num_kv_heads=8, num_layers=4, vocab_size=512, max_seq_len=512)
 # (family, state, dp_shard/replicate, pp, recompute of blocks, micro-batch, micro-batches)
@@ -40,23 +47,49 @@ CASES = [
 ]
 
 
-def _stage(name: str, pp: int) -> int:
-    if pp == 1:
-        return 0
-    if name.startswith("blocks."):
-        return int(name.split(".")[1]) * pp // CONFIG["num_layers"]
-    return 0 if name.startswith("embed") else pp - 1
+# Hugging Face models of the zoo (``benchmarks/hf_zoo.py``, random weights), at the reference models' width
+HF_CONFIG = dict(hidden_size=512, intermediate_size=1024, num_attention_heads=8, num_key_value_heads=8,
+                 num_hidden_layers=4, vocab_size=512, max_position_embeddings=512)
+HF_CASES = [
+    ("hf-llama", "zero3", 2, 1, "none", 4, 1),
+    ("hf-llama", "zero3", 2, 2, "full", 4, 2),
+    ("hf-qwen2", "zero3", 2, 2, "none", 2, 2),
+    ("hf-mixtral", "zero3", 2, 2, "full", 2, 2),
+]
+
+
+def _stages(graph, pp: int) -> list[int]:
+    """Blocks split evenly over ``pp`` stages; layers before the first block on the first, the rest on the last."""
+    blocks = 1 + max(l.block for l in graph.layers if l.block is not None)
+    seen = False
+    out = []
+    for layer in graph.layers:
+        seen = seen or layer.block is not None
+        out.append(layer.block * pp // blocks if layer.block is not None else (pp - 1 if seen else 0))
+    return out
+
+
+def _model(family: str):
+    if family.startswith("hf-"):
+        from benchmarks.hf_zoo import build_hf_policy
+
+        overrides = dict(HF_CONFIG)
+        if family == "hf-mixtral":  # four experts, top-2, on the zoo's batched matmuls
+            overrides.update(num_local_experts=4, num_experts_per_tok=2)
+        return build_hf_policy(f"{family}:tiny", dtype=torch.bfloat16, **overrides)
+    return build(f"{family}:tiny", device="meta", dtype=torch.bfloat16, **CONFIG)
 
 
 def run_case(family: str, state: str, dp: int, pp: int, recompute: str, micro: int, count: int,
              unpriced: bool = False) -> dict:
-    model = build(f"{family}:tiny", device="meta", dtype=torch.bfloat16, **CONFIG)
+    model = _model(family)
     graph = capture(model, seq_lens=(8, 16))
     if unpriced:  # the cost model before the working set was measured
         graph = replace(graph, layers=tuple(replace(l, grad_working_per_token=0.0, grad_working_end_per_token=0.0,
                                                     grad_working_param_fraction=0.0) for l in graph.layers))
-    layers = tuple(LayerStrategy(layer=l.name, state=state, stage=_stage(l.name, pp),
-                                 recompute=recompute if l.name.startswith("blocks.") else "none") for l in graph.layers)
+    layers = tuple(LayerStrategy(layer=l.name, state=state, stage=stage,
+                                 recompute=recompute if l.block is not None else "none")
+                   for l, stage in zip(graph.layers, _stages(graph, pp)))
     mesh = Mesh(dp_shard=dp, pp=pp) if state != "replicate" else Mesh(dp_replicate=dp, pp=pp)
     batch = micro * count * dp
     plan = Plan(model_name=graph.model_name, mesh=mesh, layers=layers, precision="bf16", global_batch=batch,
@@ -78,7 +111,7 @@ def main() -> None:
     parser.add_argument("--unpriced", action="store_true", help="price no backward working set (the earlier model)")
     args = parser.parse_args()
     rows = []
-    for index, case in enumerate(CASES):
+    for index, case in enumerate(CASES + HF_CASES):
         if args.only and index not in args.only:
             continue
         row = run_case(*case, unpriced=args.unpriced)

@@ -523,7 +523,10 @@ def _joined(values: Iterator[tuple[str, torch.Tensor]], wanted: list[Wanted]) ->
 
 
 def _copy_buffers(reader: Any, buffers: Mapping[str, torch.Tensor], device: torch.device) -> list[str]:
-    """Copy each buffer ``reader`` provides into its target; the FQNs it does not provide."""
+    """Copy each buffer ``reader`` provides into its target; the FQNs it does not provide. A build on the
+    meta device (``autoshard check``) carries no values: nothing to copy."""
+    if device.type == "meta":
+        return []
     missing = []
     for fqn, target in buffers.items():
         assert not target.is_meta, f"program buffer {fqn!r} was not allocated (shard_parameters)"

@@ -163,8 +163,8 @@ largest parameter region being read, twice in fp32::
 The optimizer step (``search/memory.py``, "Optimizer step"; the working set each layer's form
 declares, ``autoshard/data_parallel.step_working_set``) holds the model states, the backward's
 gradients until the sync ends, the fp32 gradients the update reads where they are tensors of their
-own (``step_grads``) and the copies of the bucket being packed (``step_transient``, a max, or a bucket
-spanning the rank's layers, ``memory.rank_bucket_bytes``)::
+own (``step_grads``) and the copies of the bucket being packed (``step_transient``, a max, or the one
+bucket all the rank's gradients fit, ``memory.rank_bucket_bytes``)::
 
     opt_k  = Σ (params + grads + optimizer + step_grads) + max(max step_transient, buckets)
     rank k's peak = max(peak_k, opt_k, build_k)  (``Predictions.memory_by_stage``; the search's limit)
@@ -536,7 +536,7 @@ class _RankTotals:
         static = MemoryBreakdown(params=summed.params, grads=summed.grads, optimizer=summed.optimizer, buffers=buffers,
                                  host=summed.host, build_transient=summed.build_transient, step_grads=summed.step_grads,
                                  step_transient=max(summed.step_transient, rank_bucket_bytes(
-                                     summed.step_pack, summed.step_bucketed, plan.schedule.bucket_bytes)))
+                                     summed.step_bucketed, summed.step_bucket_members, plan.schedule.bucket_bytes)))
         return cls(
             compute_s=sum(c.compute_s for c in mine),
             critical_comm_s=sum(c.critical_comm_s for c in mine),

@@ -111,8 +111,8 @@ class _Builder:
     def k_bucket(self, o: Option) -> int:
         return _kib(o.cost.memory.step_bucketed)
 
-    def pack(self, o: Option) -> int:
-        return int(o.cost.memory.step_pack)
+    def n_bucket(self, o: Option) -> int:
+        return _kib(o.cost.memory.step_bucket_members)
 
     def a_chain(self, o: Option) -> int:
         return int(math.ceil(o.chain_bytes / KIB))
@@ -138,7 +138,6 @@ class _Builder:
             self.model.add(live >= factor * h).with_name(f"live_buffers/stage{k}")
             self.live_rank.append(live)
         self.y_step_rank = self._rank_max(self.y_step, "Y", "optstep_max")
-        self.pack_rank = self._rank_max(self.pack, "PK", "pack_max")
         self.x_rank = self._rank_max(self.x_build, "X", "build_max") if build_rows else None
 
     def _rank_max(self, coef, name: str, family: str) -> list[cp_model.IntVar]:
@@ -196,7 +195,8 @@ class _Builder:
                               self._block_var(sorted_members, self.r, "R") if build_rows else None,
                               self._block_var(sorted_members, self.gr, "Gr") if self.grads_apart else None,
                               self._block_var(sorted_members, self.o_step, "O"),
-                              self._block_var(sorted_members, self.k_bucket, "K"))
+                              self._block_var(sorted_members, self.k_bucket, "K"),
+                              self._block_var(sorted_members, self.n_bucket, "N"))
             self.block_terms.append(cache[key])
 
     def _block_var(self, members: tuple[int, ...], coef, name: str) -> cp_model.IntVar:
@@ -376,16 +376,18 @@ class _Builder:
 
     def rank_buckets(self, k: int) -> cp_model.LinearExpr:
         """The optimizer step's bucket copies on rank k (``memory.optimizer_step_peak_bytes``): ``max(Y_k,
-        min(PK_k · bucket, Σ K))``, the layers' own or a bucket spanning them (``optstep_buckets/stage<k>``)."""
+        [Σ N ≤ bucket]·Σ K)``, the layers' own or the one bucket all the rank's gradients fit. ``one[k]`` may be
+        false only where Σ N exceeds the bucket (``optstep_buckets/stage<k>``)."""
         bucket_kib = self.inp.schedule.bucket_bytes // KIB
         if bucket_kib <= 0:
             return self.y_step_rank[k]
-        hi_pack = max((self.pack(o) for opts in self.inp.options for o in opts), default=0)
-        spanning = self.model.new_int_var(0, hi_pack * bucket_kib, f"KB[{k}]")
-        self.model.add_min_equality(spanning, [self.pack_rank[k] * bucket_kib, self._rank_sum(k, 7)])
-        total = self.model.new_int_var(0, max(hi_pack * bucket_kib, self._ub_expr_y()), f"YB[{k}]")
+        spanning, members = self._rank_sum(k, 7), self._rank_sum(k, 8)
+        hi = sum(self._ub(terms[7]) for terms in self.block_terms) + self._ub_expr_y()
+        one = self.model.new_bool_var(f"one_bucket[{k}]")
+        self.model.add(members >= bucket_kib + 1).only_enforce_if(one.Not())
+        total = self.model.new_int_var(0, hi, f"YB[{k}]")
         self.model.add(total >= self.y_step_rank[k]).with_name(f"optstep_buckets/stage{k}")
-        self.model.add(total >= spanning).with_name(f"optstep_buckets/stage{k}")
+        self.model.add(total >= spanning).only_enforce_if(one)
         return total
 
     def _ub_expr_y(self) -> int:

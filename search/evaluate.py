@@ -17,7 +17,7 @@ Per layer ``l`` with strategy ``s`` (``LayerCost`` of the cost function):
     X_l    = build_transient                     bytes, largest parameter region being built
     O_l    = S_l + step_grads                    bytes, what the optimizer step holds (``memory.py``)
     Y_l    = step_transient                      bytes, copies of the gradient bucket being packed
-    K_l    = step_bucketed, step_pack            bytes, pack × its bucketed gradients; its form's pack
+    K_l    = step_bucketed                       bytes, pack × its bucketed gradients (N_l: without the pack)
     A_l    = activations                         bytes, one micro-batch; A'_l when the layer
                                                  continues a checkpoint region (below)
     P_l    = send/recv of the layer's output     seconds per micro-batch, paid when a stage
@@ -32,7 +32,7 @@ micro-batches, ``v`` virtual stages and ``f_r = pipeline.in_flight(r)``:
             ≥ ``predict``'s schedule timeline (the search is conservative for pipelines), + m·Σ Q_l
             over the boundaries r's stages cross, each way (Q_l = ``boundary_bytes``: receive buffers)
     B_r   = Σ R_l + max_{l on r} X_l                                   (build peak; ``memory.build_peak_bytes``)
-    O_r   = Σ O_l + max(max_{l on r} Y_l, min(max pack_l · bucket, Σ_{l on r} K_l))
+    O_r   = Σ O_l + max(max_{l on r} Y_l, [Σ N_l ≤ bucket] · Σ_{l on r} K_l)
                                                         (optimizer step; ``memory.optimizer_step_peak_bytes``)
     peak_r = max(M_r, O_r, B_r)
     step  = max_r [ (m + (p − 1)/v) · max_r' T_r' + tail_r ]
@@ -250,7 +250,7 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
     ``continues``: ``chain_flags(graph)``, or None to price every layer as its own checkpoint region.
     """
     pp = mesh.pp
-    t, tail, static, resident, transient, opt, opt_transient, bucketed, pack = ([0.0] * pp for _ in range(9))
+    t, tail, static, resident, transient, opt, opt_transient, bucketed, members = ([0.0] * pp for _ in range(9))
     acts = layer_activation_bytes(layer_options, continues)
     ranks = [rank_of(stage, pp, schedule) for stage in stages]
     receive = [0.0] * pp  # m receive buffers per boundary a rank's stages cross, each way, + kept outputs (cost_model)
@@ -267,14 +267,14 @@ def evaluate(layer_options: Sequence[Option], stages: Sequence[int], mesh: Mesh,
         opt[r] += option.optimizer_step_bytes
         opt_transient[r] = max(opt_transient[r], option.step_transient_bytes)
         bucketed[r] += option.cost.memory.step_bucketed
-        pack[r] = max(pack[r], option.cost.memory.step_pack)
+        members[r] += option.cost.memory.step_bucket_members
     build = tuple(resident[r] + transient[r] for r in range(pp))  # memory.build_peak_bytes, from the sums
     live = [[] for _ in range(pp)]
     for option, a, r in zip(layer_options, acts, ranks):
         live[r].append(LayerLive(a, option.cost.memory.grads, option.buffer_bytes, option.gathered_bytes))
     memory = tuple(max(step_peak_bytes(static[r], live[r], schedule.prefetch, in_flight(schedule, pp, r),
                                        schedule.num_micro_batches, order_free=pp > 1) + receive[r],
-                       opt[r] + max(opt_transient[r], rank_bucket_bytes(pack[r], bucketed[r], schedule.bucket_bytes)),
+                       opt[r] + max(opt_transient[r], rank_bucket_bytes(bucketed[r], members[r], schedule.bucket_bytes)),
                        build[r]) for r in range(pp))
     t_max = max(t)
     slots = schedule.num_micro_batches + (pp - 1) / virtual_stages(schedule)

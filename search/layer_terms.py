@@ -588,8 +588,8 @@ def layer_memory(layer: LayerInfo, strategy: LayerStrategy, groups: list[ParamGr
     # quantized wires are reduced one parameter at a time (qgZ), not in buckets; their own transients are not priced
     bucketed = work.pack and strategy.grad_comm not in _QUANTIZED and bucket_bytes > 0
     pack = step_pack_bytes(work.pack, [sizes.grad * n for n in regions], bucket_bytes if bucketed else 0)
-    states = states + MemoryBreakdown(step_bucketed=work.pack * sizes.grad * sum(regions) if bucketed else 0.0,
-                                      step_pack=work.pack if bucketed else 0)
+    members = sizes.grad * sum(regions) if bucketed else 0.0
+    states = states + MemoryBreakdown(step_bucketed=work.pack * members, step_bucket_members=members)
     acts = activation_bytes(layer, strategy, mesh.tp, sh.tokens, sh.seq_len, region_entry=region_entry)
     states = replace(states, buffers=backward_working_bytes(layer, strategy, mesh.tp, sh.tokens, form.backward,
                                                             states.buffers, gathered_bytes, made_grads,

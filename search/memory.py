@@ -100,12 +100,12 @@ gradients in their dtype; one bucket is packed at a time, so a max over layers):
 
     optimizer_step = Σ (params + grads + optimizer + step_grads) + max(max step_transient, buckets)
 
-A bucket fills with the gradients of consecutive layers (``runtime/_buckets.assign``), so on a rank
-whose layers' gradients are small against ``bucket_bytes`` one bucket holds several layers' and its
-copies exceed any one layer's: ``buckets = min(pack · bucket_bytes, Σ pack · members)`` over the rank's
-bucketed gradients (``rank_bucket_bytes``; the largest ``pack`` of the rank's forms, and every form's
-members summed, where the runtime keys buckets by collective: an upper bound on a rank mixing forms).
-A rank whose layers each fill a bucket is priced by its layers' own ``step_transient``.
+A bucket fills with the gradients of consecutive layers (``runtime/_buckets.assign``), so where a
+rank's bucketed gradients all fit one bucket (``Σ members ≤ bucket_bytes``: small models) that bucket
+holds every layer's, and its copies exceed any one layer's: ``buckets = Σ pack · members``
+(``rank_bucket_bytes``; every form's members summed, where the runtime keys buckets by collective: an
+upper bound on a rank mixing forms). Otherwise buckets close at up to ``bucket_bytes`` on member
+boundaries the layers' own ``step_transient`` already bound, and ``buckets`` is 0.
 
 The update itself (fused AdamW, SGD) allocates nothing. Offload's chunk is on the host on a GPU
 (not counted), on the device on CPU ranks, where host and device are the same memory: there the
@@ -147,7 +147,7 @@ class MemoryBreakdown:
     step_grads: float = 0.0  # optimizer step: fp32 gradients the update reads, when tensors of their own
     step_transient: float = 0.0  # optimizer step: copies of the gradient bucket being packed (a max)
     step_bucketed: float = 0.0  # optimizer step: pack × the bytes of the gradients that go into buckets (summed)
-    step_pack: int = 0  # optimizer step: copies of a bucket its form makes (a max)
+    step_bucket_members: float = 0.0  # optimizer step: the bytes of those gradients (summed)
 
     @property
     def total_static(self) -> float:
@@ -184,7 +184,7 @@ class MemoryBreakdown:
             step_grads=self.step_grads + other.step_grads,
             step_transient=max(self.step_transient, other.step_transient),
             step_bucketed=self.step_bucketed + other.step_bucketed,
-            step_pack=max(self.step_pack, other.step_pack),
+            step_bucket_members=self.step_bucket_members + other.step_bucket_members,
         )
 
 
@@ -485,10 +485,10 @@ def step_pack_bytes(pack: int, member_bytes: Iterable[float], bucket_bytes: int)
     return float(pack * (largest if bucket_bytes <= 0 else max(largest, min(bucket_bytes, sum(sizes)))))
 
 
-def rank_bucket_bytes(pack: int, bucketed: float, bucket_bytes: int) -> float:
-    """Bucket copies of a rank whose buckets span its layers (module docstring): ``min(pack · bucket_bytes,
-    Σ pack · members)``; 0 without bucketing (``bucket_bytes`` 0: one member per bucket, the layers' own)."""
-    return min(pack * bucket_bytes, bucketed) if bucket_bytes > 0 else 0.0
+def rank_bucket_bytes(bucketed: float, members: float, bucket_bytes: int) -> float:
+    """Bucket copies of a rank whose bucketed gradients all fit one bucket (module docstring): ``Σ pack ·
+    members`` when ``Σ members ≤ bucket_bytes``, else 0 (the layers' own ``step_transient`` price them)."""
+    return bucketed if 0 < members <= bucket_bytes else 0.0
 
 
 def optimizer_step_peak_bytes(layers: Iterable[MemoryBreakdown], bucket_bytes: int = 0) -> float:
@@ -497,7 +497,8 @@ def optimizer_step_peak_bytes(layers: Iterable[MemoryBreakdown], bucket_bytes: i
     docstring); ``bucket_bytes`` is the schedule's."""
     total = sum(layers, MemoryBreakdown())
     return total.optimizer_step_resident + max(total.step_transient,
-                                               rank_bucket_bytes(total.step_pack, total.step_bucketed, bucket_bytes))
+                                               rank_bucket_bytes(total.step_bucketed, total.step_bucket_members,
+                                                                 bucket_bytes))
 
 
 def build_peak_bytes(layers: Iterable[MemoryBreakdown]) -> float:

@@ -115,14 +115,16 @@ def test_a_sending_stage_keeps_its_in_flight_outputs():
     assert buffers == pytest.approx([(4 + 2) * one, 4 * one])
 
 
-def test_a_bucket_spans_layers_whose_gradients_are_small():
+def test_one_bucket_holds_a_small_models_gradients():
     """Two DDP layers of 3 MiB of gradients each (one all-reduced copy of a bucket: pack 1): with 25 MiB
-    buckets both fill one bucket, 6 MiB of copies, not either layer's 3; with 4 MiB buckets, 4 MiB; without
-    bucketing, each layer's own."""
+    buckets both fill one bucket, 6 MiB of copies, not either layer's 3; with 4 MiB buckets they do not fit
+    one, and buckets close on member boundaries the layers' own price bounds (3 MiB); without bucketing,
+    each layer's own."""
     from autoshard.search.memory import MemoryBreakdown, optimizer_step_peak_bytes
 
     mib = 2**20
-    layer = MemoryBreakdown(params=10 * mib, step_transient=3 * mib, step_bucketed=3 * mib, step_pack=1)
+    layer = MemoryBreakdown(params=10 * mib, step_transient=3 * mib, step_bucketed=3 * mib,
+                            step_bucket_members=3 * mib)
     assert optimizer_step_peak_bytes([layer, layer], 25 * mib) == 20 * mib + 6 * mib
-    assert optimizer_step_peak_bytes([layer, layer], 4 * mib) == 20 * mib + 4 * mib
+    assert optimizer_step_peak_bytes([layer, layer], 4 * mib) == 20 * mib + 3 * mib
     assert optimizer_step_peak_bytes([layer, layer], 0) == 20 * mib + 3 * mib

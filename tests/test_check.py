@@ -146,10 +146,8 @@ def test_zero3_plan_matches_and_fits(tiny):
 @pytest.mark.parametrize("family, micro_batch, micro_batches", [("moe", 2, 2), ("llama", 4, 2)])
 def test_recomputed_regions_priced_as_their_backward_holds_them(family, micro_batch, micro_batches):
     """Two pipeline stages, ZeRO-3 and full recompute: each block's backward recomputes the block (a MoE's
-    routed experts' activations) and gathers its weights again, at once. Priced per layer's kept input alone,
-    the MoE step was under-predicted by 27% (the 2026-11-27 Mixtral check's +9.1%). The Llama one, at micro-batch
-    4, was +22% until a layer inside a region was priced as rematerialising all it saved, the backward's
-    activation-gradient working set was measured and the first stage's kept outputs counted (+0.2%)."""
+    routed experts' activations) and gathers its weights again, at once; its layers' backwards then hold what
+    the region recreated for them, their activation gradients, and the first stage the outputs it keeps."""
     import torch
 
     from autoshard.check import check_plan
