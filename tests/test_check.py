@@ -251,3 +251,30 @@ def test_zero3_dim0_chunks_priced_as_the_first_rank_holds_them():
     wide = layer_cost(moe, LayerStrategy(layer=moe.name, state="zero3"), Mesh(dp_shard=2), cpu, train,
                       Schedule(micro_batch=1, num_micro_batches=1))
     assert wide.memory.params == 2 * sum(p.numel for p in moe.params) / 2  # d₀ divisible: ψ/N as before
+
+
+def test_hugging_face_model_with_buffers_checks():
+    """A Hugging Face Llama (random weights, rotary ``inv_freq`` buffers) built on meta: ``check`` copies no
+    buffer values (there are none on meta) and its two pipeline stages match and fit."""
+    pytest.importorskip("transformers")
+    import torch
+
+    from autoshard.check import check_plan
+    from autoshard.passes import capture
+    from autoshard.plan import LayerStrategy, Plan, Schedule
+    from autoshard.train import TrainSpec
+    from benchmarks.hf_zoo import build_hf_policy
+
+    model = build_hf_policy("hf-llama:tiny", dtype=torch.float32, hidden_size=64, intermediate_size=128,
+                            num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2, vocab_size=128,
+                            max_position_embeddings=64)
+    assert any(name.endswith("inv_freq") for name, _ in model.named_buffers())
+    graph = capture(model, seq_lens=(8, 16))
+    second_block = next(i for i, l in enumerate(graph.layers) if l.block == 1)
+    layers = tuple(LayerStrategy(layer=l.name, state="zero3", stage=int(i >= second_block))
+                   for i, l in enumerate(graph.layers))
+    plan = Plan(model_name=graph.model_name, mesh=Mesh(dp_shard=2, pp=2), layers=layers, precision="fp32",
+                global_batch=8, seq_len=16, schedule=Schedule(name="1f1b", micro_batch=2, num_micro_batches=2))
+    report = check_plan(plan, model, graph, TrainSpec(global_batch=8, seq_len=16, precision="fp32"))
+    assert report.ok, report.table()
+    assert len(report.roles) >= 2
