@@ -236,6 +236,8 @@ def test_runtime_refusal_and_variants():
     names2, names4 = [v.name for v in variants(2)], [v.name for v in variants(4)]
     assert names2[:4] == ["replicate", "zero3", "tp2", "pp2-1f1b"] and "tp4" not in names2
     assert {"tp4", "zero3-rep2", "tp2-zero3"} <= set(names4) and len(set(names4)) == len(names4)
+    # one device: the variants a single rank can differ in (a state that shards nothing is replicate's)
+    assert [v.name for v in variants(1)] == ["replicate", "full-recompute", "replicate-mbH", "offload"]
 
 
 @pytest.mark.slow

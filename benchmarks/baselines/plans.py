@@ -107,19 +107,19 @@ def variants(world: int) -> list[Variant]:
     """The forced variants admissible at ``world`` ranks, most informative first (module docstring)."""
     zero3, tp2, pp2 = {"state": "zero3"}, {"tp": 2, "pp": 1}, {"pp": 2, "tp": 1}
     table = [
-        Variant("replicate", {"state": "replicate"}, DP_ONLY),
+        Variant("replicate", {"state": "replicate"}, DP_ONLY, min_world=1),
         Variant("zero3", zero3, DP_ONLY),
         Variant("tp2", {}, tp2),
         Variant("pp2-1f1b", {}, pp2, schedule="1f1b"),
         Variant("zero3-int8w", {**zero3, "weight_comm": "int8"}, DP_ONLY),
         Variant("zero2-int8g", {"state": "zero2", "grad_comm": "int8"}, DP_ONLY),
         Variant("zero3-selective", zero3, DP_ONLY, attention_pin={"recompute": "selective"}),
-        Variant("full-recompute", {"recompute": "full"}, DP_ONLY),
+        Variant("full-recompute", {"recompute": "full"}, DP_ONLY, min_world=1),
         Variant("tp2-sp", {"sp": True}, tp2),
         Variant("pp2-interleaved", {}, pp2, schedule="interleaved_1f1b"),
         Variant("zero1", {"state": "zero1"}, DP_ONLY),
         Variant("zero2", {"state": "zero2"}, DP_ONLY),
-        Variant("replicate-mbH", {"state": "replicate"}, DP_ONLY, half_micro=True),
+        Variant("replicate-mbH", {"state": "replicate"}, DP_ONLY, half_micro=True, min_world=1),
         Variant("zero3-mbH", zero3, DP_ONLY, half_micro=True),
         Variant("zero3-rep2", zero3, {**DP_ONLY, "dp_replicate": 2}, min_world=4),
         Variant("tp4", {}, {"tp": 4, "pp": 1}, min_world=4),
@@ -128,7 +128,7 @@ def variants(world: int) -> list[Variant]:
         Variant("pp2-gpipe", {}, pp2, schedule="gpipe"),
         Variant("zero3-int4g", {**zero3, "grad_comm": "int4"}, DP_ONLY),
         Variant("zero3-fp8w", {**zero3, "weight_comm": "fp8"}, DP_ONLY),
-        Variant("offload", {"state": "offload"}, DP_ONLY),
+        Variant("offload", {"state": "offload"}, DP_ONLY, min_world=1),
     ]
     return [v for v in table if world >= v.min_world and world % max(v.mesh.get("tp", 1), v.mesh.get("pp", 1)) == 0]
 
