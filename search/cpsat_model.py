@@ -381,13 +381,13 @@ class _Builder:
         bucket_kib = self.inp.schedule.bucket_bytes // KIB
         if bucket_kib <= 0:
             return self.y_step_rank[k]
-        spanning, members = self._rank_sum(k, 7), self._rank_sum(k, 8)
+        bucketed, members = self._rank_sum(k, 7), self._rank_sum(k, 8)
         hi = sum(self._ub(terms[7]) for terms in self.block_terms) + self._ub_expr_y()
         one = self.model.new_bool_var(f"one_bucket[{k}]")
         self.model.add(members >= bucket_kib + 1).only_enforce_if(one.Not())
         total = self.model.new_int_var(0, hi, f"YB[{k}]")
         self.model.add(total >= self.y_step_rank[k]).with_name(f"optstep_buckets/stage{k}")
-        self.model.add(total >= spanning).only_enforce_if(one)
+        self.model.add(total >= bucketed).only_enforce_if(one)
         return total
 
     def _ub_expr_y(self) -> int:

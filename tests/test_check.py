@@ -2,10 +2,9 @@
 
 Unit tests of the matching (``runtime/_check_match.py``) on hand-made records, one of them deliberately
 mismatched per kind of error; role enumeration; the memory-overflow rule; one plan built and matched end to
-end; and a bounded property sample: random reference models, clusters (1–512 nodes × 1–8 devices) and pins,
-every plan the search returns issues matching collectives on every group and holds no more than the cost
-model predicts (within ``check.TOLERANCE``; ``autoshard/check.py`` lists the one known overrun, gradient buckets
-spanning layers, which this sample does not draw). ``benchmarks/check_bench.py`` runs a larger sample.
+end (and a Hugging Face model with rotary buffers); and a bounded property sample: random reference models,
+clusters (1–512 nodes × 1–8 devices) and pins, every plan the search returns issues matching collectives on
+every group and holds no more than the cost model predicts (within ``check.TOLERANCE``). ``benchmarks/check_bench.py`` runs a larger sample.
 """
 
 from __future__ import annotations
