@@ -5,7 +5,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test test-fast browser venv clean wheelhouse bench-search bench-capture bench-kernels
+.PHONY: demo test test-fast test-full browser venv clean wheelhouse bench-search bench-capture bench-kernels
 
 venv: $(STAMP)
 
@@ -31,11 +31,15 @@ browser:
 # gloo jobs) run once. TEST_WORKERS=0 runs in this process, in file order.
 TEST_WORKERS ?= auto
 test: $(STAMP) browser
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu and not full" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # No spawned ranks or subprocess runs, nothing over about 2 s (marker `slow`): ~2 min on 2 cores.
 test-fast: $(STAMP)
-	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow and not gpu" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
+	TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not slow and not gpu and not full" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
+
+# Every case of every matrix (tests/_tiers.py): CI's `make test` runs one case per code path.
+test-full: $(STAMP) browser
+	AUTOSHARD_TESTS=full TRITON_INTERPRET=1 $(PY) -m pytest tests -m "not gpu" -p no:cacheprovider -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 bench-capture: $(STAMP)
 	$(PY) benchmarks/capture_bench.py

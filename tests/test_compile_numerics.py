@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
+from _tiers import sample
 from _runtime_cases import (
     BATCH, OPT, SEQ, batches, check_against_reference, graph_of, loss_fn, make_plan, reassemble, single_device,
 )
@@ -85,13 +86,13 @@ class Case:
         return dataclasses.replace(plan, schedule=dataclasses.replace(plan.schedule, **self.schedule))
 
 
-CASES_4 = {
+ALL_CASES_4 = {
     # one micro-batch: the replica all-reduce is a backward graph node (traced_collectives note "HSDP in the graph")
     "hsdp": Case(LLAMA, Mesh(dp_replicate=2, dp_shard=2), _uniform(state="zero3"), schedule={"num_micro_batches": 1}),
     "zero3_tp2": Case(LLAMA, Mesh(dp_shard=2, tp=2), _zero3_tp),
     "tp2_sp_zero3": Case(LLAMA, Mesh(dp_shard=2, tp=2), _uniform(state="zero3", tp="megatron", sp=True)),
 }
-CASES_2 = {
+ALL_CASES_2 = {
     "offload": Case(LLAMA, Mesh(dp_shard=2), _uniform(state="offload")),
     "zero3_grad_int8": Case(LLAMA, Mesh(dp_shard=2), _uniform(state="zero3", grad_comm="int8"), reference=False),
     # gradient accumulation over 2 micro-batches with the forward gathers prefetched one layer ahead (eager)
@@ -101,6 +102,13 @@ CASES_2 = {
     "tied_zero3_gpt": Case(GPT, Mesh(dp_shard=2), _uniform(state="zero3"), ("inductor",)),
     "zero3_selective_attn": Case(LLAMA, Mesh(dp_shard=2), _zero3_selective_attn, ("inductor",)),
 }
+
+
+# `make test` (tests/_tiers.py): TP 2 + SP + ZeRO-3 runs every path of ZeRO-3 + TP 2; the tied GPT case
+# compiles ZeRO-3 with inductor (as the selective-recompute case does; selective recompute compiled is in
+# test_compile_program's mixed plan); prefetch 0 differs from prefetch 1 only in the eager gather order
+CASES_4 = sample(ALL_CASES_4, ("hsdp", "tp2_sp_zero3"))
+CASES_2 = sample(ALL_CASES_2, ("offload", "zero3_grad_int8", "zero3_micro2_prefetch1", "tied_zero3_gpt"))
 
 
 def _train(rank, world_size, spec, graph, plan, backend):
@@ -142,7 +150,7 @@ def _hsdp_graphs(rank, world_size):
     from autoshard.passes._zero3 import Zero3Gather
 
     graphs = RecordGraphs()
-    program = build_program(build(LLAMA), graph_of(LLAMA), CASES_4["hsdp"].plan(),
+    program = build_program(build(LLAMA), graph_of(LLAMA), ALL_CASES_4["hsdp"].plan(),
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
                             options=BuildOptions(compile=True, backend=graphs.backend, regions="graph"))
     program.forward(next(iter(batches())).chunk(world_size, 0)[0])[0].float().pow(2).mean().backward()

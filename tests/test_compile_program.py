@@ -28,6 +28,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
+from _tiers import FULL, full, sample
 from _runtime_cases import RecordGraphs, functional_ops, graph_of, make_plan, reassemble, train_case
 from autoshard.errors import PlanError
 from autoshard.models import build
@@ -43,7 +44,7 @@ pytestmark = [
 ]
 
 SPEC = "llama:tiny"
-PLANS = {
+ALL_PLANS = {
     "dp": (Mesh(dp_shard=2), lambda name: {"state": "zero1" if name.endswith("mlp") else "replicate"}),
     "tp2": (Mesh(tp=2), lambda name: {"state": "replicate", "tp": "megatron"}
             if name.endswith(("attn", "mlp")) else {"state": "replicate"}),
@@ -57,7 +58,13 @@ PLANS = {
 # inductor compiles C++ on the CPU (tens of seconds per program on 2 cores): these plans run aot_eager
 # (the same joint graph and partition, no code generation) to keep CI short; inductor's own numerics
 # are covered by tests/test_compile_numerics.py (tied GPT, selective recompute) and the pipeline stages
-BACKENDS = dict.fromkeys(PLANS, "aot_eager")
+BACKENDS = dict.fromkeys(ALL_PLANS, "aot_eager")
+
+# `make test` (tests/_tiers.py): TP 2 + SP runs every path of TP 2; the mixed plan every path of all-ZeRO-3
+# (and tests/test_compile_numerics.py compiles ZeRO-3 plans); the whole-graph DP compile, the "stem"/"graph"
+# gradient orders and ZeRO-3 without resharding are `make test-full`'s
+PLANS = sample(ALL_PLANS, ("dp", "tp2_sp", "mixed"))
+ORDERS = sample({"eager": True, "block": True, "stem": False, "graph": False}, ("eager", "block"))
 
 
 def _mixed(name: str) -> dict:
@@ -79,10 +86,11 @@ def results():
         jobs[f"{name}_compiled"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=plan,
                                                      compile_graph=True, compile_backend=BACKENDS.get(name, "inductor"))
     mesh, choose = PLANS["dp"]
-    jobs["dp_compiled_graph"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC),
-                                                  plan=make_plan(SPEC, mesh, choose), compile_graph=True,
-                                                  compile_regions="graph", compile_backend="aot_eager")
-    for mode in ("eager", "stem", "block", "graph"):
+    if FULL:
+        jobs["dp_compiled_graph"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC),
+                                                      plan=make_plan(SPEC, mesh, choose), compile_graph=True,
+                                                      compile_regions="graph", compile_backend="aot_eager")
+    for mode in ORDERS:
         jobs[f"order_{mode}"] = functools.partial(_gradient_order, mode=mode)
     one = _one_micro_batch(make_plan(SPEC, Mesh(dp_shard=2), _dp_states))
     jobs["dp_m1_eager"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=one)
@@ -90,7 +98,7 @@ def results():
     jobs["dp_m1_compiled"] = functools.partial(train_case, spec=SPEC, graph=graph_of(SPEC), plan=one, compile_graph=True,
                                                compile_backend="aot_eager")
     jobs["dp_m1_graphs"] = _grad_sync_graphs
-    for keep in (False, True):
+    for keep in (False, True) if FULL else (False,):
         jobs[f"graphs_keep{keep}"] = functools.partial(_zero3_graphs, keep=keep)
     return run_gloo_cases(jobs, 2, timeout_s=1200)
 
@@ -105,6 +113,7 @@ def test_compiled_graph_trains_as_eager(results, name):
                                        msg=lambda m, fqn=fqn: f"{name} {fqn}: {m}")
 
 
+@full
 def test_whole_graph_compile_trains_as_eager(results):
     for a, b in zip(results["dp_compiled_graph"], results["dp_eager"]):
         torch.testing.assert_close(torch.tensor(a["losses"]), torch.tensor(b["losses"]), rtol=1e-5, atol=1e-6)
@@ -130,7 +139,7 @@ def _gradient_order(rank, world_size, mode):
     return seen
 
 
-@pytest.mark.parametrize("mode, incremental", [("eager", True), ("block", True), ("stem", False), ("graph", False)])
+@pytest.mark.parametrize("mode, incremental", list(ORDERS.items()))
 def test_block_regions_hand_over_gradients_block_by_block(results, mode, incremental):
     assert all(r == [incremental] for r in results[f"order_{mode}"])
 
@@ -222,6 +231,7 @@ def test_zero3_regathers_in_the_backward_graph(results):
         assert r["saved_full"] == 0
 
 
+@full
 def test_zero3_without_reshard_keeps_gathered_weights(results):
     for r in results["graphs_keepTrue"]:
         assert r["forward"].get("all_gather_into_tensor") == r["layers"]

@@ -26,6 +26,7 @@ import tempfile
 import pytest
 
 from _harness import run_gloo_cases
+from _tiers import sample_list
 from _runtime_cases import BATCH, OPT, SEQ, batches, graph_of, loss_fn, make_plan
 
 from autoshard.data_parallel import data_parallel_form
@@ -137,6 +138,11 @@ def _declared(state: str, micro_batches: int, compiled: bool, mesh: Mesh = MESH,
 CASES = [(state, 2, False) for state in STATES] + [(state, 1, True) for state in ("replicate", "zero1", "zero3")]
 # world 4, dp_replicate 2 × dp_shard 2: HSDP's two-level reduction, and ZeRO-1 not gathered in forward
 CASES_4 = [("zero3", 2, False), ("zero3", 1, True), ("zero1", 1, True)]
+# `make test` (tests/_tiers.py): every state eager; compiled ZeRO-1 (gathered once, kept) and ZeRO-3
+# (re-gathered); compiled replicate's in-graph all-reduces are ZeRO-1's reduce-scatters' simpler kin; HSDP
+# ZeRO-3 eager and ZeRO-1 compiled
+CASES = sample_list(CASES, [(s, 2, False) for s in STATES] + [("zero1", 1, True), ("zero3", 1, True)])
+CASES_4 = sample_list(CASES_4, [("zero3", 2, False), ("zero1", 1, True)])
 
 
 @pytest.fixture(scope="module")

@@ -17,6 +17,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from _harness import fake_world, run_gloo_cases  # noqa: E402
+from _tiers import sample  # noqa: E402
 from _hf_tp_cases import (  # noqa: E402
     attention_path, build_hf, check_against_reference, graph_of, single_device, tp_plan, train_case,
 )
@@ -44,6 +45,10 @@ CASES_4 = {
     "qwen2_zero1_sp": ("qwen2", "zero1", True),
     "mixtral_attention_zero3": ("mixtral", "zero3", False),  # MoE: no sp (its experts stay unsplit over tp)
 }
+# `make test` (tests/_tiers.py): every family once on TP 2 (Llama through its repeat_kv form, GPT-2 with SP);
+# on TP 2 × DP 2 one ZeRO-3 case per attention form (the ZeRO-1/2 × TP mixes run the same family code)
+CASES_2 = sample(CASES_2, ("llama_repeat_kv", "qwen2_sp", "qwen3", "mixtral_attention", "gpt2_sp", "gemma_sp", "phi"))
+CASES_4 = sample(CASES_4, ("llama_zero3", "gpt2_zero3_sp", "mixtral_attention_zero3"))
 TRAIN = TrainSpec(global_batch=8, seq_len=8, precision="fp32")
 
 

@@ -26,6 +26,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
+from _tiers import sample
 from _runtime_cases import loss_fn
 from autoshard.cluster import Cluster
 from autoshard.models import build
@@ -97,6 +98,11 @@ CASES_4 = {
     "pp2_dp2_zero2": Case("llama", Mesh(pp=2, dp_shard=2), (("state", "zero2"),)),
     "pp2_dp2_ep2": Case("moe", Mesh(pp=2, dp_shard=2, ep=2), (("ep", True), ("state", "zero1"))),
 }
+# `make test` (tests/_tiers.py): TP 2 + SP runs every path of TP 2, 1F1B and interleaved 1F1B the stage
+# code GPipe runs; DP × TP + SP with ZeRO-1 is priced by the terms of PP × TP + SP and the dense ZeRO-1
+# layers of PP × DP × EP, PP × DP with ZeRO-2 by those of PP × DP × EP and tests/test_live_memory.py's ZeRO-2
+CASES_2 = sample(CASES_2, ("tp2_sp", "pp2", "pp2_interleaved", "ep2"))
+CASES_4 = sample(CASES_4, ("dp2_tp2_zero3", "pp2_tp2_sp", "pp2_dp2_ep2"))
 
 
 @functools.lru_cache(maxsize=None)

@@ -33,6 +33,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from _harness import fake_world, run_gloo_cases  # noqa: E402
+from _tiers import sample  # noqa: E402
 from _hf_tp_cases import build_hf, graph_of as hf_graph, reassemble  # noqa: E402
 from _runtime_cases import BATCH, MICRO, OPT, SEQ, batches  # noqa: E402
 from _runtime_cases import single_device as reference  # noqa: E402
@@ -261,6 +262,9 @@ HF_WORLD4 = {  # case → (mesh, state, schedule)
     "gpt2": (PP2_DP2, "zero2", "1f1b"), "gpt2_zero3": (PP2_DP2, "zero3", "gpipe"),
     "gpt2_tp2": (Mesh(pp=2, tp=2), "replicate", "1f1b"),  # the tied weight vocab-parallel: each tp rank its rows
 }
+# `make test` (tests/_tiers.py): Qwen2's layer forms are Llama's, and ZeRO-2 with a tied weight is priced and
+# built as GPT-2's ZeRO-3 gathers less; both run under `make test-full`
+HF_WORLD4 = sample(HF_WORLD4, ("llama", "mixtral", "gpt2_zero3", "gpt2_tp2"))
 # world 2: every HF policy on pp 2; GPT-2 also with compiled stages and interleaved (4 virtual stages)
 HF_WORLD2 = {  # case → (model, plan, stage backend)
     **{name: (name, lambda name=name: make_plan(name, PP2), None) for name in HF},

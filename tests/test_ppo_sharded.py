@@ -7,10 +7,10 @@ One spawned job runs every case (``_harness`` note "spawned jobs are expensive")
   ``Mesh(dp_shard=2)`` (attention ZeRO-3, MLP ZeRO-2, everything else DDP) for
   ``STEPS`` steps: the mean reward of the last 10 steps must reach
   ``THRESHOLD`` from a start below 0.1 (measured: ≈ 0.07 → ≈ 0.55 at step 100).
-* ``ddp``: the same run under plain DDP: the same reward curve up to numerics
+* ``ddp``: the same run under plain DDP (``CLOSE_STEPS`` steps under ``make test``): the same reward curve up to numerics
   (the first ``CLOSE_STEPS`` steps' metrics at rtol 1e-4; measured: identical
   to 4 decimals for ~60 steps, then sampling flips a token and the curves
-  part), and the end reward loosely (above the threshold too).
+  part), and under ``make test-full`` the end reward loosely (above the threshold too).
 * ``module_ddp``: the existing data-parallel ``ModuleEngine`` (full replicas,
   gradients all-reduced with a SUM) for ``CLOSE_STEPS`` steps: the sharded
   programs must match it, which pins the SUM-over-dp convention (an engine
@@ -41,6 +41,7 @@ import pytest
 import torch
 
 from _harness import run_gloo_cases
+from _tiers import FULL
 from autoshard.cli import main as cli_main
 from autoshard.runtime.metrics import MetricsWriter, read_metrics
 from autoshard.runtime.ppo_engine import EngineError
@@ -50,6 +51,9 @@ from autoshard.runtime.ppo_program import PPORun, build_policy_model, capture_po
 STEPS = 100
 THRESHOLD = 0.4  # mean reward over the last 10 of STEPS steps; start ≈ 0.07, format-only cap 0.6
 CLOSE_STEPS = 8
+# `make test` (tests/_tiers.py) runs the DDP plan for the compared steps only; `make test-full` for STEPS, with
+# its end reward checked as the mixed plan's
+DDP_STEPS = STEPS if FULL else CLOSE_STEPS
 TP_STEPS = 3
 COMPARED = ("reward/mean", "kl/k1", "policy/loss", "value/loss", "policy/entropy", "grad/norm")
 
@@ -145,7 +149,7 @@ def results(graph, tmp_path_factory):
         "resume": functools.partial(_resume, first_plan=plans["mixed"], second_plan=plans["ddp"], graph=graph, root=root),
         "mixed": functools.partial(_train, plan=plans["mixed"], graph=graph, steps=STEPS),
         "compiled": functools.partial(_compiled, plan=plans["mixed"], graph=graph, steps=CLOSE_STEPS),
-        "ddp": functools.partial(_train, plan=plans["ddp"], graph=graph, steps=STEPS),
+        "ddp": functools.partial(_train, plan=plans["ddp"], graph=graph, steps=DDP_STEPS),
     }
     return {**run_gloo_cases(cases, 2, timeout_s=600), "root": root}
 
@@ -172,8 +176,10 @@ def test_ddp_plan_gives_the_same_curve(results):
     for key in COMPARED:
         torch.testing.assert_close(_series(ddp, key, CLOSE_STEPS), _series(mixed, key, CLOSE_STEPS), rtol=1e-4, atol=1e-5,
                                    msg=lambda m, key=key: f"{key}: {m}")
-    assert _last10(ddp) >= THRESHOLD
-    assert abs(_last10(ddp) - _last10(mixed)) < 0.2
+    assert len(ddp) == DDP_STEPS
+    if FULL:
+        assert _last10(ddp) >= THRESHOLD
+        assert abs(_last10(ddp) - _last10(mixed)) < 0.2
 
 
 @pytest.mark.slow

@@ -16,6 +16,7 @@ import pytest
 import torch
 
 from _harness import fake_world, run_gloo_cases
+from _tiers import sample
 from _runtime_cases import BATCH, OPT, SEQ, batches, loss_fn
 from autoshard.errors import PlanError
 from autoshard.models import build
@@ -79,6 +80,10 @@ CASES_4 = {
     "ep2_dp2_tp2_capacity": ("capacity", Mesh(dp_shard=2, tp=2, ep=2), _ep_moe_tp_attn),
     "ep2_hsdp_capacity": ("capacity", Mesh(dp_replicate=2, dp_shard=2, ep=2), _ep_moe),
 }
+# `make test` (tests/_tiers.py): dropless routing on EP 2 × DP 4 (expert-data-parallel 2) stands for it on DP 2;
+# EP with HSDP (the experts' replica reduction) runs under `make test-full` only
+CASES_2 = sample(CASES_2, ("ep2_capacity", "pp2_recompute_capacity"))
+CASES_4 = sample(CASES_4, ("ep2_dp4_dropless", "ep2_dp2_tp2_capacity"))
 
 
 def _train(rank, world_size, kind, plan):
