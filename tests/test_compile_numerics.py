@@ -105,8 +105,8 @@ ALL_CASES_2 = {
 
 
 # `make test` (tests/_tiers.py): TP 2 + SP + ZeRO-3 runs every path of ZeRO-3 + TP 2; the tied GPT case
-# compiles ZeRO-3 with inductor (as the selective-recompute case does; selective recompute compiled is in
-# test_compile_program's mixed plan); prefetch 0 differs from prefetch 1 only in the eager gather order
+# compiles ZeRO-3 with inductor (selective recompute compiled runs in test_compile_program's mixed plan,
+# through aot_eager); ZeRO-3 with prefetch 0 and selective recompute through inductor: `make test-full` only
 CASES_4 = sample(ALL_CASES_4, ("hsdp", "tp2_sp_zero3"))
 CASES_2 = sample(ALL_CASES_2, ("offload", "zero3_grad_int8", "zero3_micro2_prefetch1", "tied_zero3_gpt"))
 

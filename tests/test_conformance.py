@@ -139,8 +139,8 @@ CASES = [(state, 2, False) for state in STATES] + [(state, 1, True) for state in
 # world 4, dp_replicate 2 × dp_shard 2: HSDP's two-level reduction, and ZeRO-1 not gathered in forward
 CASES_4 = [("zero3", 2, False), ("zero3", 1, True), ("zero1", 1, True)]
 # `make test` (tests/_tiers.py): every state eager; compiled ZeRO-1 (gathered once, kept) and ZeRO-3
-# (re-gathered); compiled replicate's in-graph all-reduces are ZeRO-1's reduce-scatters' simpler kin; HSDP
-# ZeRO-3 eager and ZeRO-1 compiled
+# (re-gathered); HSDP ZeRO-3 eager and ZeRO-1 compiled. Compiled replicate's in-graph all-reduces are counted
+# in tests/test_compile_program.py (one micro-batch DP plan); here under `make test-full`, as HSDP ZeRO-3 compiled
 CASES = sample_list(CASES, [(s, 2, False) for s in STATES] + [("zero1", 1, True), ("zero3", 1, True)])
 CASES_4 = sample_list(CASES_4, [("zero3", 2, False), ("zero1", 1, True)])
 

@@ -57,8 +57,8 @@ STATES = ("replicate", "zero1", "zero2", "zero3", "offload")
 CASES_2 = [(s, 2, False) for s in STATES] + [(s, 1, True) for s in ("replicate", "zero1", "zero3")]
 CASES_4 = [("zero3", 2, False), ("zero1", 2, False), ("zero3", 1, True), ("zero1", 1, True)]
 # `make test` (tests/_tiers.py): every state eager on world 2; compiled, ZeRO-1 (gathered once, kept) and
-# ZeRO-3 (re-gathered) on world 2 (compiled replicate's in-graph all-reduce is priced as ZeRO-1's); HSDP
-# ZeRO-3 eager and ZeRO-1 compiled (the other two are priced by the same terms on a larger mesh)
+# ZeRO-3 (re-gathered) on world 2; HSDP ZeRO-3 eager and ZeRO-1 compiled. Compiled replicate, HSDP ZeRO-1
+# eager and HSDP ZeRO-3 compiled are measured under `make test-full` only
 CASES_2 = sample_list(CASES_2, [(s, 2, False) for s in STATES] + [("zero1", 1, True), ("zero3", 1, True)])
 CASES_4 = sample_list(CASES_4, [("zero3", 2, False), ("zero1", 1, True)])
 

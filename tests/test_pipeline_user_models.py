@@ -262,8 +262,8 @@ HF_WORLD4 = {  # case → (mesh, state, schedule)
     "gpt2": (PP2_DP2, "zero2", "1f1b"), "gpt2_zero3": (PP2_DP2, "zero3", "gpipe"),
     "gpt2_tp2": (Mesh(pp=2, tp=2), "replicate", "1f1b"),  # the tied weight vocab-parallel: each tp rank its rows
 }
-# `make test` (tests/_tiers.py): Qwen2's layer forms are Llama's, and ZeRO-2 with a tied weight is priced and
-# built as GPT-2's ZeRO-3 gathers less; both run under `make test-full`
+# `make test` (tests/_tiers.py): Qwen2 (Llama's layer forms) with ZeRO-2 under GPipe and GPT-2 with ZeRO-2 (the
+# tied weight gathered whole) run under `make test-full` only; GPT-2's tied weight sharded runs here (ZeRO-3)
 HF_WORLD4 = sample(HF_WORLD4, ("llama", "mixtral", "gpt2_zero3", "gpt2_tp2"))
 # world 2: every HF policy on pp 2; GPT-2 also with compiled stages and interleaved (4 virtual stages)
 HF_WORLD2 = {  # case → (model, plan, stage backend)
