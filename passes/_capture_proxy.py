@@ -22,8 +22,11 @@ The expansion is refused (capture then exports every block) unless the proxy
 graph shows: block layers contiguous in execution order with the same local
 order in each block; no node from outside the container attributed to a block
 layer (root-level ops between blocks would be position-dependent); identical
-``0→1`` and ``1→2`` edge patterns; no edge skipping a block. Saved activations
-are always measured on the whole model (a meta forward is cheap).
+``0→1`` and ``1→2`` edge patterns; no edge skipping a block. When the proxy is
+used, the saved activations and the backward's working set are measured on it too
+(a meta forward and backward of the whole model cost as much as the export at depth):
+blocks 0, 1 and L−1 under their own names, every middle block taking block 1's
+(``stand_in``).
 """
 
 from __future__ import annotations
@@ -81,6 +84,11 @@ class Proxy:
     def full_blocks(self, proxy_block: int) -> range:
         last = self.num_blocks - 1
         return {0: range(0, 1), 1: range(1, last), 2: range(last, last + 1)}[proxy_block]
+
+    def stand_in(self, name: str) -> str:
+        """The full-model name whose measurement on the proxy stands for ``name``: block 1's for a middle block."""
+        block, local = self._split(name)
+        return self._join(1, local) if block is not None and self.proxy_block(block) == 1 else name
 
     def proxy_name(self, name: str) -> str:
         block, local = self._split(name)

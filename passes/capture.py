@@ -40,7 +40,8 @@ Steps:
    under saved-tensor hooks, at ``s1`` and at ``s2``, with dropout and SDPA
    routed to the kernels a GPU runs (bool dropout masks; flash attention saves
    no scores), storages deduplicated, parameters excluded. Models that cannot
-   run on meta are measured on their own device instead (logged).
+   run on meta are measured on their own device instead (logged). Measured, as 4b, on the
+   module exported: the three-block proxy stands for a deep uniform stack here too.
 4b. The backward's working set (``_capture_grad``): one forward and backward on meta at ``s2``, live
    storages counted per layer's backward window; per class the largest member's (not in ``class_id``:
    structurally identical layers differ in it only by a few bytes at the stack's ends).
@@ -99,6 +100,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, fields, replace
+from typing import Any
 
 import torch
 from torch import nn
@@ -120,7 +122,7 @@ from autoshard.passes._capture_layers import (
     param_roles,
     shape_meta,
 )
-from autoshard.passes._capture_proxy import make_proxy
+from autoshard.passes._capture_proxy import Proxy, make_proxy
 from autoshard.passes._capture_report import format_coverage, format_layer_table
 from autoshard.passes._capture_grad import GradWorking, measure_grad_working
 from autoshard.passes._capture_saved import SavedBytes, measure_saved
@@ -186,8 +188,12 @@ def capture(
         layers = recognised.layers
         roles = param_roles(model, layers, vocab, recognised.roles)
         step(1, "saved activations")
-        saved = [_measure_saved(model, layers, roles, example.inputs(s), model_name) for s in example.seq_lens]
-        working = [_measure_grad_working(model, layers, example.inputs(s), model_name) for s in example.seq_lens]
+        # on the exported module: the proxy's three blocks stand for all (``_capture_proxy``)
+        runs = program.measured(layers)
+        saved = [program.spread(_measure_saved(program.module, runs, roles, example.inputs(s), model_name), layers)
+                 for s in example.seq_lens]
+        working = [program.spread(_measure_grad_working(program.module, runs, example.inputs(s), model_name), layers)
+                   for s in example.seq_lens]
     step(2, "layer costs")
     ordered = _execution_order(layers, view.layer_order)
     params = layer_params(ordered, roles)
@@ -349,6 +355,18 @@ class _Program:
     exported: Exported
     module: nn.Module  # the module exported: the model, or the proxy sharing its blocks
     rename: Callable[[str], str]  # full-model module / parameter name → its name in ``module``
+    proxy: Proxy | None = None
+
+    def measured(self, layers: list[LayerSpec]) -> list[LayerSpec]:
+        """The layers ``module`` runs, under their full-model names: on the proxy, all but the middle blocks'."""
+        return layers if self.proxy is None else [s for s in layers if self.proxy.stand_in(s.name) == s.name]
+
+    def spread(self, measured: dict[str, Any], layers: list[LayerSpec]) -> dict[str, Any]:
+        """A measurement of ``self.measured(layers)`` for every layer: on the proxy, a middle block's layers take
+        block 1's (``Proxy.stand_in``)."""
+        if self.proxy is None or not measured:
+            return measured
+        return {s.name: measured[self.proxy.stand_in(s.name)] for s in layers if self.proxy.stand_in(s.name) in measured}
 
 
 def _graph_view(
@@ -373,7 +391,7 @@ def _graph_view(
             if full is not None:
                 log.info("capture: %s: exported blocks 0, 1, %d of %d identical blocks", model_name,
                          proxy.num_blocks - 1, proxy.num_blocks)
-                return full, _Program(exported, proxy.module, proxy.proxy_name)
+                return full, _Program(exported, proxy.module, proxy.proxy_name, proxy)
             log.info("capture: %s: proxy graph failed the replication checks; exporting every block", model_name)
     view, exported = _export_view(model, example, names, dynamic, model_name)
     return view, _Program(exported, model, lambda name: name)

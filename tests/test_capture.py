@@ -337,6 +337,15 @@ def test_three_block_proxy_equals_full_export():
     assert ("embed", "blocks.4.attn") in proxied.edges  # RoPE tables feed every block
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("spec", ["gpt:tiny", "moe:tiny"])
+def test_three_block_proxy_measures_as_the_whole_model(spec):
+    """Saved activations and the backward's working set measured on the proxy (blocks 0, 1, L−1; the middle
+    blocks take block 1's) equal the whole model's: a tied head and embedding, a routed MoE."""
+    model = build(spec, device="meta", dtype=torch.bfloat16, num_layers=6)
+    assert capture(model, seq_lens=(16, 32)) == capture(model, seq_lens=(16, 32), export_all_blocks=True)
+
+
 def test_proxy_refused_for_non_uniform_blocks():
     from autoshard.passes._capture_proxy import make_proxy
 
