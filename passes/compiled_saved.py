@@ -90,7 +90,7 @@ def saved_by_layer(forward: torch.fx.GraphModule, layer_of: Callable[[str], str 
 
 
 def compiled_saved_scale(model: nn.Module, graph: ModelGraph, seq_len: int, micro_batch: int = 1,
-                         example_inputs: tuple | None = None) -> float:
+                         example_inputs: tuple | None = None, decompositions: dict | None = None) -> float:
     """Min-cut over default saved bytes of ``graph``'s block layers in one step of ``model`` (module docstring).
 
     ``model`` on any device: a model holding data is traced through its meta twin (nothing runs
@@ -126,13 +126,15 @@ def compiled_saved_scale(model: nn.Module, graph: ModelGraph, seq_len: int, micr
 
     from torch._inductor.decomposition import select_decomp_table
 
+    what_if = decompositions is not None
     backend = aot_autograd(fw_compiler=lambda gm, _inputs: gm.forward, bw_compiler=lambda gm, _inputs: gm.forward,
-                           partition_fn=partition, decompositions=select_decomp_table())
+                           partition_fn=partition,
+                           decompositions=decompositions if what_if else select_decomp_table())
     if any(not p.is_meta for p in model.parameters()):
         model = meta_twin(model)
     inputs = tuple(t.to("meta") if isinstance(t, torch.Tensor) else t for t in example_inputs) if example_inputs \
         else (torch.zeros(micro_batch, seq_len, dtype=torch.long, device="meta"),)
-    key = structure_key(model, inputs, blocks, embeddings)
+    key = None if what_if else structure_key(model, inputs, blocks, embeddings)
     if key in _SCALES:
         return _SCALES[key]
 

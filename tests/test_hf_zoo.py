@@ -184,22 +184,18 @@ def test_benchmark_search_plans_the_zoo_data_parallel(caplog):
 
 
 @pytest.mark.slow
-def test_compiled_saved_scale_traces_as_inductor_decomposes(monkeypatch):
+def test_compiled_saved_scale_traces_as_inductor_decomposes():
     """``passes/compiled_saved.py`` traces with inductor's decompositions: a LayerNorm (GPT-2, Phi) becomes
     reductions and elementwise ops that min-cut recomputes, so its output is not saved; kept whole (no
     decompositions) it is, and the scale comes out ~0.14 higher (GPU: GPT-2 774M's peak was over-predicted
     by 13-16% that way). An RMSNorm written as elementwise ops (Llama) is recomputed either way."""
-    import torch._inductor.decomposition as decomposition
-
     from autoshard.passes.compiled_saved import compiled_saved_scale
 
     scales = {}
     for spec in ("hf-gpt2:tiny", "hf-llama:tiny"):
         model = hf_zoo.build_hf_policy(spec, device="meta", dtype=torch.bfloat16)
         graph = capture(model, name=spec, seq_lens=(SEQ, 2 * SEQ))
-        with monkeypatch.context() as patch:
-            patch.setattr(decomposition, "select_decomp_table", lambda: {})
-            whole = compiled_saved_scale(model, graph, 2 * SEQ, MICRO)
+        whole = compiled_saved_scale(model, graph, 2 * SEQ, MICRO, decompositions={})
         scales[spec] = (compiled_saved_scale(model, graph, 2 * SEQ, MICRO), whole)
     decomposed, whole = scales["hf-gpt2:tiny"]
     assert decomposed < whole - 0.05, scales
