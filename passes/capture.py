@@ -89,6 +89,10 @@ for a grouped-GEMM runtime.
 
 Both export and measurement run with the model in training mode (dropout
 active), the mode of a PPO update.
+
+A model captured before with the same structure, code, inputs and options (by another process
+too) is read from the capture cache instead (``_capture_cache``: its key, its folder, and
+``AUTOSHARD_EXPORT_CACHE=0`` to turn it off).
 """
 
 from __future__ import annotations
@@ -108,6 +112,7 @@ from torch import nn
 from autoshard.errors import CaptureError
 from autoshard.graph import LayerInfo, ModelGraph, OpCoverage
 from autoshard.models import build
+from autoshard.passes import _capture_cache
 from autoshard.passes._capture_blocks import recognise_layers
 from autoshard.passes._capture_costs import MATMUL_OPS
 from autoshard.passes._capture_export import Accum, Exported, GraphView, edges, export, price
@@ -178,6 +183,19 @@ def capture(
     """
     model_name = name or type(model).__name__
     step = _steps_reporter(progress, f"capture {model_name}")
+    key = _capture_cache.capture_key(model, example_inputs, (model_name, seq_lens, batch, dynamic, export_all_blocks))
+    cached = _capture_cache.load(key)
+    if cached is not None:
+        step(3, f"{len(cached.layers)} layers (cached)")
+        return cached
+    graph = _capture(model, example_inputs, model_name, seq_lens, batch, dynamic, export_all_blocks, step)
+    _capture_cache.store(key, graph)
+    return graph
+
+
+def _capture(model: nn.Module, example_inputs: tuple | dict | None, model_name: str, seq_lens: tuple[int, int] | None,
+             batch: int, dynamic: bool, export_all_blocks: bool, step: Callable[[int, str], None]) -> ModelGraph:
+    """``capture`` without its cache (``_capture_cache``)."""
     layers = find_layers(model)
     hidden, vocab = model_hidden_vocab(model, layers)
     example = _Example.make(model, example_inputs, seq_lens, batch)
