@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -48,17 +50,25 @@ def test_a_second_capture_reads_the_first_and_equals_it(cache, monkeypatch):
     assert calls == ["gpt:tiny"] and again == first and len(list(cache.glob("*.pkl"))) == 1
 
 
-def test_options_inputs_and_structure_are_in_the_key(cache, monkeypatch):
-    calls = _counting(monkeypatch)
-    capture_module.capture(build("gpt:tiny", device="meta"), name="gpt:tiny", seq_lens=(8, 16))
-    capture_module.capture(build("gpt:tiny", device="meta"), name="gpt:tiny", seq_lens=(8, 32))  # option
-    capture_module.capture(build("gpt:tiny", device="meta"), name="other", seq_lens=(8, 16))  # name
-    capture_module.capture(build("gpt:tiny", device="meta", num_layers=3), name="gpt:tiny", seq_lens=(8, 16))
-    capture_module.capture(build("gpt:tiny", device="meta", dtype=torch.bfloat16), name="gpt:tiny", seq_lens=(8, 16))
+def _key(model, example_inputs=None, name="gpt:tiny", seq_lens=(8, 16)):
+    return _capture_cache.capture_key(model, example_inputs, (name, seq_lens, 2, True, False))  # capture's options
+
+
+def test_options_inputs_and_structure_are_in_the_key(cache):
     tokens = torch.zeros(2, 16, dtype=torch.long)
-    capture_module.capture(build("gpt:tiny", device="meta"), (tokens,), name="gpt:tiny")
-    capture_module.capture(build("gpt:tiny", device="meta"), (tokens[:, :12],), name="gpt:tiny")  # input shape
-    assert len(calls) == 7
+    keys = [
+        _key(build("gpt:tiny", device="meta")),
+        _key(build("gpt:tiny", device="meta"), seq_lens=(8, 32)),  # an option
+        _key(build("gpt:tiny", device="meta"), name="other"),  # the name
+        _key(build("gpt:tiny", device="meta", num_layers=3)),  # structure
+        _key(build("gpt:tiny", device="meta", dtype=torch.bfloat16)),  # dtype
+        _key(build("gpt:tiny", device="cpu")),  # the parameters' device
+        _key(build("gpt:tiny", device="meta"), (tokens,)),
+        _key(build("gpt:tiny", device="meta"), (tokens[:, :12],)),  # an input's shape
+        _key(build("llama:tiny", device="meta")),  # another class
+    ]
+    assert None not in keys and len(set(keys)) == len(keys)
+    assert _key(build("gpt:tiny", device="meta")) == keys[0]  # a second build of the same model: the same key
 
 
 def _module_from(path: Path, source: str, name: str):
@@ -111,34 +121,31 @@ def test_an_edit_of_the_model_file_is_a_new_key_and_sourceless_classes_get_none(
 def test_off_switch_and_a_damaged_entry(cache, monkeypatch):
     calls = _counting(monkeypatch)
     model = build("gpt:tiny", device="meta")
-    key = _capture_cache.capture_key(model, None, ("gpt:tiny", (8, 16), 2, True, False))
-    capture_module.capture(model, name="gpt:tiny", seq_lens=(8, 16))
+    key = _key(model)
+    (cache).mkdir(parents=True)
     (cache / f"{key}.pkl").write_bytes(b"not a pickle")
-    capture_module.capture(model, name="gpt:tiny", seq_lens=(8, 16))  # unreadable: captured again, rewritten
-    capture_module.capture(model, name="gpt:tiny", seq_lens=(8, 16))  # read
+    graph = capture_module.capture(model, name="gpt:tiny", seq_lens=(8, 16))  # unreadable: captured, rewritten
+    assert calls == ["gpt:tiny"] and _capture_cache.load(key) == graph
     monkeypatch.setenv("AUTOSHARD_EXPORT_CACHE", "0")
-    assert _capture_cache.capture_key(model, None, ("x",)) is None
-    capture_module.capture(model, name="gpt:tiny", seq_lens=(8, 16))
-    assert len(calls) == 3
+    assert _key(model) is None and _capture_cache.cache_dir() is None
 
 
 @pytest.mark.slow
 def test_another_process_reads_the_entry(cache):
-    """A fresh interpreter (another hash seed, other object ids) forms the same key and reads the graph."""
+    """A fresh interpreter (another hash seed, other object ids) forms this process's key and reads its graph."""
     program = textwrap.dedent("""
-        import importlib
+        import hashlib, importlib, json
         from autoshard.models import build
         c = importlib.import_module("autoshard.passes.capture")
         calls = []
         real = c._capture
         c._capture = lambda *a, **k: calls.append(1) or real(*a, **k)
         graph = c.capture(build("llama:tiny", device="meta"), name="llama:tiny", seq_lens=(8, 16))
-        print(len(calls), graph.fingerprint())
+        print(len(calls), hashlib.sha256(json.dumps(graph.to_dict(), sort_keys=True).encode()).hexdigest())
     """)
-    env = {**os.environ, "PYTHONHASHSEED": "random"}
-    runs = [subprocess.run([sys.executable, "-c", program], cwd=REPO, env=env, capture_output=True, text=True,
-                           timeout=300) for _ in range(2)]
-    for run in runs:
-        assert run.returncode == 0, run.stderr[-2000:]
-    (first_calls, first), (second_calls, second) = (run.stdout.split()[-2:] for run in runs)
-    assert (first_calls, second_calls) == ("1", "0") and first == second
+    graph = capture_module.capture(build("llama:tiny", device="meta"), name="llama:tiny", seq_lens=(8, 16))
+    env = {**os.environ, "PYTHONHASHSEED": "random"}  # the fixture's AUTOSHARD_CACHE_DIR among it
+    run = subprocess.run([sys.executable, "-c", program], cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-2000:]
+    whole = hashlib.sha256(json.dumps(graph.to_dict(), sort_keys=True).encode()).hexdigest()  # every field
+    assert run.stdout.split()[-2:] == ["0", whole]
