@@ -32,6 +32,7 @@ def test_two_linears_hold_their_activation_gradients():
     assert 0.0 <= found["1"].param_fraction <= 1.0
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_identical_blocks_share_one_working_set():
     """Capture gives structurally identical layers one price (the largest member's), and a dropless MoE's
     weight-shaped copy is the fixed part, not a per-token one."""

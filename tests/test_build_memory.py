@@ -114,6 +114,7 @@ def llama_tiny() -> ModelGraph:
 
 
 @pytest.mark.parametrize("case", sorted(HAND))
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_build_peak_of_llama_tiny_by_hand(llama_tiny, case):
     graph = llama_tiny
     assert graph.param_count == PSI

@@ -51,6 +51,7 @@ def test_probe_times_every_distinct_layer_at_each_size(probed):
     assert {layer_signature(l) for l in graph} == {s["signature"] for s in samples}
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_cost_model_uses_measured_times_and_falls_back(probed):
     samples, cluster, graph = probed
     attn = next(l for l in graph if l.kind == "attention")
@@ -72,6 +73,7 @@ def test_cost_model_uses_measured_times_and_falls_back(probed):
     assert opt.detail["optimizer_hbm_s"] == pytest.approx(attn.param_count * 1e-9)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_tp_probe_is_used_for_megatron_layers(probed):
     _, cluster, graph = probed
     mlp = next(l for l in graph if l.kind == "mlp")
@@ -238,6 +240,7 @@ def _with_scale(scale, model="llama:tiny"):
                          "compiled_saved_scale": scale}})
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_compiled_scale_applies_to_block_activations_of_compiled_plans_only():
     graph = capture_reference("llama:tiny", seq_lens=(SEQ // 2, SEQ), dtype=torch.bfloat16)
     train = TrainSpec(global_batch=4, seq_len=SEQ, precision="bf16", micro_batch=2)

@@ -133,6 +133,7 @@ def test_llama_style_block_grouped_query_rope_swiglu():
     assert (wk.num_heads, wk.num_kv_heads, w2.ffn_hidden) == (4, 2, 128)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_deep_stack_through_the_three_block_proxy():
     deep = capture(NanoPolicy(layers=7), seq_lens=(8, 16))  # exported as blocks 0, 1, 6 (_capture_proxy)
     full = capture(NanoPolicy(layers=7), seq_lens=(8, 16), export_all_blocks=True)

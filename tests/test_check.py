@@ -124,6 +124,7 @@ def tiny():
     return model, capture(model, seq_lens=(8, 16))
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_zero3_plan_matches_and_fits(tiny):
     from autoshard.plan import LayerStrategy, Plan, Schedule
     from autoshard.check import check_plan
@@ -174,6 +175,7 @@ def test_recomputed_regions_priced_as_their_backward_holds_them(family, micro_ba
 
 
 @pytest.mark.parametrize("seed", [3, 4])
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_searched_plans_match_and_fit(seed):
     """Property sample (seeded): a random model, cluster and pin; the searched plan's roles match and no role
     holds more than its predicted memory."""
@@ -187,6 +189,7 @@ def test_searched_plans_match_and_fit(seed):
     assert row["memory_within_tolerance"], row
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_meta_attention_runs_the_device_kernel(tiny, monkeypatch):
     """On meta, SDPA takes the math path ([b, a, s, s] fp32 scores, their softmax and its gradient) where a CPU or
     CUDA device runs a fused kernel; the check points the program's SDPA nodes at the fused op (checkpoint
@@ -220,6 +223,7 @@ def test_meta_attention_runs_the_device_kernel(tiny, monkeypatch):
     assert math.memory_overflow and math.roles[0].step_bytes > 1.5 * report.roles[0].step_bytes, math.table()
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_zero3_dim0_chunks_priced_as_the_first_rank_holds_them():
     """ZeRO-3 cuts dim 0 by ``torch.chunk``: 4 experts over 17 ranks put one whole expert on the first rank (and
     a gathered buffer of 17), not 4/17 of one. The cost model prices the first rank's ⌈d₀/N⌉ rows (a random
@@ -252,6 +256,7 @@ def test_zero3_dim0_chunks_priced_as_the_first_rank_holds_them():
     assert wide.memory.params == 2 * sum(p.numel for p in moe.params) / 2  # d₀ divisible: ψ/N as before
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_hugging_face_model_with_buffers_checks():
     """A Hugging Face Llama (random weights, rotary ``inv_freq`` buffers) built on meta: ``check`` copies no
     buffer values (there are none on meta) and its two pipeline stages match and fit."""

@@ -136,6 +136,7 @@ def test_unknown_model_is_one_line(capsys):
     _assert_one_line_error(*_run(capsys, "capture", "no-such-model:huge"), "no-such-model")
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_capture_smallest_model(capsys):
     from autoshard.models import list_models
 

@@ -247,6 +247,7 @@ def test_plan_flags_that_cannot_apply_to_a_reused_plan(capsys, gpt_plans):
     assert "skips the search" in line and "--pin, --mesh" in line
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_bad_explain_and_diff_input_is_one_line(capsys, gpt_plans, tmp_path):
     path = gpt_plans["h100-sxm:1x8"]
     line = _one_line_error(capsys, "explain", str(path), "--layer", "blocks.9.attn")

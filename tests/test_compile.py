@@ -59,6 +59,7 @@ def no_search(monkeypatch):
     monkeypatch.setattr(search, "solve", refuse)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_plan_mode_captures_and_searches(compiled):
     assert isinstance(compiled, autoshard.Compiled) and compiled.program is None
     assert compiled.train == TRAIN and compiled.cluster.world_size == 8
@@ -105,12 +106,14 @@ def test_mismatched_plan_is_refused(gpt, compiled, tmp_path, no_search):
         autoshard.compile(gpt, 8)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_recorded_cluster_rebuilds_with_the_same_fingerprint(compiled):
     rebuilt = cluster_of(compiled.plan)
     assert rebuilt.fingerprint() == compiled.cluster.fingerprint()
     compiled.plan.check_compatible(graph=compiled.graph, cluster=rebuilt)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_under_a_process_group_every_rank_builds_its_program(gpt, compiled, monkeypatch, no_search):
     import torch.distributed as dist
 

@@ -215,6 +215,7 @@ def captured_gpt() -> ModelGraph:
     return capture.capture_reference("gpt:125m", dropout=0.1, attn_impl="math")
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_korthikanti_table2_real_capture(captured_gpt):
     graph = captured_gpt
     block = [layer for layer in graph if layer.block == 0]
@@ -547,6 +548,7 @@ def test_predict_refuses_inconsistent_batch_and_layers():
         predict(graph, short, make_cluster(1), TrainSpec(global_batch=2, seq_len=8))
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_predict_on_captured_model(captured_gpt):
     graph = captured_gpt
     cluster, train = Cluster.preset("h100-sxm", nodes=1), TrainSpec(global_batch=8, seq_len=1024)

@@ -20,6 +20,7 @@ def _code(spec: str, dtype=torch.float32, model=None) -> str:
     return gm.code
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_second_export_of_a_structure_is_a_copy_of_the_first(monkeypatch):
     export_cache.clear()
     with fake_world(2):
@@ -38,6 +39,7 @@ def test_second_export_of_a_structure_is_a_copy_of_the_first(monkeypatch):
         assert export_cache.stats.uncached == 1 and export_cache.stats.hits == 1
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_a_changed_attribute_or_unpicklable_model_is_not_a_hit():
     export_cache.clear()
     with fake_world(2):

@@ -105,6 +105,7 @@ def test_repeat_kv_literals_become_local_head_counts():
     assert any(shape[1] == 2 for shape in reshapes) and all(shape[1] in (2, -1) for shape in reshapes)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_gpt2_conv1d_is_split_on_its_transposed_dims_and_c_attn_per_head():
     from torch.distributed.tensor.placement_types import _StridedShard
 

@@ -85,6 +85,7 @@ def test_init_follows_hf_rules(spec):
 
 
 @pytest.mark.parametrize("spec", TINY)
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_capture_finds_the_layers_and_prices_every_op(spec):
     graph = graph_of(spec)
     kinds = [layer.kind for layer in graph.layers]
@@ -158,6 +159,7 @@ def test_data_parallel_matches_single_device(dp_results, name):
     check_against_reference(dp_results[name], _single_device(spec), Mesh(dp_shard=2), rtol=1e-5, atol=2e-6)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_mixtral_grouped_mm_experts_capture_in_bf16():
     """What GPUs run (``hf-mixtral:1.5b``): HF's ``grouped_mm`` experts; torch's meta kernel of
     ``_grouped_mm`` takes bf16 only, so the capture is bf16; its grouped matmuls are priced as matmuls."""
@@ -169,6 +171,7 @@ def test_mixtral_grouped_mm_experts_capture_in_bf16():
     assert moe.matmul_flops_per_token >= 2 * 2 * 3 * 64 * 128  # top-2 experts, gate + up + down
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_benchmark_search_plans_the_zoo_data_parallel(caplog):
     """``baselines/plans.py`` pins tp = 1 for hf-* specs: the best plan and every forced variant (tp2 skipped)."""
     from autoshard.cluster import Cluster

@@ -65,6 +65,7 @@ class _FlakyPasses:
         return make_boxed_func(gm.forward)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_forward_and_backward_compile_again_without_the_passes_and_train_the_same():
     torch._dynamo.reset()
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.GELU(), torch.nn.Linear(16, 4))
@@ -92,6 +93,7 @@ def test_forward_and_backward_compile_again_without_the_passes_and_train_the_sam
     assert torch._inductor.config.get_config_copy().get(OVERLAP) is False  # the patch did not leak
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_other_failures_are_raised_and_passes_off_compiles_once():
     torch._dynamo.reset()
     model = torch.nn.Linear(4, 4)

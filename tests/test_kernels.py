@@ -116,6 +116,7 @@ PAIR_CONFIGS = {"pairs": dict(variant="pairs", elems=1024, num_warps=4, stream=T
 @needs_triton
 @pytest.mark.parametrize("qdtype", QDTYPES)
 @pytest.mark.parametrize("config", sorted(PAIR_CONFIGS))
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_pair_word_kernels_match_reference_bit_exact(qdtype, config):
     # every input dtype; an even layout (pair-word kernels) and an odd shard (tile fallback)
     from autoshard.kernels import triton_kernels as tk

@@ -144,6 +144,7 @@ def test_bench_defaults():
     assert args.weights_dir == Path("/tmp/autoshard_materialize/hf-llama_7b")
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_plan_fields_runs_and_counts(tiny_graph):
     from autoshard.plan import Mesh
     from benchmarks.baselines.autoshard_trainer import uniform_plan

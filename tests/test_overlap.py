@@ -268,6 +268,7 @@ def test_prefetch_zero_and_quantized_layers_keep_blocking_gathers():
     assert mixed.get_submodule(blocking[0].target).spec.qdtype == "int8"
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_rewritten_graph_exports_with_fake_kernels():
     with fake_world(2, 0):
         gm = _program(GPT, 1).gm

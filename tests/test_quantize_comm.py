@@ -292,6 +292,7 @@ def test_pass_records_and_grad_comm_map():
     assert {s.grad_comm for fqn, s in program.optimizer.slots.items() if fqn in expected} == {"int4"}
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_gathers_inside_checkpoint_regions_are_quantized():
     """recompute='full' outlines the layers' gathers into region bodies; the pass rewrites them there too."""
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda l: {"state": "zero3", "weight_comm": "int8",
@@ -318,6 +319,7 @@ def test_unsupported_combinations_are_plan_errors(fields, match):
         quantize_comm.check_strategy(LayerStrategy(layer="blocks.0.attn", **fields))
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_unquantized_plan_is_left_alone():
     plan = make_plan(GPT, Mesh(dp_shard=2), lambda _l: {"state": "zero3", "grad_comm": "bf16"})
     with fake_world(2, 0):

@@ -48,6 +48,7 @@ def one_stage(graph):
 
 
 @pytest.mark.parametrize("fixture", ["one_stage", "pipelined"])
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_memory_timeline_peaks_are_the_predictions(request, graph, fixture):
     plan, cluster, train = request.getfixturevalue(fixture)
     layout = lay_out_step(graph, plan, cluster, train)

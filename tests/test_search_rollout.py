@@ -113,6 +113,7 @@ def _cluster(memory_gib: float = 80):
     return dataclasses.replace(cluster, device=dataclasses.replace(cluster.device, memory_bytes=int(memory_gib * 2**30)))
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_refusals(tiny):
     _, graph = tiny
     assert R.rollout_refusal(graph, 2) is None

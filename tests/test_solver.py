@@ -316,6 +316,7 @@ def llama13b_two_nodes():
     return graph, synthetic_cluster("h100-sxm", 2), TrainSpec(global_batch=256, seq_len=2048)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_textbook_states_that_do_not_fit_replicated_are_sharded(llama13b_two_nodes):
     graph, cluster, train = llama13b_two_nodes
     assert 16 * graph.param_count > cluster.device.memory_bytes  # replicated model states cannot fit
@@ -343,6 +344,7 @@ def test_textbook_layer_too_large_for_one_gpu_uses_tp_inside_node():
     assert {s.tp for s in _blocks(plan, ".mlp")} == {"megatron"}
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_textbook_moe_uses_expert_parallelism():
     # 16 Mixtral blocks on 8 H100: without EP the experts' bf16 weights alone (~45 GB) need ZeRO-3, which
     # gathers every expert again each micro-batch; EP holds one expert per rank (whole states, the form the

@@ -48,6 +48,7 @@ def test_decode_graph_replays_the_eager_step():
             torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_compiled_decode_step_equals_the_eager_step_and_falls_back():
     """``decode_step`` compiled (aot_eager here: the same dynamo trace as inductor, no code generation) gives the
     eager step's logits and cache writes; a backend that fails leaves the eager step (``warmed_step``)."""

@@ -44,6 +44,7 @@ def _refusal(plan: Plan, graph) -> str:
 
 
 @pytest.mark.parametrize("family", ["Llama", "Qwen2"])
+@pytest.mark.slow  # over ~3 s: not in make test-fast
 def test_mqa_forced_to_tp2_is_refused_naming_the_layer(family):
     graph = capture(_hf(family, kv_heads=1), seq_lens=(8, 16))
     message = _refusal(_tp_plan(graph, Mesh(tp=2)), graph)
