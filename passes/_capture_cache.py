@@ -27,7 +27,7 @@ source file (defined in ``exec`` or a notebook cell) and a twin that does not pi
 ``capture/``. ``AUTOSHARD_EXPORT_CACHE=0`` turns this off with the per-process caches. Entries are
 written to a temporary name and renamed, so concurrent ranks never read half a file; an entry that
 does not unpickle is ignored (and overwritten by the next capture). Nothing is ever evicted: an
-entry is a few kB per layer.
+entry is under 1 kB per layer (6 kB for the 12 layers of `llama:tiny`).
 """
 
 from __future__ import annotations
