@@ -28,6 +28,8 @@ source file (defined in ``exec`` or a notebook cell) and a twin that does not pi
 written to a temporary name and renamed, so concurrent ranks never read half a file; an entry that
 does not unpickle is ignored (and overwritten by the next capture). Nothing is ever evicted: an
 entry is under 1 kB per layer (6 kB for the 12 layers of `llama:tiny`).
+Entries are pickles, so the folder is trusted as the code is (as inductor's cache is): do not point
+``AUTOSHARD_CACHE_DIR`` at a folder that others can write.
 """
 
 from __future__ import annotations
