@@ -32,7 +32,7 @@ from torch import nn
 from autoshard.passes._graph_utils import STRUCTURE_CACHE_ENV, structure_key
 
 ENV = STRUCTURE_CACHE_ENV
-CACHE_SIZE = 8
+CACHE_SIZE = 16  # graphs of meta twins (no weights); the test ranks' forkserver primes 9 (tests/_export_warm.py)
 
 
 @dataclass

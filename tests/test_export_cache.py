@@ -59,14 +59,19 @@ def _first_build_stats(rank, world_size):
     from autoshard.runtime import build_program
     from autoshard.train import TrainSpec
 
+    primed = (len(export_cache._CACHE), export_cache.stats.misses)
     before = (export_cache.stats.hits, export_cache.stats.misses)
     plan = make_plan("llama:tiny", Mesh(dp_shard=2), lambda _layer: {"state": "zero3"})
-    build_program(build("llama:tiny"), graph_of("llama:tiny"), plan, TrainSpec(global_batch=8, seq_len=8))
-    return before, (export_cache.stats.hits, export_cache.stats.misses)
+    for precision in ("fp32", "bf16"):
+        build_program(build("llama:tiny"), graph_of("llama:tiny"), plan,
+                      TrainSpec(global_batch=8, seq_len=8, precision=precision))
+    return primed, before, (export_cache.stats.hits, export_cache.stats.misses)
 
 
 @pytest.mark.slow
 def test_gloo_ranks_find_the_reference_models_exported_by_the_server():
-    """``tests/_export_warm.py`` exports llama:tiny in the forkserver: a rank's first build is a cache hit."""
-    for before, after in run_gloo(_first_build_stats, 2):
-        assert before[1] == after[1] and after[0] == before[0] + 1
+    """``tests/_export_warm.py`` exports the reference models in the forkserver and the cache keeps every one
+    (none evicted): a rank's first builds of llama:tiny in fp32 and bf16 are cache hits."""
+    for (kept, exported), before, after in run_gloo(_first_build_stats, 2):
+        assert kept == exported > 0
+        assert before[1] == after[1] and after[0] == before[0] + 2
