@@ -185,12 +185,15 @@ def capture(
     step = _steps_reporter(progress, f"capture {model_name}")
     key = _capture_cache.capture_key(model, example_inputs, (model_name, seq_lens, batch, dynamic, export_all_blocks))
     cached = _capture_cache.load(key)
-    if cached is not None:
-        step(3, f"{len(cached.layers)} layers (cached)")
-        return cached
-    graph = _capture(model, example_inputs, model_name, seq_lens, batch, dynamic, export_all_blocks, step)
-    _capture_cache.store(key, graph)
-    return graph
+    if cached is None:
+        with _capture_cache.locked(key):  # ranks capturing this model now wait for one (note "one process traces")
+            cached = _capture_cache.load(key)
+            if cached is None:
+                graph = _capture(model, example_inputs, model_name, seq_lens, batch, dynamic, export_all_blocks, step)
+                _capture_cache.store(key, graph)
+                return graph
+    step(3, f"{len(cached.layers)} layers (cached)")
+    return cached
 
 
 def _capture(model: nn.Module, example_inputs: tuple | dict | None, model_name: str, seq_lens: tuple[int, int] | None,

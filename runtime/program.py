@@ -533,9 +533,9 @@ def _exported_graph(model: nn.Module, compute_dtype: torch.dtype, inputs: ModelI
     seq = min(8, getattr(getattr(model, "config", None), "max_seq_len", 8))
     args, kwargs, shapes = inputs.export_call(2, seq)
 
-    def export() -> torch.fx.GraphModule:
+    def export() -> torch.export.ExportedProgram:
         with registering_output_dataclasses(twin):  # a graph captured in another process: register them here too
-            return torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False).module()
+            return torch.export.export(twin, args, kwargs, dynamic_shapes=shapes, strict=False)
 
     return cached_export(twin, args, kwargs, shapes, export)
 

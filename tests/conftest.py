@@ -9,7 +9,9 @@ many short ones fill the end, so one worker does not run a long file alone while
 Capture cache: a run of the suite starts with an empty one of its own (``AUTOSHARD_CACHE_DIR``, a new
 temporary folder unless set), shared by the xdist workers, their spawned ranks and CLI subprocesses,
 which inherit the environment. A developer's ``~/.cache/autoshard`` is never read, and CI's cold start
-is what every run sees.
+is what every run sees. The runtime's exports are kept there too (``AUTOSHARD_EXPORT_CACHE=disk``,
+``runtime/export_cache.py`` note "on disk"): the ranks of a job, and later jobs, load the program one
+of them exported.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import tempfile
 import pytest
 
 _CACHE_ENV = "AUTOSHARD_CACHE_DIR"
+_EXPORT_ENV = "AUTOSHARD_EXPORT_CACHE"
 _OWN_CACHE = "_autoshard_test_cache"
 
 
@@ -28,6 +31,7 @@ def pytest_configure(config: pytest.Config) -> None:
     if _CACHE_ENV not in os.environ:  # the controller sets it before it starts the xdist workers
         os.environ[_CACHE_ENV] = tempfile.mkdtemp(prefix="autoshard-test-cache-")
         setattr(config, _OWN_CACHE, os.environ[_CACHE_ENV])
+    os.environ.setdefault(_EXPORT_ENV, "disk")
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

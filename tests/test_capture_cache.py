@@ -149,3 +149,25 @@ def test_another_process_reads_the_entry(cache):
     assert run.returncode == 0, run.stderr[-2000:]
     whole = hashlib.sha256(json.dumps(graph.to_dict(), sort_keys=True).encode()).hexdigest()  # every field
     assert run.stdout.split()[-2:] == ["0", whole]
+
+
+def test_a_process_waiting_on_the_lock_reads_the_entry_instead_of_capturing(cache, monkeypatch):
+    """Note "one process traces": while one holds a key's lock, another capture of that model waits, then
+    reads what the first wrote (here a stand-in graph: had the waiter captured, it would return its own)."""
+    import dataclasses
+    import threading
+
+    calls = _counting(monkeypatch)
+    model = build("gpt:tiny", device="meta")
+    key = _key(model)
+    stand_in = dataclasses.replace(capture_module.capture(model, name="other", seq_lens=(8, 16)), model_name="written")
+    calls.clear()
+    got = []
+    with _capture_cache.locked(key):
+        waiter = threading.Thread(target=lambda: got.append(capture_module.capture(model, name="gpt:tiny", seq_lens=(8, 16))))
+        waiter.start()
+        waiter.join(timeout=1.0)
+        assert waiter.is_alive() and not got  # blocked on the lock, not capturing
+        _capture_cache.store(key, stand_in)
+    waiter.join(timeout=60)
+    assert got == [stand_in] and calls == []
