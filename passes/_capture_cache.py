@@ -32,10 +32,11 @@ the others wait, then read it. A process that dies releases its lock with its fi
 
 [Note: where]
 ``AUTOSHARD_CACHE_DIR`` (default ``$XDG_CACHE_HOME/autoshard``, else ``~/.cache/autoshard``), folder
-``capture/`` (``export/`` for the runtime's exports). ``AUTOSHARD_EXPORT_CACHE=0`` turns this off with the per-process caches. Entries are
-written to a temporary name and renamed, so concurrent ranks never read half a file; an entry that
-does not unpickle is ignored (and overwritten by the next capture). Nothing is ever evicted: an
-entry is under 1 kB per layer (6 kB for the 12 layers of `llama:tiny`).
+``capture/`` (``export/`` for the runtime's exports). ``AUTOSHARD_EXPORT_CACHE=0`` turns this off
+with the per-process caches. Entries are written to a temporary name and renamed, so concurrent
+ranks never read half a file; an entry that does not read back is ignored (and overwritten by the
+next trace). Nothing is ever evicted: a capture entry is under 1 kB per layer (6 kB for the 12
+layers of `llama:tiny`), an export entry the saved program (265 kB for `llama:tiny`).
 Entries are pickles, so the folder is trusted as the code is (as inductor's cache is): do not point
 ``AUTOSHARD_CACHE_DIR`` at a folder that others can write.
 """

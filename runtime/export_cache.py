@@ -106,8 +106,9 @@ def on_disk() -> bool:
 
 def _from_disk_or_export(twin: nn.Module, args: tuple, kwargs: dict, dynamic_shapes: Any,
                          export: Callable[[], torch.export.ExportedProgram]) -> torch.fx.GraphModule:
-    tied = _has_aliases(twin)  # a reloaded program unties them (note "on disk"): exported, never saved
-    key = _capture_cache.model_key(twin, "export", args, kwargs, dynamic_shapes) if on_disk() and not tied else None
+    key = None  # tied tensors: a reloaded program unties them (note "on disk"), so they are never saved
+    if on_disk() and not _has_aliases(twin):
+        key = _capture_cache.model_key(twin, "export", args, kwargs, dynamic_shapes)
     with _capture_cache.locked(key, "export"):
         gm = _load(key)
         if gm is not None:
