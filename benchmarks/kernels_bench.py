@@ -401,7 +401,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if args.smoke:
-        args.sizes, args.gather_bytes, args.iters = [1 << 16], 1 << 17, 2
+        args.sizes, args.gather_bytes, args.iters = [1 << 14], 1 << 15, 2
     if triton_kernels() is None or not (device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"):
         sys.exit("kernels_bench needs a CUDA device, or TRITON_INTERPRET=1 with --smoke on CPU")
     import triton

@@ -61,11 +61,18 @@ raises ``TimeoutError``. Start-up (interpreter, imports, the wait for every
 rank in the file store) has its own limit, ``_STARTUP_S``, so a short
 ``timeout_s`` cannot fail a slow start on a loaded machine. Nothing here can
 hang CI.
+
+[Note: where a job's time goes]
+With ``AUTOSHARD_TEST_CPU_LOG=FILE`` every rank appends one JSON line per case of a ``run_gloo_cases``
+job (the CPU seconds the case took on that rank) and one per finished job (the rank's CPU seconds since
+its fork), each with the pytest test that started the job. CPU time, not wall: two cores shared by two
+pytest workers and their ranks stretch every wall clock.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import pickle
 import queue
@@ -97,6 +104,7 @@ except ImportError:  # pragma: no cover - depends on the installed torch
 HAS_FAKE_PG = FakeStore is not None
 HAS_LOCAL_TENSOR = LocalTensorMode is not None
 
+CPU_LOG_ENV = "AUTOSHARD_TEST_CPU_LOG"  # note "where a job's time goes"
 _STARTUP_S = 180.0  # spawn + import torch + rendezvous, on two busy cores; a session's first job also waits
 # for the forkserver's preload (imports and ``_export_warm``: ~30 s on an idle core)
 _GRACE_S = 10.0  # lets gloo's own timeout error (more informative) arrive first
@@ -227,6 +235,7 @@ def _worker(rank, world_size, backend, init_file, timeout_s, results, parent, jo
         _join_world(rank, world_size, backend, init_file, timeout_s)
         results.put((rank, "ready", None))
         value = fn(rank, world_size, *args, **kwargs)
+        _log_cpu(rank, world_size, job=getattr(fn, "__name__", repr(fn)), cpu_s=time.process_time())
         results.put((rank, "ok", pickle.dumps(value)))
     except BaseException as exc:  # noqa: BLE001 - everything goes back to the parent
         text = f"rank {rank} of {world_size}:\n{traceback.format_exc()}"
@@ -420,12 +429,23 @@ class CaseFailedError(RuntimeError):
     """One named case of a ``run_gloo_cases`` job raised; the job stops there."""
 
 
+def _log_cpu(rank: int, world_size: int, **fields: Any) -> None:
+    """One line of note "where a job's time goes", when ``AUTOSHARD_TEST_CPU_LOG`` names a file."""
+    path = os.environ.get(CPU_LOG_ENV)
+    if path:
+        line = {"test": os.environ.get("PYTEST_CURRENT_TEST"), "rank": rank, "world": world_size, **fields}
+        with open(path, "a") as log:
+            log.write(json.dumps(line) + "\n")
+
+
 def _run_cases(rank: int, world_size: int, cases: Mapping[str, Callable[[int, int], Any]]) -> dict[str, Any]:
     """Child body of ``run_gloo_cases``: every case in order, in lockstep on every rank."""
     out = {}
     for name, case in cases.items():
         try:
+            start = time.process_time()
             out[name] = case(rank, world_size)
+            _log_cpu(rank, world_size, case=name, cpu_s=time.process_time() - start)
         except Exception as exc:
             # The other ranks may be blocked in this case's collectives: stop the job.
             raise CaseFailedError(f"case {name!r} failed on rank {rank}: {type(exc).__name__}: {exc}") from exc

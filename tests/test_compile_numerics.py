@@ -80,6 +80,7 @@ class Case:
     backends: tuple[str, ...] = ("aot_eager",)
     schedule: dict = dataclasses.field(default_factory=dict)  # Schedule fields replaced
     reference: bool = True  # compare with single-device training (False: quantized comm)
+    record: bool = False  # aot_eager through RecordGraphs: the compiled graphs' collectives come back too
 
     def plan(self):
         plan = make_plan(self.spec, self.mesh, self.choose)
@@ -88,7 +89,8 @@ class Case:
 
 ALL_CASES_4 = {
     # one micro-batch: the replica all-reduce is a backward graph node (traced_collectives note "HSDP in the graph")
-    "hsdp": Case(LLAMA, Mesh(dp_replicate=2, dp_shard=2), _uniform(state="zero3"), schedule={"num_micro_batches": 1}),
+    "hsdp": Case(LLAMA, Mesh(dp_replicate=2, dp_shard=2), _uniform(state="zero3"), schedule={"num_micro_batches": 1},
+                 record=True),
     "zero3_tp2": Case(LLAMA, Mesh(dp_shard=2, tp=2), _zero3_tp),
     "tp2_sp_zero3": Case(LLAMA, Mesh(dp_shard=2, tp=2), _uniform(state="zero3", tp="megatron", sp=True)),
 }
@@ -111,20 +113,34 @@ CASES_4 = sample(ALL_CASES_4, ("hsdp", "tp2_sp_zero3"))
 CASES_2 = sample(ALL_CASES_2, ("offload", "zero3_grad_int8", "zero3_micro2_prefetch1", "tied_zero3_gpt"))
 
 
-def _train(rank, world_size, spec, graph, plan, backend):
-    """``train_case`` with a compile backend (None: eager); losses, fp32 local shards, compile evidence."""
+def _train(rank, world_size, spec, graph, plan, backend, record=False):
+    """``train_case`` with a compile backend (None: eager); losses, fp32 local shards, compile evidence.
+
+    ``record`` (``backend="aot_eager"``): compile with ``RecordGraphs``, aot_eager's joint graph and min-cut
+    partition with the forward and backward graphs kept, and return their collectives as well."""
     from torch._dynamo.utils import counters
+
+    from _runtime_cases import RecordGraphs, functional_ops
+
+    from autoshard.passes._zero3 import Zero3Gather
 
     torch._dynamo.reset()
     counters.clear()
+    graphs = RecordGraphs() if record else None
     program = build_program(build(spec), graph, plan,
                             TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
                             options=BuildOptions(overlap_grad_sync=True, compile=backend is not None,
-                                                 backend=backend or "inductor"))
+                                                 backend=graphs.backend if record else backend or "inductor"))
     losses = [program.step(program.local_batch(toks), loss_fn).loss for toks in batches()]
-    return {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
-            "coords": program.ctx.coords, "compiled": program._run is not program.gm,
-            "regather": program.regather is not None, "graphs": counters["stats"]["unique_graphs"]}
+    out = {"losses": losses, "shards": program.local_state_dict(), "placements": program.param_placements,
+           "coords": program.ctx.coords, "compiled": program._run is not program.gm,
+           "regather": program.regather is not None, "graphs": counters["stats"]["unique_graphs"]}
+    if record:  # every region's graphs: the prologue's and the blocks'
+        out.update(forward=functional_ops(graphs.forward), backward=functional_ops(graphs.backward),
+                   layers=sum(isinstance(m, Zero3Gather) for m in program.gm.modules()),
+                   in_graph=sum(s.reduced_in_graph for s in program.optimizer.slots.values()),
+                   sharded=sum(p.dp_dim is not None for p in program.param_placements.values()))
+    return out
 
 
 def _jobs(cases):
@@ -134,7 +150,7 @@ def _jobs(cases):
         run = functools.partial(_train, spec=case.spec, graph=graph_of(case.spec), plan=case.plan())
         jobs[f"{name}/eager"] = functools.partial(run, backend=None)
         for backend in case.backends:
-            jobs[f"{name}/{backend}"] = functools.partial(run, backend=backend)
+            jobs[f"{name}/{backend}"] = functools.partial(run, backend=backend, record=case.record)
     return jobs
 
 
@@ -142,32 +158,13 @@ def _runs(cases):
     return [(name, backend) for name, case in cases.items() for backend in case.backends]
 
 
-def _hsdp_graphs(rank, world_size):
-    """Compiled HSDP, one micro-batch: the AOT forward/backward graphs' collectives and what the optimizer
-    takes as reduced."""
-    from _runtime_cases import RecordGraphs, functional_ops
-
-    from autoshard.passes._zero3 import Zero3Gather
-
-    graphs = RecordGraphs()
-    program = build_program(build(LLAMA), graph_of(LLAMA), ALL_CASES_4["hsdp"].plan(),
-                            TrainSpec(global_batch=BATCH, seq_len=SEQ, precision="fp32"), optimizer=OPT,
-                            options=BuildOptions(compile=True, backend=graphs.backend, regions="graph"))
-    program.forward(next(iter(batches())).chunk(world_size, 0)[0])[0].float().pow(2).mean().backward()
-    (fw,), (bw,) = graphs.forward, graphs.backward
-    return {"layers": sum(isinstance(m, Zero3Gather) for m in program.gm.modules()),
-            "forward": functional_ops(fw), "backward": functional_ops(bw),
-            "in_graph": sum(s.reduced_in_graph for s in program.optimizer.slots.values()),
-            "sharded": sum(p.dp_dim is not None for p in program.param_placements.values())}
-
-
 @pytest.fixture(scope="module")
 def results4():
-    return run_gloo_cases({**_jobs(CASES_4), "hsdp_graphs": _hsdp_graphs}, 4, timeout_s=600)
+    return run_gloo_cases(_jobs(CASES_4), 4, timeout_s=600)
 
 
 def test_hsdp_reduces_over_replicas_in_the_backward_graph(results4):
-    for r in results4["hsdp_graphs"]:
+    for r in results4["hsdp/aot_eager"]:
         assert "all_reduce" not in r["forward"]
         # per ZeRO-3 layer: a reduce-scatter over dp_shard, then an all-reduce over dp_replicate
         assert r["backward"].get("reduce_scatter_tensor") == r["backward"].get("all_reduce") == r["layers"] > 0

@@ -8,6 +8,7 @@ by a module-scoped fixture.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import time
@@ -20,6 +21,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Shard, distribute_tensor
 
 from _harness import (
+    CPU_LOG_ENV,
     CaseFailedError,
     RankFailedError,
     fake_world,
@@ -112,6 +114,27 @@ def _rank_1_skips_the_collective(rank: int, world_size: int) -> None:
 @pytest.mark.slow
 def test_run_gloo_world_2_all_reduce():
     assert run_gloo(_all_reduce_rank_plus_one, 2) == [[3.0, 3.0]] * 2
+
+
+def _spin(rank: int, world_size: int, seconds: float) -> int:
+    end = time.process_time() + seconds
+    while time.process_time() < end:
+        pass
+    return rank
+
+
+@pytest.mark.slow
+def test_cpu_log_has_a_line_per_case_and_per_job(tmp_path, monkeypatch):
+    """Note "where a job's time goes": the CPU each case took on each rank, and each rank's whole job."""
+    log = tmp_path / "cpu.jsonl"
+    monkeypatch.setenv(CPU_LOG_ENV, str(log))
+    run_gloo_cases({"short": functools.partial(_spin, seconds=0.0), "long": functools.partial(_spin, seconds=0.3)}, 2)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    cases = {(r["case"], r["rank"]): r["cpu_s"] for r in lines if "case" in r}
+    jobs = {r["rank"]: r["cpu_s"] for r in lines if "job" in r}
+    assert set(cases) == {(c, r) for c in ("short", "long") for r in (0, 1)} and set(jobs) == {0, 1}
+    assert all(cases["long", r] >= 0.3 > cases["short", r] and jobs[r] >= cases["long", r] for r in (0, 1))
+    assert all(r["world"] == 2 and "test_cpu_log_has_a_line" in r["test"] for r in lines)
 
 
 @pytest.mark.slow
